@@ -1,0 +1,491 @@
+"""Analytic cost model: predicted ms per generated token for offloaded decoding.
+
+Three modes (see `predict`):
+
+- ``autoregressive``: weights on the GPU(s) (tensor parallel over ``tp`` cards), the KV of
+  the first ``on_chip`` layers on the GPU, the rest in pinned host memory, streamed over
+  PCIe for every token; each GPU streams its share of KV heads over its own link.
+- ``deepspeed``: DeepSpeed-ZeRO-Inference with KV offload: one GPU holds the weights, the
+  host CPU computes attention reading the whole KV at host-memory speed.
+- ``triforce``: L0 small draft (streaming cache) -> L1 target weights + retrieval cache of
+  ``budget`` tokens -> L2 target over the full, offloaded cache.
+
+Assumptions (all stated, none fitted to the paper table):
+
+1. Decode kernels are roofline-bound: time = max(bytes / (HBM peak x ``hbm_eff``),
+   flops / tensor TFLOP/s). ``hbm_eff`` = 0.8 is a typical achieved fraction (assumption).
+2. A link copy of b bytes costs b / peak + ``copy_latency_us`` (10 us, an assumption for
+   cudaMemcpyAsync launch + DMA setup), so small transfer chunks waste link time. K and V
+   are separate copies. All links together are capped by host DRAM bandwidth.
+3. Transfers overlap compute, but the link can run ahead of compute only by the staging
+   buffers (2 x ``transfer_chunk`` tokens of one layer): compute of the on-chip layers
+   beyond what fills the staging buffers is not overlapped. A pass costs
+   max(transfer + unhidden compute, compute) + the tail (last layer after the last byte)
+   + a fixed per-forward overhead (launches, sampling, host sync, all-reduces).
+4. Drafting leaves the link idle, so the staging buffers are prefetched then.
+5. Speculation: each level accepts i.i.d. with rate alpha; tokens per verification of
+   gamma drafts = (1 - alpha^(gamma+1)) / (1 - alpha) (Leviathan et al. 2023). L0 drafts
+   ``gamma1`` tokens per L1 pass, L1 makes ``gamma2`` tokens per L2 pass.
+6. Retrieval-cache upkeep is free: it is rebuilt while the full KV passes through the GPU
+   during verification. Device-to-host write-back of new KV (a few tokens) is ignored.
+7. Tensor parallel over cards without P2P (RTX 4090): two all-reduces per layer through
+   host memory, ``allreduce_us`` each (assumption: tens of us for small messages).
+8. Weights that do not fit next to everything else are streamed every forward.
+9. CPU attention (ZeRO-Inference) reaches ``host_attn_gbps``: assumed 0.8 of a STREAM
+   measurement of a dual-channel DDR5 desktop (~60 GB/s).
+
+Memory sizes are GiB (2**30, as nvidia-smi reports); bandwidths are decimal GB/s.
+Hardware sources are next to each preset value below.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+GB = 1e9  # bandwidths: decimal GB/s, as datasheets give them
+GIB = 2 ** 30  # memory sizes: GiB
+GPU_RESERVE_GIB = 1.5  # CUDA context + activations + allocator slack (assumption)
+GPU_RESERVE_FRAC = 0.05  # ... or this fraction of the card, whichever is larger
+HOST_RESERVE_FRAC = 0.1  # OS, page cache, the process itself (assumption)
+MODES = ("autoregressive", "deepspeed", "triforce")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One machine: identical GPUs, each with its own PCIe link to host memory."""
+
+    name: str = "rtx4090"  # label only
+    gpus: int = 1  # GPUs used (tensor-parallel degree by default)
+    gpu_mem_gb: float = 24.0  # memory per GPU, GiB
+    hbm_gbps: float = 1008.0  # peak device-memory bandwidth per GPU, GB/s
+    hbm_eff: float = 0.8  # fraction of hbm_gbps decode kernels reach (assumption 1)
+    tflops: float = 82.6  # fp16 tensor TFLOP/s per GPU, dense, fp32 accumulate
+    pcie_gbps: float = 25.0  # effective pinned host->device GB/s per GPU link
+    copy_latency_us: float = 10.0  # fixed cost of one async copy (assumption 2)
+    host_mem_gb: float = 256.0  # host RAM, GiB
+    host_mem_gbps: float = 60.0  # host DRAM bandwidth: caps the sum of all links
+    host_attn_gbps: float = 48.0  # KV bandwidth CPU attention reaches (assumption 9)
+    allreduce_us: float = 50.0  # one small all-reduce across the GPUs (assumption 7)
+    layer_us: float = 20.0  # per-layer launch overhead not hidden behind GPU work
+    step_ms: float = 0.3  # per forward: sampling, .item() sync, Python
+
+    @classmethod
+    def from_profile(cls, prof: dict, base: Hardware | None = None) -> Hardware:
+        """Hardware from a `triforce-offload tune` profile dict; missing keys keep `base`.
+
+        Reads ``device`` (picks a preset when it names one), ``link_gbps`` (a number or
+        a {chunk: GB/s} map; the best measurement becomes the link bandwidth),
+        ``compute_gbps`` (measured device-memory GB/s) and, when present, ``gpus``,
+        ``gpu_mem_gb``, ``host_mem_gb``, ``host_gbps``.
+        """
+        hw = base or _preset_for_device(str(prof.get("device", ""))) or cls()
+        upd = {}
+        link = _best(prof.get("link_gbps"))
+        if link:
+            upd["pcie_gbps"] = link
+        comp = _best(prof.get("compute_gbps"))
+        if comp:  # a measurement is already the achieved bandwidth
+            upd.update(hbm_gbps=comp, hbm_eff=1.0)
+        for key, attr in (("gpus", "gpus"), ("gpu_mem_gb", "gpu_mem_gb"),
+                          ("host_mem_gb", "host_mem_gb"), ("host_gbps", "host_mem_gbps")):
+            val = _best(prof.get(key))
+            if val:
+                upd[attr] = int(val) if attr == "gpus" else val
+        if prof.get("device"):
+            upd["name"] = str(prof["device"])
+        return replace(hw, **upd)
+
+
+def _best(val) -> float | None:
+    """Largest positive number in a number / list / dict of measurements, else None."""
+    if isinstance(val, dict):
+        val = list(val.values())
+    vals = val if isinstance(val, (list, tuple)) else [val]
+    nums = []
+    for v in vals:
+        try:
+            nums.append(float(v))
+        except (TypeError, ValueError):
+            continue
+    nums = [v for v in nums if v > 0 and math.isfinite(v)]
+    return max(nums) if nums else None
+
+
+def _preset_for_device(dev: str) -> Hardware | None:
+    """A preset whose card a device string names ("NVIDIA GeForce RTX 4090" -> rtx4090)."""
+    d = dev.lower()
+    if "4090" in d:
+        return RTX4090
+    if "a100" in d:
+        return A100_80G
+    return None
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Llama-family decoder architecture; sizes in elements unless named bytes."""
+
+    name: str  # label only
+    layers: int  # decoder layers
+    heads: int  # query heads
+    kv_heads: int  # key/value heads (grouped-query attention when < heads)
+    hidden: int  # model width
+    intermediate: int  # MLP width (SwiGLU: gate, up, down)
+    vocab: int  # vocabulary size
+    head_dim: int = 0  # per-head width; 0 means hidden // heads
+    dtype_bytes: int = 2  # bytes per weight and per KV element (fp16/bf16)
+    tied: bool = False  # lm_head shares the embedding matrix
+
+    def __post_init__(self):
+        for f in ("layers", "heads", "kv_heads", "hidden", "intermediate", "vocab"):
+            if getattr(self, f) <= 0:
+                raise ValueError(f"model {self.name!r}: {f} must be positive")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"model {self.name!r}: heads must be a multiple of kv_heads")
+        if not self.head_dim:  # frozen: set the derived default in place
+            object.__setattr__(self, "head_dim", self.hidden // self.heads)
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict, name: str = "") -> ModelSpec:
+        """From a HF config.json dict (llama / qwen2 / mistral keys)."""
+        try:
+            heads = int(cfg["num_attention_heads"])
+            return cls(
+                name=name or str(cfg.get("_name_or_path") or cfg.get("model_type", "model")),
+                layers=int(cfg["num_hidden_layers"]), heads=heads,
+                kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                hidden=int(cfg["hidden_size"]), intermediate=int(cfg["intermediate_size"]),
+                vocab=int(cfg["vocab_size"]), head_dim=int(cfg.get("head_dim") or 0),
+                dtype_bytes=4 if cfg.get("torch_dtype") == "float32" else 2,
+                tied=bool(cfg.get("tie_word_embeddings", False)))
+        except KeyError as e:
+            raise ValueError(f"config.json lacks {e.args[0]!r}") from None
+
+    @property
+    def layer_params(self) -> int:
+        """Weights of one decoder layer (attention + SwiGLU MLP + 2 norms)."""
+        q = self.hidden * self.heads * self.head_dim
+        kv = 2 * self.hidden * self.kv_heads * self.head_dim
+        return 2 * q + kv + 3 * self.hidden * self.intermediate + 2 * self.hidden
+
+    @property
+    def params(self) -> int:
+        """All weights: embeddings, layers, final norm, lm_head unless tied."""
+        emb = self.vocab * self.hidden * (1 if self.tied else 2)
+        return emb + self.layers * self.layer_params + self.hidden
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.params * self.dtype_bytes
+
+    @property
+    def step_bytes(self) -> int:
+        """Weight bytes a forward reads: the embedding table is gathered, not read."""
+        skip = 0 if self.tied else self.vocab * self.hidden
+        return (self.params - skip) * self.dtype_bytes
+
+    @property
+    def kv_layer_bytes(self) -> int:
+        """K + V bytes of one token in one layer."""
+        return 2 * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    @property
+    def kv_token_bytes(self) -> int:
+        """K + V bytes of one token over all layers."""
+        return self.layers * self.kv_layer_bytes
+
+
+# Architectures from the models' config.json files.
+LLAMA2_7B_128K = ModelSpec("llama2-7b-128k", 32, 32, 32, 4096, 11008, 32000)
+LLAMA2_13B_128K = ModelSpec("llama2-13b-128k", 40, 40, 40, 5120, 13824, 32000)
+LLAMA31_8B = ModelSpec("llama-3.1-8b", 32, 32, 8, 4096, 14336, 128256)
+LLAMA_68M = ModelSpec("llama-68m", 2, 12, 12, 768, 3072, 32000)  # JackFram/llama-68m
+MODELS = {m.name: m for m in (LLAMA2_7B_128K, LLAMA2_13B_128K, LLAMA31_8B, LLAMA_68M)}
+
+# RTX 4090: 24 GB GDDR6X at 1008 GB/s and 82.6 TFLOP/s fp16 tensor with fp32 accumulate
+# (what torch matmuls use; 165 with fp16 accumulate) from NVIDIA's Ada whitepaper, app. A.
+# PCIe 4.0 x16 is 31.5 GB/s raw; pinned H2D measures ~25 GB/s (cuda-samples
+# bandwidthTest reports on 4090 boards). No P2P on GeForce Ada: all-reduce via host.
+RTX4090 = Hardware()
+TWO_4090 = replace(RTX4090, name="2x4090", gpus=2)
+# A100 80GB: 2039 GB/s HBM2e (SXM; PCIe card 1935), 312 TFLOP/s fp16 dense tensor
+# (A100 datasheet); host link PCIe 4.0 x16, ~25 GB/s pinned. NVLink all-reduce ~10 us.
+A100_80G = Hardware(name="a100-80g", gpu_mem_gb=80.0, hbm_gbps=2039.0, tflops=312.0,
+                    allreduce_us=10.0)
+HARDWARE = {"rtx4090": RTX4090, "2x4090": TWO_4090, "a100-80g": A100_80G}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Run settings the runtime exposes as flags; acceptance rates are measured inputs."""
+
+    context: int = 131072  # tokens in the KV cache
+    budget: int = 4096  # L1 retrieval-cache tokens
+    chunk: int = 8  # retrieval chunk, tokens (scoring granularity; no cost here)
+    gamma1: int = 1  # L0 drafts per L1 verification (0: L1 drafts by itself)
+    gamma2: int = 6  # L1 tokens per L2 verification
+    on_chip: int | None = None  # layers whose KV stays on GPU; None: as many as fit
+    transfer_chunk: int = 4096  # tokens per host->device copy
+    alpha0: float = 0.6  # P(L1 accepts an L0 draft token)
+    alpha1: float = 0.9  # P(L2 accepts an L1 token)
+    draft: ModelSpec | None = LLAMA_68M  # L0 model; None: no L0 level
+    draft_window: int = 256  # L0 streaming cache: sink + recent tokens
+    tp: int = 0  # tensor-parallel degree; 0: all of hw.gpus
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted cost; per-token numbers are averaged over a speculation cycle."""
+
+    mode: str
+    ms_per_token: float
+    transfer_ms: float  # host->device link time per token
+    compute_ms: float  # GPU (and host-attention) compute per token
+    levels: dict = field(default_factory=dict)  # ms per token by level (L0, L1, L2)
+    tokens_per_pass: float = 1.0  # tokens one full-cache pass yields
+    on_chip: int = 0  # on-chip layers used
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Memory a configuration needs, GiB: per GPU, and host in total."""
+
+    gpu_gb: float
+    host_gb: float
+    parts: dict = field(default_factory=dict)  # GiB per GPU by item
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """Tokens one verification of gamma drafts yields, bonus token included."""
+    if gamma <= 0:
+        return 1.0
+    if alpha >= 1.0:
+        return gamma + 1.0
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def _tp(hw: Hardware, s: Settings, mode: str) -> int:
+    return 1 if mode == "deepspeed" else (s.tp or hw.gpus)
+
+
+def gpu_capacity(hw: Hardware) -> float:
+    """Usable bytes per GPU after the reserve."""
+    reserve = max(GPU_RESERVE_GIB, GPU_RESERVE_FRAC * hw.gpu_mem_gb)
+    return (hw.gpu_mem_gb - reserve) * GIB
+
+
+def _gpu_parts(m: ModelSpec, s: Settings, mode: str, tp: int, on_chip: int) -> dict:
+    """Bytes per GPU by item."""
+    parts = {"weights": m.weight_bytes / tp}
+    if mode == "deepspeed":
+        return parts
+    parts["on_chip_kv"] = on_chip * s.context * m.kv_layer_bytes / tp
+    if on_chip < m.layers:
+        parts["staging"] = 2 * s.transfer_chunk * m.kv_layer_bytes / tp
+    if mode == "triforce":
+        parts["retrieval"] = s.budget * m.kv_token_bytes / tp
+        if s.draft is not None:  # replicated on every GPU
+            parts["draft"] = s.draft.weight_bytes + s.draft_window * s.draft.kv_token_bytes
+    return parts
+
+
+def max_on_chip(hw: Hardware, m: ModelSpec, s: Settings, mode: str) -> int:
+    """Most layers whose KV fits on the GPU(s) next to everything else."""
+    tp = _tp(hw, s, mode)
+    if mode == "deepspeed":
+        return 0
+    for n in range(m.layers, -1, -1):
+        if sum(_gpu_parts(m, s, mode, tp, n).values()) <= gpu_capacity(hw):
+            return n
+    return 0
+
+
+def _on_chip(hw, m, s, mode) -> int:
+    if mode == "deepspeed":
+        return 0
+    n = max_on_chip(hw, m, s, mode) if s.on_chip is None else s.on_chip
+    return max(0, min(n, m.layers))
+
+
+def memory_use(hw: Hardware, m: ModelSpec, s: Settings, mode: str = "triforce") -> Memory:
+    """GPU (per card) and host memory the configuration needs, GiB."""
+    tp, on_chip = _tp(hw, s, mode), _on_chip(hw, m, s, mode)
+    parts = {k: v / GIB for k, v in _gpu_parts(m, s, mode, tp, on_chip).items()}
+    host_layers = m.layers if mode == "deepspeed" else m.layers - on_chip
+    host = host_layers * s.context * m.kv_layer_bytes / GIB
+    return Memory(sum(parts.values()), host, parts)
+
+
+def host_capacity(hw: Hardware) -> float:
+    """Usable host bytes after the reserve."""
+    return hw.host_mem_gb * (1 - HOST_RESERVE_FRAC) * GIB
+
+
+# ---- timing primitives (all return ms) ----
+
+def _ms(nbytes: float, gbps: float) -> float:
+    return 1e3 * nbytes / (gbps * GB) if nbytes > 0 else 0.0
+
+
+def _roof(hw: Hardware, nbytes: float, flops: float) -> float:
+    """Kernel time bound by memory or by tensor cores, whichever is slower."""
+    return max(_ms(nbytes, hw.hbm_gbps * hw.hbm_eff), 1e3 * flops / (hw.tflops * 1e12))
+
+
+def _dense(hw: Hardware, m: ModelSpec, tp: int, n: int) -> float:
+    """Weight matmuls of one forward over n tokens."""
+    return _roof(hw, m.step_bytes / tp, 2.0 * m.params / tp * n)
+
+
+def _attn(hw: Hardware, m: ModelSpec, tp: int, n: int, kv: int, layers: int) -> float:
+    """Attention of n queries over kv cached tokens in `layers` layers."""
+    nbytes = layers * kv * m.kv_layer_bytes / tp
+    flops = layers * 4.0 * n * kv * m.heads * m.head_dim / tp
+    return _roof(hw, nbytes, flops)
+
+
+def _overhead(hw: Hardware, m: ModelSpec, tp: int) -> float:
+    """Per-forward cost not hidden behind GPU work: launches, sync, all-reduces."""
+    ar = 2 * m.layers * hw.allreduce_us if tp > 1 else 0.0
+    return hw.step_ms + (m.layers * hw.layer_us + ar) / 1e3
+
+
+def link_gbps(hw: Hardware, copy_bytes: float, tp: int = 1) -> float:
+    """Effective GB/s of one GPU's link for copies of copy_bytes (assumption 2)."""
+    peak = min(hw.pcie_gbps, hw.host_mem_gbps / max(tp, 1))
+    if copy_bytes <= 0:
+        return peak
+    t = copy_bytes / (peak * GB) + hw.copy_latency_us * 1e-6
+    return copy_bytes / t / GB
+
+
+def _copy_bytes(m: ModelSpec, s: Settings, tp: int) -> float:
+    """One copy: K or V of transfer_chunk tokens of one layer, this GPU's heads."""
+    return s.transfer_chunk * m.kv_layer_bytes / 2 / tp
+
+
+def _streamed_weights(hw, m, s, mode, tp, on_chip) -> float:
+    """Weight bytes per GPU that do not fit and are streamed every forward (assump. 8)."""
+    over = sum(_gpu_parts(m, s, mode, tp, on_chip).values()) - gpu_capacity(hw)
+    return min(max(over, 0.0), m.weight_bytes / tp)
+
+
+@dataclass(frozen=True)
+class _Pass:
+    total: float  # ms of the pass
+    xfer: float  # link ms
+    comp: float  # compute ms
+
+
+def _full_pass(hw, m, s, tp, n, on_chip, wstream, idle_ms=0.0) -> _Pass:
+    """One target forward of n tokens over the whole context, KV partly streamed.
+
+    idle_ms: link time available before the pass (drafting) to fill the staging buffers.
+    """
+    off = m.layers - on_chip
+    link = link_gbps(hw, _copy_bytes(m, s, tp), tp)
+    xfer = _ms(off * s.context * m.kv_layer_bytes / tp + wstream, link)
+    stage = _ms(2 * s.transfer_chunk * m.kv_layer_bytes / tp, link) if off else 0.0
+    pre = min(idle_ms, stage, xfer)
+    dense = _dense(hw, m, tp, n)
+    c_on = dense * on_chip / m.layers + _attn(hw, m, tp, n, s.context, on_chip)
+    c_off = dense * off / m.layers + _attn(hw, m, tp, n, s.context, off)
+    hidden_on = min(c_on, stage - pre)  # the link runs ahead only by the staging space
+    tail = dense / m.layers if off else 0.0
+    body = max(xfer - pre + c_on - hidden_on, c_on + c_off)
+    return _Pass(body + tail + _overhead(hw, m, tp), xfer, c_on + c_off)
+
+
+def _autoregressive(hw, m, s) -> Prediction:
+    """One full pass per token; the link streams the offloaded layers every time."""
+    tp, on_chip = _tp(hw, s, "autoregressive"), _on_chip(hw, m, s, "autoregressive")
+    ws = _streamed_weights(hw, m, s, "autoregressive", tp, on_chip)
+    p = _full_pass(hw, m, s, tp, 1, on_chip, ws)
+    return Prediction("autoregressive", p.total, p.xfer, p.comp, {"L2": p.total}, 1.0,
+                      on_chip)
+
+
+def _deepspeed(hw, m, s) -> Prediction:
+    """ZeRO-Inference: GPU matmuls, CPU attention over host KV, layer by layer in series."""
+    ws = _streamed_weights(hw, m, s, "deepspeed", 1, 0)
+    xfer = _ms(ws, link_gbps(hw, ws / m.layers)) if ws else 0.0
+    gpu = _dense(hw, m, 1, 1) + _overhead(hw, m, 1)
+    cpu = _ms(m.layers * s.context * m.kv_layer_bytes, hw.host_attn_gbps)
+    hops = 2 * m.layers * hw.copy_latency_us / 1e3  # q/k/v out, attention output back
+    total = max(xfer, gpu) + cpu + hops
+    return Prediction("deepspeed", total, xfer, gpu + cpu, {"L2": total}, 1.0, 0)
+
+
+def _l1_step(hw, m, s, tp, wstream) -> float:
+    """L1: target weights over the retrieval cache, verifying gamma1 drafts (+1)."""
+    link = link_gbps(hw, wstream / m.layers, tp) if wstream else 1.0
+    n = s.gamma1 + 1 if s.draft is not None else 1
+    comp = _dense(hw, m, tp, n) + _attn(hw, m, tp, n, s.budget, m.layers)
+    return comp + _ms(wstream, link) + _overhead(hw, m, tp)
+
+
+def _l0_step(hw, d: ModelSpec, s) -> float:
+    """L0: the small draft, replicated on every GPU, one token over its window."""
+    return _dense(hw, d, 1, 1) + _attn(hw, d, 1, 1, s.draft_window, d.layers) \
+        + _overhead(hw, d, 1)
+
+
+def _triforce(hw, m, s) -> Prediction:
+    """Cycle = L0/L1 drafting of gamma2 tokens + one L2 pass; per token = cycle / E2."""
+    tp, on_chip = _tp(hw, s, "triforce"), _on_chip(hw, m, s, "triforce")
+    ws = _streamed_weights(hw, m, s, "triforce", tp, on_chip)
+    use_l0 = s.draft is not None and s.gamma1 > 0
+    rounds = s.gamma2 / expected_tokens(s.alpha0, s.gamma1) if use_l0 else s.gamma2
+    l0 = rounds * s.gamma1 * _l0_step(hw, s.draft, s) if use_l0 else 0.0
+    l1 = rounds * _l1_step(hw, m, s, tp, ws)
+    p = _full_pass(hw, m, s, tp, s.gamma2 + 1, on_chip, ws, idle_ms=l0 + l1)
+    e2 = expected_tokens(s.alpha1, s.gamma2)
+    levels = {"L0": l0 / e2, "L1": l1 / e2, "L2": p.total / e2}
+    return Prediction("triforce", (l0 + l1 + p.total) / e2, p.xfer / e2,
+                      (l0 + l1 + p.comp) / e2, levels, e2, on_chip)
+
+
+def predict(hw: Hardware, model: ModelSpec, settings: Settings,
+            mode: str = "triforce") -> Prediction:
+    """Predicted ms per generated token for one mode (see module docstring)."""
+    fns = {"autoregressive": _autoregressive, "deepspeed": _deepspeed,
+           "triforce": _triforce}
+    if mode not in fns:
+        raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+    _check(settings)
+    return fns[mode](hw, model, settings)
+
+
+def _check(s: Settings) -> None:
+    """Reject settings the formulas cannot use."""
+    if s.context <= 0 or s.transfer_chunk <= 0:
+        raise ValueError("context and transfer_chunk must be positive")
+    if s.gamma2 < 1 or s.gamma1 < 0:
+        raise ValueError(f"gamma2 must be >= 1 and gamma1 >= 0, got {s.gamma2}, {s.gamma1}")
+    for a in (s.alpha0, s.alpha1):
+        if not 0.0 <= a <= 1.0:
+            raise ValueError(f"acceptance rate {a} is not in [0, 1]")
+
+
+# ---- the TriForce paper's offloading table (arXiv 2404.11912, Table 3 / project page) ----
+# Settings the paper's repo (Infini-AI-Lab/TriForce README) publishes: 2x4090 budget 12288,
+# gamma 16; 1x4090 budget 8192, gamma 12; L0 = JackFram/llama-68m proposing one token per
+# L1 verification (gamma1 = 1). Acceptance: alpha1 = 0.9, alpha0 = 0.6 (our assumption;
+# the table does not give them). On-chip layers: as many as fit (ours, not the repo's).
+PAPER_ALPHA0, PAPER_ALPHA1 = 0.6, 0.9
+_TF2 = Settings(budget=12288, gamma1=1, gamma2=16, alpha0=PAPER_ALPHA0, alpha1=PAPER_ALPHA1)
+_TF1 = replace(_TF2, budget=8192, gamma2=12)
+PAPER_ROWS = (
+    ("2x4090 llama2-7b-128k", TWO_4090, LLAMA2_7B_128K, "triforce", _TF2, 108.0),
+    ("2x4090 llama2-7b-128k", TWO_4090, LLAMA2_7B_128K, "autoregressive", _TF2, 840.0),
+    ("2x4090 llama2-13b-128k", TWO_4090, LLAMA2_13B_128K, "triforce", _TF2, 226.0),
+    ("2x4090 llama2-13b-128k", TWO_4090, LLAMA2_13B_128K, "autoregressive", _TF2, 1794.0),
+    ("1x4090 llama2-7b-128k", RTX4090, LLAMA2_7B_128K, "triforce", _TF1, 312.0),
+    ("1x4090 llama2-7b-128k", RTX4090, LLAMA2_7B_128K, "deepspeed", _TF1, 1516.0),
+)
+
+
+def paper_table() -> list[tuple[str, str, float, float]]:
+    """Rows of (setup, mode, predicted ms/token, paper ms/token)."""
+    return [(name, mode, predict(hw, m, s, mode).ms_per_token, paper)
+            for name, hw, m, mode, s, paper in PAPER_ROWS]

@@ -1,0 +1,194 @@
+"""Memory planning: choose TriForce run settings for a machine, model and context.
+
+A grid search in the spirit of FlexGen's policy search (Sheng et al. 2023), over the
+cost model in `costmodel`: retrieval budget, gamma1, gamma2, transfer chunk; for each
+point the on-chip layers are the most that fit (more on-chip KV never costs time).
+Every candidate must fit GPU memory (weights shard + L1 retrieval cache + draft +
+staging buffers + on-chip KV, after a reserve) and host memory (offloaded KV).
+
+Acceptance depends on the budget, which the search varies, so the L1->L2 acceptance is
+given at a reference budget and scaled by a heuristic (`alpha_at_budget`): the miss
+rate falls as 1/sqrt(budget). This is an assumption loosely following the TriForce
+paper's observation that acceptance rises with budget with diminishing returns; pass
+measured rates when you have them.
+
+Also the string parsers the CLI uses: GPUs ("2x4090"), context ("128k"), model.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import shlex
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from .costmodel import (GIB, HARDWARE, LLAMA_68M, MODELS, Hardware, ModelSpec, Settings,
+                        gpu_capacity, host_capacity, max_on_chip, memory_use, predict)
+
+BUDGETS = tuple(2 ** i for i in range(10, 15))  # 1024 .. 16384 tokens
+GAMMA1S = (1, 2, 3, 4)  # L0 drafts per L1 verification
+GAMMA2S = tuple(range(1, 13))  # L1 tokens per L2 verification
+TRANSFER_CHUNKS = tuple(2 ** i for i in range(6, 15))  # 64 .. 16384 tokens
+REF_BUDGET = 4096  # budget at which alpha1 is given
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Chosen settings with their predicted speed and memory."""
+
+    hardware: Hardware
+    model: ModelSpec
+    settings: Settings  # on_chip resolved to a number
+    ms_per_token: float  # predicted TriForce ms/token
+    baseline_ms: float  # predicted autoregressive offloading ms/token, same machine
+    gpu_gb: float  # GiB per GPU
+    host_gb: float  # GiB of host memory for the offloaded KV
+    tp: int  # tensor-parallel degree
+
+    def command_line(self, model_path: str) -> str:
+        """The `triforce-offload run` invocation for these settings."""
+        s = self.settings
+        g1 = s.gamma1 if s.draft is not None else 0
+        return (f"triforce-offload run --model {shlex.quote(str(model_path))} "
+                f"--mode triforce --budget {s.budget} --chunk {s.chunk} --gamma1 {g1} "
+                f"--gamma2 {s.gamma2} --on-chip {s.on_chip} "
+                f"--transfer-chunk {s.transfer_chunk} --offload on --tp {self.tp}")
+
+
+def alpha_at_budget(alpha_ref: float, budget: int, ref: int = REF_BUDGET) -> float:
+    """L1 acceptance at `budget` from a rate measured at `ref` (heuristic, see above)."""
+    miss = (1.0 - alpha_ref) * math.sqrt(ref / budget)
+    return min(max(1.0 - miss, 0.0), 1.0)
+
+
+def _budgets(context: int, chunk: int) -> list[int]:
+    """Candidate budgets: powers of two below the context, multiples of chunk."""
+    out = [b for b in BUDGETS if b < context and b % chunk == 0]
+    return out or [max(chunk, context // 2 // chunk * chunk)]
+
+
+def search_plan(hw: Hardware, model: ModelSpec, context: int,
+                gpu_mem_gb: float | None = None, host_mem_gb: float | None = None,
+                alpha0: float = 0.6, alpha1: float = 0.9, chunk: int = 8,
+                draft: ModelSpec | None = LLAMA_68M, tp: int = 0) -> Plan:
+    """Lowest predicted ms/token TriForce settings that fit; ValueError if none fit.
+
+    gpu_mem_gb / host_mem_gb override the hardware's memory (GiB per GPU / in total);
+    alpha1 is the L1 acceptance at REF_BUDGET tokens.
+    """
+    if context <= 0:
+        raise ValueError(f"context must be positive, got {context}")
+    hw = replace(hw, gpu_mem_gb=gpu_mem_gb or hw.gpu_mem_gb,
+                 host_mem_gb=host_mem_gb or hw.host_mem_gb)
+    base = Settings(context=context, chunk=chunk, alpha0=alpha0, draft=draft,
+                    tp=tp or hw.gpus)
+    _check_fits(hw, model, base)
+    best = None
+    for s in _candidates(hw, model, base, alpha1):
+        ms = predict(hw, model, s, "triforce").ms_per_token
+        if best is None or ms < best[0]:
+            best = (ms, s)
+    if best is None:  # nothing passed the host check with any budget
+        _check_fits(hw, model, base, strict=True)
+    return _plan(hw, model, *best)
+
+
+def _candidates(hw, model, base, alpha1):
+    """Fitting settings over the grid, on_chip maximal for each."""
+    g1s = GAMMA1S if base.draft is not None else (0,)
+    for b in _budgets(base.context, base.chunk):
+        a1 = alpha_at_budget(alpha1, b)
+        for tc in TRANSFER_CHUNKS:
+            s = replace(base, budget=b, transfer_chunk=tc, alpha1=a1)
+            if not _gpu_fits(hw, model, s, 0):
+                continue
+            s = replace(s, on_chip=max_on_chip(hw, model, s, "triforce"))
+            if memory_use(hw, model, s).host_gb * GIB > host_capacity(hw):
+                continue
+            for g1 in g1s:
+                for g2 in GAMMA2S:
+                    yield replace(s, gamma1=g1, gamma2=g2)
+
+
+def _gpu_fits(hw, model, s, on_chip) -> bool:
+    m = memory_use(hw, model, replace(s, on_chip=on_chip))
+    return m.gpu_gb * GIB <= gpu_capacity(hw)
+
+
+def _check_fits(hw, model, base, strict=False) -> None:
+    """Raise a one-line ValueError when even the smallest configuration cannot fit."""
+    small = replace(base, budget=_budgets(base.context, base.chunk)[0],
+                    transfer_chunk=TRANSFER_CHUNKS[0])
+    need = memory_use(hw, model, replace(small, on_chip=0)).gpu_gb
+    have = gpu_capacity(hw) / GIB
+    if need > have:
+        raise ValueError(f"{model.name} on {hw.name}: needs {need:.1f} GiB per GPU "
+                         f"(weights shard, retrieval cache, draft, staging), "
+                         f"{have:.1f} GiB available")
+    on = max_on_chip(hw, model, small, "triforce")
+    host = memory_use(hw, model, replace(small, on_chip=on)).host_gb
+    hhave = host_capacity(hw) / GIB
+    if host > hhave or strict:
+        raise ValueError(f"{model.name} at {base.context} tokens on {hw.name}: needs "
+                         f"{host:.1f} GiB host memory for the offloaded KV cache, "
+                         f"{hhave:.1f} GiB available")
+
+
+def _plan(hw, model, ms, s) -> Plan:
+    if s.on_chip == model.layers:  # nothing streams: the chunk is moot, keep the default
+        s = replace(s, transfer_chunk=Settings.transfer_chunk)
+    mem = memory_use(hw, model, s)
+    ar = replace(s, on_chip=None)  # the baseline fills the GPU with KV instead
+    base_ms = predict(hw, model, ar, "autoregressive").ms_per_token
+    return Plan(hw, model, s, ms, base_ms, mem.gpu_gb, mem.host_gb, s.tp or hw.gpus)
+
+
+# ---- parsers ----
+
+_GPU_NAMES = {"4090": "rtx4090", "rtx4090": "rtx4090", "a100-80g": "a100-80g",
+              "a100-80gb": "a100-80g", "a10080g": "a100-80g", "a100_80g": "a100-80g"}
+
+
+def parse_gpus(text: str) -> Hardware:
+    """'4090', '2x4090', 'a100-80g', '1xa100-80g' -> Hardware with that many GPUs."""
+    t = str(text).strip().lower().replace(" ", "").replace("\u00d7", "x")
+    m = re.fullmatch(r"(?:(\d+)x)?(.+)", t)
+    key = _GPU_NAMES.get(m.group(2)) if m else None
+    if key is None:
+        raise ValueError(f"unknown GPU spec {text!r}: expected [Nx]NAME with NAME one of "
+                         f"4090, a100-80g (e.g. 2x4090)")
+    n = int(m.group(1) or 1)
+    if not 1 <= n <= 16:
+        raise ValueError(f"GPU count {n} in {text!r} is not in 1..16")
+    hw = HARDWARE[key]
+    return replace(hw, gpus=n, name=key if n == 1 else f"{n}x{m.group(2)}")
+
+
+def parse_context(text) -> int:
+    """'131072', '128k', '32K', '1M' -> tokens (k = 1024, M = 1024**2)."""
+    t = str(text).strip().lower()
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([km]?)", t)
+    if not m:
+        raise ValueError(f"bad context {text!r}: expected a token count like 131072, "
+                         f"128k or 1M")
+    n = round(float(m.group(1)) * {"": 1, "k": 1024, "m": 1024 ** 2}[m.group(2)])
+    if n <= 0:
+        raise ValueError(f"context must be positive, got {text!r}")
+    return n
+
+
+def parse_model(text: str) -> ModelSpec:
+    """A preset name (see costmodel.MODELS) or a HF model folder / config.json path."""
+    key = str(text).strip().lower()
+    if key in MODELS:
+        return MODELS[key]
+    p = Path(text)
+    cfg = p / "config.json" if p.is_dir() else p
+    if cfg.is_file():
+        try:
+            return ModelSpec.from_hf_config(json.loads(cfg.read_text()), name=p.name)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{cfg} is not valid JSON: {e.msg}") from None
+    raise ValueError(f"unknown model {text!r}: expected one of {', '.join(MODELS)} "
+                     f"or a folder with config.json")

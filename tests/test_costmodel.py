@@ -1,0 +1,175 @@
+"""Cost model against the TriForce paper's offloading table, its monotonicity, the planner."""
+from dataclasses import replace
+
+import pytest
+
+from triforce_offload.offload import costmodel as cm
+from triforce_offload.offload import plan as pl
+
+
+@pytest.mark.parametrize("row", cm.paper_table(), ids=lambda r: f"{r[0]}-{r[1]}")
+def test_paper_table_within_25_percent(row):
+    setup, mode, predicted, paper = row
+    assert abs(predicted / paper - 1) <= 0.25, f"{setup} {mode}: {predicted:.0f} vs {paper}"
+
+
+def test_paper_table_covers_all_rows():
+    modes = {(r[0], r[1]) for r in cm.paper_table()}
+    assert len(modes) == 6
+    assert {m for _, m in modes} == {"triforce", "autoregressive", "deepspeed"}
+
+
+def test_architectures_match_published_sizes():
+    assert cm.LLAMA2_7B_128K.params == pytest.approx(6.74e9, rel=0.01)
+    assert cm.LLAMA2_13B_128K.params == pytest.approx(13.0e9, rel=0.01)
+    assert cm.LLAMA31_8B.params == pytest.approx(8.03e9, rel=0.01)
+    assert cm.LLAMA_68M.params == pytest.approx(68e6, rel=0.02)
+    # Llama2-7B-128K: 64 GiB of KV at 128K tokens (the paper's figure)
+    assert cm.LLAMA2_7B_128K.kv_token_bytes * 131072 == 64 * cm.GIB
+
+
+def test_from_hf_config_llama3():
+    cfg = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+           "hidden_size": 4096, "intermediate_size": 14336, "vocab_size": 128256}
+    m = cm.ModelSpec.from_hf_config(cfg, name="x")
+    assert m.head_dim == 128 and m.kv_layer_bytes == 2 * 8 * 128 * 2
+    assert m.params == cm.LLAMA31_8B.params
+
+
+def test_from_hf_config_missing_key():
+    with pytest.raises(ValueError, match="hidden_size"):
+        cm.ModelSpec.from_hf_config({"num_attention_heads": 4, "num_hidden_layers": 2})
+
+
+def _tf(**kw):
+    return cm.predict(cm.TWO_4090, cm.LLAMA2_7B_128K, cm.Settings(**kw), "triforce")
+
+
+def test_higher_acceptance_is_faster():
+    assert _tf(alpha1=0.95).ms_per_token < _tf(alpha1=0.9).ms_per_token
+    assert _tf(alpha1=0.9).ms_per_token < _tf(alpha1=0.7).ms_per_token
+    assert _tf(alpha0=0.8).ms_per_token < _tf(alpha0=0.4).ms_per_token
+
+
+def test_bigger_context_slower_baseline():
+    ms = [cm.predict(cm.TWO_4090, cm.LLAMA2_7B_128K, cm.Settings(context=c),
+                     "autoregressive").ms_per_token for c in (32768, 65536, 131072)]
+    assert ms[0] < ms[1] < ms[2]
+
+
+def test_faster_link_faster_baseline():
+    s = cm.Settings(on_chip=4)
+    slow = replace(cm.RTX4090, pcie_gbps=12.0)
+    fast = replace(cm.RTX4090, pcie_gbps=25.0)
+    a = cm.predict(slow, cm.LLAMA2_7B_128K, s, "autoregressive").ms_per_token
+    b = cm.predict(fast, cm.LLAMA2_7B_128K, s, "autoregressive").ms_per_token
+    assert b < a
+
+
+def test_small_transfer_chunks_waste_link():
+    assert cm.link_gbps(cm.RTX4090, 64 * 1024) < cm.link_gbps(cm.RTX4090, 64 << 20)
+    assert cm.link_gbps(cm.RTX4090, 1 << 30) == pytest.approx(25.0, rel=0.01)
+
+
+def test_expected_tokens():
+    assert cm.expected_tokens(0.0, 6) == 1.0
+    assert cm.expected_tokens(1.0, 6) == 7.0
+    assert cm.expected_tokens(0.5, 1) == pytest.approx(1.5)
+
+
+def test_breakdown_adds_up():
+    p = _tf()
+    assert sum(p.levels.values()) == pytest.approx(p.ms_per_token)
+    assert p.transfer_ms > 0 and p.compute_ms > 0
+
+
+def test_predict_rejects_bad_mode():
+    with pytest.raises(ValueError, match="unknown mode"):
+        cm.predict(cm.RTX4090, cm.LLAMA2_7B_128K, cm.Settings(), "magic")
+
+
+def test_from_profile_uses_best_link():
+    hw = cm.Hardware.from_profile({"device": "NVIDIA GeForce RTX 4090",
+                                   "link_gbps": {"64": 3.1, "1024": 10.2, "16384": 21.5}})
+    assert hw.pcie_gbps == 21.5 and hw.gpu_mem_gb == 24.0
+    assert cm.Hardware.from_profile({}).pcie_gbps == cm.RTX4090.pcie_gbps
+    cpu = cm.Hardware.from_profile({"device": "cpu", "link_gbps": "n/a", "compute_gbps": 40})
+    assert cpu.hbm_gbps == 40 and cpu.hbm_eff == 1.0 and cpu.name == "cpu"
+
+
+def test_plan_fits_memory_and_beats_baseline():
+    hw = pl.parse_gpus("2x4090")
+    p = pl.search_plan(hw, cm.LLAMA2_7B_128K, pl.parse_context("128k"))
+    assert p.gpu_gb * cm.GIB <= cm.gpu_capacity(hw)
+    assert p.host_gb * cm.GIB <= cm.host_capacity(hw)
+    assert p.ms_per_token < p.baseline_ms
+    assert p.tp == 2 and 0 <= p.settings.on_chip <= 32
+    cmd = p.command_line("/models/llama 7b")
+    assert cmd.startswith("triforce-offload run --model '/models/llama 7b' --mode triforce")
+    for flag in ("--budget", "--chunk 8", "--gamma1", "--gamma2", "--on-chip",
+                 "--transfer-chunk", "--offload on", "--tp 2"):
+        assert flag in cmd
+
+
+def test_plan_respects_memory_overrides():
+    hw = pl.parse_gpus("4090")
+    big = pl.search_plan(hw, cm.LLAMA2_7B_128K, 131072)
+    small = pl.search_plan(hw, cm.LLAMA2_7B_128K, 131072, gpu_mem_gb=20)
+    assert small.gpu_gb <= 20 and small.ms_per_token >= big.ms_per_token
+
+
+def test_plan_refuses_host_overflow_with_numbers():
+    with pytest.raises(ValueError, match=r"needs \d+\.\d GiB host memory.*57\.6 GiB available"):
+        pl.search_plan(pl.parse_gpus("4090"), cm.LLAMA2_7B_128K, pl.parse_context("1M"),
+                       host_mem_gb=64)
+
+
+def test_plan_refuses_gpu_overflow_with_numbers():
+    # llama2-13b: 24.2 GiB of fp16 weights cannot sit on one 24 GiB card
+    with pytest.raises(ValueError, match=r"needs 2\d\.\d GiB per GPU.*\d+\.\d GiB avail"):
+        pl.search_plan(pl.parse_gpus("4090"), cm.LLAMA2_13B_128K, pl.parse_context("1M"),
+                       host_mem_gb=64)
+
+
+def test_plan_is_fast():
+    import time
+    t = time.perf_counter()
+    pl.search_plan(pl.parse_gpus("2x4090"), cm.LLAMA2_13B_128K, 131072)
+    assert time.perf_counter() - t < 1.0
+
+
+@pytest.mark.parametrize("text,gpus,name", [
+    ("4090", 1, "rtx4090"), ("2x4090", 2, "rtx4090"), ("2X4090", 2, "rtx4090"),
+    ("rtx4090", 1, "rtx4090"), ("a100-80g", 1, "a100-80g"), ("1xa100-80g", 1, "a100-80g")])
+def test_parse_gpus(text, gpus, name):
+    hw = pl.parse_gpus(text)
+    assert hw.gpus == gpus
+    assert hw.gpu_mem_gb == cm.HARDWARE[name].gpu_mem_gb
+
+
+@pytest.mark.parametrize("text", ["3090", "0x4090", "x4090", "", "2x"])
+def test_parse_gpus_rejects(text):
+    with pytest.raises(ValueError, match="GPU"):
+        pl.parse_gpus(text)
+
+
+@pytest.mark.parametrize("text,tokens", [
+    ("128k", 131072), ("131072", 131072), ("32K", 32768), ("1M", 1048576), (4096, 4096)])
+def test_parse_context(text, tokens):
+    assert pl.parse_context(text) == tokens
+
+
+@pytest.mark.parametrize("text", ["abc", "12q", "-5", "0", "k"])
+def test_parse_context_rejects(text):
+    with pytest.raises(ValueError, match="context"):
+        pl.parse_context(text)
+
+
+def test_parse_model(tmp_path):
+    assert pl.parse_model("llama2-7b-128k") is cm.LLAMA2_7B_128K
+    (tmp_path / "config.json").write_text(
+        '{"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64, '
+        '"intermediate_size": 128, "vocab_size": 100}')
+    assert pl.parse_model(str(tmp_path)).layers == 2
+    with pytest.raises(ValueError, match="unknown model"):
+        pl.parse_model("gpt-5")
