@@ -1,0 +1,68 @@
+"""The `triforce-offload` command: thin glue over `runtime` and `offload`."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import click
+import typer
+
+from ..runtime.errors import TriforceError
+from .show import err
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
+                  help="Lossless long-context generation by TriForce speculative decoding "
+                       "with an offloaded KV cache.")
+
+
+def read_prompt(prompt: Optional[str], prompt_file: Optional[Path]) -> Optional[str]:
+    if prompt is not None and prompt_file is not None:
+        raise TriforceError("give --prompt or --prompt-file, not both")
+    if prompt == "-" or (prompt_file is not None and str(prompt_file) == "-"):
+        return sys.stdin.read()
+    if prompt_file is not None:
+        if not prompt_file.is_file():
+            raise TriforceError(f"--prompt-file {str(prompt_file)!r} does not exist")
+        return prompt_file.read_text(encoding="utf-8")
+    return prompt
+
+
+@app.command()
+def info(as_json: bool = typer.Option(False, "--json", help="Print one JSON object.")):
+    """Show torch/CUDA versions, GPUs (PCIe link), CPU, RAM and pinned-memory support."""
+    from ..offload.hw import system_info
+    from .show import show_info
+    data = system_info()
+    if as_json:
+        print(json.dumps(data))
+    else:
+        show_info(data)
+
+
+from . import run as _run  # noqa: E402,F401  (registers `run`)
+
+
+def main():
+    """Console entry: user mistakes print one line on stderr and exit 2, never a traceback."""
+    try:
+        rv = app(standalone_mode=False)
+    except TriforceError as e:
+        err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        err.print("interrupted")
+        sys.exit(130)
+    except MemoryError:
+        err.print("[bold red]error:[/] out of host memory; lower --max-context or --budget, "
+                  "or use --offload", highlight=False)
+        sys.exit(2)
+    sys.exit(rv if isinstance(rv, int) else 0)
+
+
+if __name__ == "__main__":
+    main()

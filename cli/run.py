@@ -1,0 +1,62 @@
+"""`triforce-offload run`."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..runtime import api
+from ..runtime.data import encode_prompt, long_prompt
+from ..runtime.sampling import SamplingParams
+from .app import app, read_prompt
+from .show import err, stats_line
+from .progress import bar, print_stream
+
+DEFAULT_PROMPT_TOKENS = 4000
+
+
+@app.command()
+def run(
+    model: Optional[str] = typer.Option(None, help="HF model directory or .gguf file "
+                                        "[default: bundled SmolLM2-135M-Instruct]"),
+    prompt: Optional[str] = typer.Option(None, help="Prompt text ('-' reads stdin) "
+                                         "[default: ~4K tokens of essays + a summary request]"),
+    prompt_file: Optional[Path] = typer.Option(None, help="Read the prompt from a file ('-' for stdin)."),
+    prompt_tokens: int = typer.Option(DEFAULT_PROMPT_TOKENS, help="Length of the built-in essay prompt."),
+    chat: bool = typer.Option(True, "--chat/--no-chat", help="Wrap the prompt in the chat template."),
+    mode: str = typer.Option("autoregressive", help="Generation mode."),
+    max_new_tokens: int = typer.Option(256, help="Stop after this many new tokens."),
+    temperature: float = typer.Option(0.0, help="0 is greedy."),
+    top_p: float = typer.Option(1.0, help="Nucleus sampling mass."),
+    top_k: int = typer.Option(0, help="Keep the k most likely tokens (0: all)."),
+    seed: Optional[int] = typer.Option(None, help="Seed for sampling."),
+    dtype: Optional[str] = typer.Option(None, help="float32|bfloat16|float16 (fp32/bf16/fp16) "
+                                        "[default: bfloat16; float16 on GPUs without bf16]"),
+    device: str = typer.Option("auto", help="auto|cpu|cuda"),
+    rope_scaling: Optional[str] = typer.Option(None, help="Stretch the context, e.g. linear:4 "
+                                               "(kinds: linear, dynamic, yarn, llama3)."),
+    prefill_chunk: int = typer.Option(512, help="Tokens per prefill forward."),
+    max_context: Optional[int] = typer.Option(None, help="Cap the cache capacity (tokens)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text + figures) last."),
+):
+    """Generate from a prompt; ends with a stats line (or a JSON object with --json)."""
+    text = read_prompt(prompt, prompt_file)
+    loaded = api.load(model, dtype, device, rope_scaling, progress=lambda m: err.print(m))
+    ids = (long_prompt(loaded.tokenizer, prompt_tokens, chat=chat) if text is None
+           else encode_prompt(loaded.tokenizer, text, chat))
+    opts = api.RunOptions(mode=mode, max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk,
+                          max_context=max_context,
+                          sampling=SamplingParams(temperature, top_p, top_k, seed))
+    err.print(f"model {loaded.cfg.arch} {loaded.cfg.n_layers} layers, {loaded.dtype} on "
+              f"{loaded.device}; mode {mode}; prompt {len(ids)} tokens", highlight=False)
+    stream = None if as_json else print_stream(loaded.tokenizer)
+    with bar("prefill", enabled=len(ids) > prefill_chunk) as progress:
+        toks, st = api.generate(loaded, ids, opts, on_token=stream, progress=progress)
+    d = st.as_dict()
+    if as_json:
+        print(json.dumps({"text": loaded.tokenizer.decode(toks, skip_special_tokens=True), **d}))
+    else:
+        print(flush=True)
+        err.print(stats_line(d), highlight=False)

@@ -1,0 +1,37 @@
+"""Rich rendering for the CLI: tables and the stats line."""
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+out = Console()
+err = Console(stderr=True, soft_wrap=True)
+
+
+def show_info(d: dict):
+    t = Table(title="triforce-offload info", show_header=False)
+    t.add_column(style="bold")
+    t.add_column()
+    for k in ("torch", "cuda", "cuda_available", "cpu", "cpu_cores", "cpu_threads",
+              "torch_threads", "pinned_memory"):
+        t.add_row(k, str(d[k]))
+    t.add_row("ram", f"{d['ram_available_gb']:.1f} GB available of {d['ram_total_gb']:.1f} GB")
+    for g in d["gpus"] or [{"name": "none"}]:
+        link = (f"PCIe gen {g['pcie_gen']} x{g['pcie_width']}" if "pcie_gen" in g
+                else g.get("pcie", ""))
+        mem = f"{g['memory_gb']:.1f} GB" if "memory_gb" in g else ""
+        t.add_row(f"gpu {g.get('index', '')}".strip(), f"{g['name']} {mem} {link}".strip())
+    out.print(t)
+
+
+def stats_line(d: dict) -> str:
+    parts = [f"prompt {d['prompt_tokens']} tok", f"prefill {d['prefill_s']:.2f} s",
+             f"decode {d['decode_ms_per_token']:.1f} ms/tok ({d['tokens_per_s']:.1f} tok/s)",
+             f"{d['new_tokens']} new", f"peak {d['peak_memory_gb']:.2f} GB"]
+    for k, v in d.get("acceptance", {}).items():
+        parts.append(f"accept[{k}] {v:.2f}")
+    if "mean_accepted" in d:
+        parts.append(f"mean accepted {d['mean_accepted']:.2f}")
+    if "overlap" in d:
+        parts.append(f"overlap {d['overlap']:.2f}")
+    return " | ".join(parts)

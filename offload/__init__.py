@@ -1,0 +1,1 @@
+"""Host KV store, async copier, pipeline scheduler, tuner, cost model."""

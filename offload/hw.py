@@ -1,0 +1,59 @@
+"""What this machine has: CPU, RAM, GPUs (pynvml when present), pinned memory."""
+from __future__ import annotations
+
+import platform
+
+import psutil
+import torch
+
+
+def gpus() -> list[dict]:
+    """One dict per CUDA device: name, memory, PCIe generation and width (pynvml if present)."""
+    if not torch.cuda.is_available():
+        return []
+    out = []
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        out.append({"index": i, "name": p.name, "memory_gb": p.total_memory / 2**30,
+                    **_pcie(i)})
+    return out
+
+
+def _pcie(i: int) -> dict:
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(i)
+        return {"pcie_gen": pynvml.nvmlDeviceGetCurrPcieLinkGeneration(h),
+                "pcie_width": pynvml.nvmlDeviceGetCurrPcieLinkWidth(h),
+                "pcie_gen_max": pynvml.nvmlDeviceGetMaxPcieLinkGeneration(h),
+                "pcie_width_max": pynvml.nvmlDeviceGetMaxPcieLinkWidth(h)}
+    except Exception as e:  # pynvml missing or no NVML: report, never fail
+        return {"pcie": f"unknown ({type(e).__name__})"}
+
+
+def pinned_available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        torch.empty(1, pin_memory=True)
+        return True
+    except RuntimeError:
+        return False
+
+
+def system_info() -> dict:
+    vm = psutil.virtual_memory()
+    return {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_cores": psutil.cpu_count(logical=False),
+        "cpu_threads": psutil.cpu_count(logical=True),
+        "torch_threads": torch.get_num_threads(),
+        "ram_total_gb": vm.total / 2**30,
+        "ram_available_gb": vm.available / 2**30,
+        "pinned_memory": pinned_available(),
+        "gpus": gpus(),
+    }

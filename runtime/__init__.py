@@ -1,0 +1,1 @@
+"""triforce_offload.runtime"""

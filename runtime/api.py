@@ -1,0 +1,99 @@
+"""One entry point for every generation mode: load, build caches, generate, report.
+
+`cli` calls this; so do benchmarks and tests. Modes register a runner in `MODES`:
+a function (loaded, prompt ids, RunOptions, on_token, progress) -> (new ids, Stats).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache import FullCache
+from .errors import TriforceError
+from .generate import autoregressive, check_context
+from .loader import load_model, parse_dtype
+from .sampling import SamplingParams
+
+
+@dataclass
+class Loaded:
+    model: torch.nn.Module  # the target model
+    cfg: object  # its ModelConfig
+    tokenizer: object  # HF tokenizer
+    device: torch.device  # where it runs
+    dtype: torch.dtype  # weights and KV dtype
+
+    @property
+    def eos(self) -> set[int]:
+        ids = set(self.cfg.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+
+@dataclass
+class RunOptions:
+    mode: str = "autoregressive"  # see MODES
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    max_new_tokens: int = 256  # stop after this many new tokens
+    prefill_chunk: int = 512  # tokens per prefill forward
+    max_context: int | None = None  # cache capacity; default prompt + max_new_tokens
+    extra: dict = field(default_factory=dict)  # mode-specific options (budget, gamma, ...)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
+        raise TriforceError(f"--device {name!r}: allowed are auto, cpu, cuda")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise TriforceError("--device cuda: no CUDA device is available (torch.cuda.is_available() is False)")
+    return torch.device(name)
+
+
+def default_dtype(device: torch.device) -> str:
+    """bf16 on GPUs that support it, else fp16; on CPU bf16 (half the memory traffic)."""
+    if device.type == "cuda":
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    return "bfloat16"
+
+
+def load(model_path=None, dtype: str | None = None, device: str = "auto",
+         rope_scaling: str | None = None, progress=None) -> Loaded:
+    dev = resolve_device(device)
+    dt = parse_dtype(dtype or default_dtype(dev))
+    model, cfg, tok = load_model(model_path, dt, dev, rope_scaling, progress)
+    return Loaded(model, cfg, tok, dev, dt)
+
+
+def capacity(loaded: Loaded, n_prompt: int, opts: RunOptions) -> tuple[int, int]:
+    """(cache capacity, max new tokens) after checking the prompt fits the context."""
+    limit = loaded.cfg.max_position_embeddings
+    if opts.max_context:
+        limit = min(limit, opts.max_context)
+    max_new = check_context(n_prompt, opts.max_new_tokens, limit)
+    return n_prompt + max_new + 64, max_new  # slack for speculative look-ahead
+
+
+def run_autoregressive(loaded: Loaded, prompt, opts: RunOptions, on_token=None, progress=None):
+    cap, max_new = capacity(loaded, len(prompt), opts)
+    cache = FullCache(loaded.cfg, cap, dtype=loaded.dtype, device=loaded.device)
+    return autoregressive(loaded.model, cache, prompt, opts.sampling, max_new, loaded.eos,
+                          on_token, opts.prefill_chunk, progress)
+
+
+MODES = {"autoregressive": run_autoregressive}
+
+
+def generate(loaded: Loaded, prompt: list[int], opts: RunOptions, on_token=None, progress=None):
+    """Generate with the chosen mode. Returns (new token ids, Stats)."""
+    if opts.mode not in MODES:
+        raise TriforceError(f"--mode {opts.mode!r}: allowed are {', '.join(MODES)}")
+    if opts.max_new_tokens < 1:
+        raise TriforceError(f"--max-new-tokens {opts.max_new_tokens}: must be >= 1")
+    if not prompt:
+        raise TriforceError("the prompt is empty")
+    toks, st = MODES[opts.mode](loaded, prompt, opts, on_token, progress)
+    st.extra.setdefault("mode", opts.mode)
+    return toks, st

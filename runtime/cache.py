@@ -1,0 +1,73 @@
+"""KV caches. A cache owns its tensors and its length; only the engine commits.
+
+Protocol every cache follows (the model calls `attend`, the engine calls `commit`):
+
+- `attend(layer, q, k, v, start)`: q [B, Hq, T, D] and k, v [B, Hkv, T, D] are the rotated
+  projections of T new tokens at absolute positions start .. start+T-1. The cache stores
+  k, v as *pending* entries and returns the attention output [B, Hq, T, D], causal by
+  position. Several forwards may add pending tokens one after another (drafting).
+- `commit(n)`: the sequence is now n tokens long. Pending tokens below n become part of
+  the cache; everything written at positions >= n leaves no trace. `n` below the current
+  length rolls back (where the cache still holds those tokens).
+- `length`: committed tokens.
+- `prefetch()`: optional hint that a forward over this cache comes next.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..kernels.attention import attention
+from .config import ModelConfig
+from .errors import TriforceError
+
+
+class KVCache:
+    """Base class: shapes and the commit bookkeeping shared by every cache."""
+
+    def __init__(self, cfg: ModelConfig, batch: int = 1):
+        self.n_layers, self.n_kv_heads, self.head_dim = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
+        self.batch = batch
+        self.length = 0
+
+    def attend(self, layer, q, k, v, start):  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def commit(self, n: int):
+        self.length = n
+
+    def prefetch(self):
+        """Hint from the engine: a verification forward over this cache comes next (an
+        offloaded cache starts streaming its first layers; others ignore it)."""
+
+    def nbytes(self) -> int:
+        return 0
+
+
+class FullCache(KVCache):
+    """Every token's K and V, preallocated to `capacity` tokens (no growth by copying)."""
+
+    def __init__(self, cfg: ModelConfig, capacity: int, batch: int = 1,
+                 dtype=torch.float32, device="cpu"):
+        super().__init__(cfg, batch)
+        self.capacity = capacity
+        shape = (batch, cfg.n_kv_heads, capacity, cfg.head_dim)  # [B, Hkv, S, D]
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
+
+    def attend(self, layer, q, k, v, start):
+        end = start + q.shape[2]
+        if end > self.capacity:
+            raise TriforceError(f"context of {end} tokens exceeds the cache capacity "
+                                f"{self.capacity}; raise --max-context")
+        K, V = self.k[layer], self.v[layer]
+        K[:, :, start:end] = k
+        V[:, :, start:end] = v
+        return attention(q, K[:, :, :end], V[:, :, :end], start)
+
+    def keys(self, layer: int, end: int | None = None):
+        """Committed (or up to `end`) K and V of a layer: [B, Hkv, S, D] views."""
+        end = self.length if end is None else end
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)

