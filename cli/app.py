@@ -9,6 +9,7 @@ from typing import Optional
 import click
 import typer
 
+from ..offload.errors import OffloadError
 from ..runtime.errors import TriforceError
 from .show import err
 
@@ -48,7 +49,7 @@ def main():
     """Console entry: user mistakes print one line on stderr and exit 2, never a traceback."""
     try:
         rv = app(standalone_mode=False)
-    except TriforceError as e:
+    except (TriforceError, OffloadError) as e:
         err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except click.ClickException as e:
