@@ -1,0 +1,90 @@
+"""Rank bodies for tests/test_tp.py: spawned ranks import these by name.
+
+Results go back to the parent as plain lists (not tensors) so no shared-memory handle
+outlives the rank that made it.
+"""
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+import torch.distributed as dist
+
+from triforce_offload.runtime import tp
+from triforce_offload.runtime.cache import FullCache
+from triforce_offload.runtime.config import ModelConfig
+from triforce_offload.runtime.generate import decode, prefill
+from triforce_offload.runtime.model import Transformer
+from triforce_offload.runtime.sampling import SamplingParams
+
+# tiny configs: plain GQA, KV heads fewer than ranks (replicated), MHA, Qwen2 with q/k/v bias
+CONFIGS = {
+    "llama-gqa": dict(n_heads=4, n_kv_heads=2),
+    "llama-kv1": dict(n_heads=4, n_kv_heads=1),
+    "llama-mha": dict(n_heads=4, n_kv_heads=4),
+    "qwen2-bias": dict(arch="qwen2", n_heads=4, n_kv_heads=2, attention_bias=True),
+}
+
+
+def tiny(name: str) -> ModelConfig:
+    return ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, n_layers=3,
+                       head_dim=16, max_position_embeddings=256, **CONFIGS[name])
+
+
+def build(name: str, seed: int = 0) -> Transformer:
+    """The same random model on every rank (same seed)."""
+    torch.manual_seed(seed)
+    m = Transformer(tiny(name)).eval().requires_grad_(False)
+    if m.config.attention_bias:  # random biases, so that sharding them is really tested
+        for b in m.model.layers:
+            for lin in (b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj):
+                lin.bias.normal_(0, 0.5)
+    return m
+
+
+def run_model(name: str, prompt: list[int], n_new: int) -> dict:
+    """Shard (if in a group), prefill, greedy-decode: logits, tokens and cache head counts."""
+    m = build(name)
+    cfg = m.config
+    if dist.is_initialized():
+        cfg = tp.shard_model(m, cfg, dist.get_rank(), dist.get_world_size())
+    cache = FullCache(cfg, 128)
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        full = m(ids, 0, cache)[0]  # [T, V]
+        cache.commit(len(prompt))
+        toks = decode(m, cache, full[-1:], len(prompt), SamplingParams(), n_new, set())
+    return {"logits": full.tolist(), "tokens": toks, "cache_kv_heads": cache.k[0].shape[1]}
+
+
+def run_all(prompt: list[int], n_new: int) -> dict:
+    return {name: run_model(name, prompt, n_new) for name in CONFIGS}
+
+
+def sampled(seed, n_new: int) -> list[int]:
+    """Temperature sampling with a run seed from sync_sampling (None: rank 0 draws one)."""
+    m = build("llama-gqa")
+    cfg = tp.shard_model(m, m.config, dist.get_rank(), dist.get_world_size())
+    sp = tp.sync_sampling(SamplingParams(temperature=1.0, seed=seed))
+    cache = FullCache(cfg, 128)
+    with torch.inference_mode():
+        logits = prefill(m, cache, torch.tensor([[1, 2, 3]]))
+        return decode(m, cache, logits, 3, sp, n_new, set())
+
+
+def die_mid_run(victim: int, steps: int = 1000):
+    """Forward passes in a loop; rank `victim` kills itself (SIGKILL) after 3 of them."""
+    m = build("llama-gqa")
+    cfg = tp.shard_model(m, m.config, dist.get_rank(), dist.get_world_size())
+    with torch.inference_mode():
+        for i in range(steps):
+            if i == 3 and dist.get_rank() == victim:
+                os.kill(os.getpid(), signal.SIGKILL)
+            m(torch.tensor([[1, 2]]), 0, FullCache(cfg, 8))
+    return "finished"
+
+
+def raise_user_error():
+    from triforce_offload.runtime.errors import TriforceError
+    raise TriforceError("bad value 7; allowed: 1-3")
