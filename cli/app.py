@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-import click
 import typer
 
 from ..offload.errors import OffloadError
@@ -46,23 +45,20 @@ from . import run as _run  # noqa: E402,F401  (registers `run`)
 
 
 def main():
-    """Console entry: user mistakes print one line on stderr and exit 2, never a traceback."""
+    """Console entry: user mistakes print one line on stderr and exit 2, never a traceback.
+    (typer itself reports usage errors with exit 2.)"""
     try:
-        rv = app(standalone_mode=False)
+        app()
     except (TriforceError, OffloadError) as e:
-        err.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        err.print(f"[bold red]error:[/] {e}", highlight=False)
         sys.exit(2)
-    except click.ClickException as e:
-        e.show()
-        sys.exit(e.exit_code)
-    except (click.exceptions.Abort, KeyboardInterrupt):
+    except KeyboardInterrupt:
         err.print("interrupted")
         sys.exit(130)
     except MemoryError:
         err.print("[bold red]error:[/] out of host memory; lower --max-context or --budget, "
                   "or use --offload", highlight=False)
         sys.exit(2)
-    sys.exit(rv if isinstance(rv, int) else 0)
 
 
 if __name__ == "__main__":

@@ -69,10 +69,10 @@ def load(model_path=None, dtype: str | None = None, device: str = "auto",
 
 def capacity(loaded: Loaded, n_prompt: int, opts: RunOptions) -> tuple[int, int]:
     """(cache capacity, max new tokens) after checking the prompt fits the context."""
-    limit = loaded.cfg.max_position_embeddings
-    if opts.max_context:
-        limit = min(limit, opts.max_context)
-    max_new = check_context(n_prompt, opts.max_new_tokens, limit)
+    limit, what = loaded.cfg.max_position_embeddings, "the model's context"
+    if opts.max_context and opts.max_context < limit:
+        limit, what = opts.max_context, "--max-context"
+    max_new = check_context(n_prompt, opts.max_new_tokens, limit, what)
     return n_prompt + max_new + 64, max_new  # slack for speculative look-ahead
 
 

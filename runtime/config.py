@@ -108,9 +108,8 @@ def parse_rope_scaling(spec: str, cfg: ModelConfig) -> dict:
         raise TriforceError(f"--rope-scaling {spec!r}: factor must be a number, e.g. {kind}:4")
     if f < 1:
         raise TriforceError(f"--rope-scaling {spec!r}: factor must be >= 1")
-    out = {"rope_type": kind, "factor": f}
-    if kind in ("yarn", "llama3"):
-        out["original_max_position_embeddings"] = cfg.max_position_embeddings
+    out = {"rope_type": kind, "factor": f,
+           "original_max_position_embeddings": cfg.max_position_embeddings}
     if kind == "llama3":
         out.update(low_freq_factor=1.0, high_freq_factor=4.0)
     return out
@@ -127,7 +126,8 @@ def rope_frequencies(cfg: ModelConfig, seq_len: int) -> tuple[list[float], float
     """Inverse frequencies and attention scaling for RoPE, as HF computes them.
 
     `seq_len` is the longest context this cache will see (used by `dynamic`, which HF
-    recomputes as the sequence grows; we fix it at the cache's capacity).
+    recomputes as the sequence grows; we fix it at the model's stretched context, so
+    logits equal HF's exactly while the sequence stays within the original length).
     """
     d, base, sc = cfg.head_dim, cfg.rope_theta, cfg.rope_scaling or {}
     kind = rope_kind(cfg.rope_scaling)
@@ -147,7 +147,8 @@ def rope_frequencies(cfg: ModelConfig, seq_len: int) -> tuple[list[float], float
 
 
 def _orig_max(cfg: ModelConfig, factor: float) -> int:
-    return int(cfg.max_position_embeddings / factor) if cfg.rope_scaling else cfg.max_position_embeddings
+    """HF configs without the key mean max_position_embeddings is the pre-training length."""
+    return cfg.max_position_embeddings
 
 
 def _yarn(inv, cfg, sc, factor):
@@ -194,4 +195,4 @@ def _llama3(inv, sc, factor):
         else:
             s = (orig / wl - lo_f) / (hi_f - lo_f)
             out.append((1 - s) * f / factor + s * f)
-    return out, 1.0
+    return out

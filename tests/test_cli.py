@@ -1,0 +1,77 @@
+"""The `triforce-offload` command as a user runs it: outputs, JSON, and one-line errors."""
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+
+def cli(*args, stdin=None):
+    cmd = [sys.executable, "-m", "triforce_offload.cli", *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, input=stdin, timeout=300)
+
+
+def assert_user_error(r, *needles):
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    lines = [ln for ln in r.stderr.strip().splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1, r.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+def test_run_json_on_tiny_model(tiny_model_dir):
+    r = cli("run", "--model", tiny_model_dir, "--mode", "autoregressive", "--prompt", "Hello there",
+            "--max-new-tokens", "5", "--dtype", "fp32", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout.strip().splitlines()[-1])
+    for k in ("text", "prompt_tokens", "prefill_s", "decode_ms_per_token", "tokens_per_s",
+              "peak_memory_gb"):
+        assert k in d
+    assert d["new_tokens"] <= 5 and d["prompt_tokens"] > 2
+
+
+def test_prompt_from_stdin_and_stats_line(tiny_model_dir):
+    r = cli("run", "--model", tiny_model_dir, "--mode", "autoregressive", "--prompt", "-",
+            "--max-new-tokens", "3", "--no-chat", stdin="one two three")
+    assert r.returncode == 0, r.stderr
+    assert "prompt 4 tok" in r.stderr.replace("\n", " ") or "prompt 3 tok" in r.stderr
+    assert "ms/tok" in r.stderr
+
+
+def test_missing_model_path():
+    assert_user_error(cli("run", "--model", "/no/such/model"), "/no/such/model", "does not exist")
+
+
+def test_folder_that_is_not_a_model(tmp_path):
+    assert_user_error(cli("run", "--model", tmp_path), "config.json")
+
+
+def test_unsupported_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"],
+                                                       "model_type": "gpt2"}))
+    assert_user_error(cli("run", "--model", tmp_path), "GPT2LMHeadModel", "LlamaForCausalLM")
+
+
+def test_prompt_longer_than_context(tiny_model_dir):
+    r = cli("run", "--model", tiny_model_dir, "--mode", "autoregressive", "--max-context", "50",
+            "--prompt", "word " * 80)
+    assert_user_error(r, "of 50 tokens", "--max-context")
+    assert re.search(r"prompt of \d{3} tokens", r.stderr)  # both lengths are named
+
+
+@pytest.mark.parametrize("flag,value,needle", [("--temperature", "-1", "temperature"),
+                                               ("--top-p", "0", "top-p"),
+                                               ("--dtype", "int3", "float32"),
+                                               ("--device", "tpu", "auto, cpu, cuda"),
+                                               ("--mode", "magic", "autoregressive")])
+def test_invalid_values(tiny_model_dir, flag, value, needle):
+    assert_user_error(cli("run", "--model", tiny_model_dir, "--prompt", "hi", flag, value), needle)
+
+
+def test_info_json():
+    r = cli("info", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["torch"] and d["ram_total_gb"] > 0 and d["pinned_memory"] in (True, False)
