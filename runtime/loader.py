@@ -120,12 +120,32 @@ def weight_files(d: Path) -> list[Path]:
     return files
 
 
+ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+             "F64": torch.float64, "I64": torch.int64, "I32": torch.int32}
+
+
+def read_safetensors(path: Path, dtype: torch.dtype):
+    """Yield (name, tensor in `dtype`) reading one tensor at a time without mmap, so peak
+    memory is the converted weights plus the largest single tensor, not twice the file."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+        header.pop("__metadata__", None)
+        for name, h in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            src = ST_DTYPES.get(h["dtype"])
+            if src is None:
+                raise TriforceError(f"{path.name}: tensor {name} has unsupported dtype {h['dtype']}")
+            t = torch.empty(h["shape"], dtype=src)
+            f.seek(8 + n + h["data_offsets"][0])
+            f.readinto(memoryview(t.view(-1).view(torch.uint8).numpy()) if t.numel() else bytearray())
+            yield name, t.to(dtype) if src.is_floating_point else t
+
+
 def load_weights(model: Transformer, d: Path, dtype: torch.dtype, device) -> None:
-    from safetensors.torch import load_file
     state = {}
     for f in weight_files(d):
-        for name, t in load_file(str(f), device="cpu").items():
-            state[name] = t.to(dtype)
+        for name, t in read_safetensors(f, dtype):
+            state[name] = t
     if model.config.tie_word_embeddings or "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
         model.config.tie_word_embeddings = True
