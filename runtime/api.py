@@ -14,6 +14,7 @@ from .errors import TriforceError
 from .generate import autoregressive, check_context
 from .loader import load_model, parse_dtype
 from .sampling import SamplingParams
+from .spec_modes import SPEC_MODES
 
 
 @dataclass
@@ -84,6 +85,7 @@ def run_autoregressive(loaded: Loaded, prompt, opts: RunOptions, on_token=None, 
 
 
 MODES = {"autoregressive": run_autoregressive}
+MODES.update(SPEC_MODES)  # triforce, retrieval, draft (runtime/spec_modes.py)
 
 
 def generate(loaded: Loaded, prompt: list[int], opts: RunOptions, on_token=None, progress=None):

@@ -1,0 +1,113 @@
+"""Levels of the speculative hierarchy: a model over a cache, and the n-gram drafter.
+
+Every level shares one token list `seq` (prompt + generated + tentative tokens) and
+tracks `fed`: how many leading positions of `seq` its cache holds (committed or
+pending). A forward feeds `seq[fed:]`, so a level catches up on tokens accepted by the
+levels above without the engine spelling them out. `draft(seq, g, sp, gen)` appends up
+to g tokens to `seq` and returns their draft distributions q [g', V].
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from .errors import TriforceError
+from .sampling import probs, sample
+from .speculative import one_hot
+
+
+class ModelLevel:
+    """A model over one cache: the target over full/retrieval caches, or a draft model."""
+
+    def __init__(self, model, cache, name: str):
+        self.model, self.cache, self.name = model, cache, name
+        self.device = next(model.parameters()).device
+        self.fed = 0  # leading positions of seq held by the cache
+        self.time = 0.0  # seconds spent in forwards
+
+    @torch.inference_mode()
+    def forward(self, seq: list[int], rows: int) -> torch.Tensor:
+        """Feed seq[fed:]; fp32 logits of the last `rows` positions [rows, V]."""
+        t0 = time.perf_counter()
+        ids = torch.tensor([seq[self.fed:]], device=self.device)
+        out = self.model(ids, self.fed, self.cache, last_only=rows == 1)[0, -rows:].float()
+        self.fed = len(seq)
+        self.time += time.perf_counter() - t0
+        return out
+
+    def commit(self, n: int):
+        self.fed = n
+        self.cache.commit(n)
+
+    def rollback(self, n: int):
+        """Positions >= n are no longer valid (also commits pending tokens below n)."""
+        self.commit(min(self.fed, n))
+
+    def draft(self, seq, g, sp, gen) -> torch.Tensor:
+        qs = []
+        for _ in range(g):
+            p = probs(self.forward(seq, 1)[0], sp)  # [V]
+            seq.append(int(sample(p, gen)))
+            qs.append(p)
+        return torch.stack(qs)
+
+    @torch.inference_mode()
+    def prefill(self, prompt: list[int], chunk: int):
+        """Run the prompt through this level's own cache (a draft model's streaming cache)."""
+        t0 = time.perf_counter()
+        for s in range(0, len(prompt), chunk):
+            ids = torch.tensor([prompt[s: s + chunk]], device=self.device)
+            self.model(ids, s, self.cache, last_only=True)
+            self.cache.commit(min(s + chunk, len(prompt)))
+        self.fed = len(prompt)
+        self.time += time.perf_counter() - t0
+
+
+class NgramDrafter:
+    """Prompt lookup: find the last n tokens earlier in the context, propose what followed.
+
+    Tries n = max_n .. 1 and takes the most recent match. Deterministic, so q is one-hot.
+    """
+
+    name = "ngram"
+
+    def __init__(self, vocab: int, max_n: int = 3, device="cpu"):
+        self.vocab, self.max_n, self.device = vocab, max_n, device
+        self.time = 0.0  # seconds spent looking up
+
+    def lookup(self, seq: list[int], g: int) -> list[int]:
+        a = np.asarray(seq, dtype=np.int64)
+        L = len(a)
+        for n in range(min(self.max_n, L - 1), 0, -1):
+            hit = np.ones(L - n, dtype=bool)  # candidate starts 0 .. L-n-1 (not the suffix itself)
+            for j in range(n):
+                hit &= a[j: L - n + j] == a[L - n + j]
+            idx = np.flatnonzero(hit)
+            if idx.size:
+                s = int(idx[-1]) + n
+                return a[s: s + g].tolist()
+        return []
+
+    def draft(self, seq, g, sp, gen) -> torch.Tensor:
+        t0 = time.perf_counter()
+        toks = self.lookup(seq, g)
+        seq.extend(toks)
+        self.time += time.perf_counter() - t0
+        return one_hot(toks, self.vocab, self.device)
+
+    def rollback(self, n: int):
+        """Stateless: nothing to undo."""
+
+
+def check_vocab(target_tok, draft_tok, show: int = 5):
+    """A draft model must share the target's tokenizer: compare vocabularies."""
+    a, b = target_tok.get_vocab(), draft_tok.get_vocab()
+    if a == b:
+        return
+    diff = sorted(set(a.items()) ^ set(b.items()), key=lambda kv: kv[1])
+    toks = ", ".join(f"{t!r}={i}" for t, i in diff[:show])
+    raise TriforceError(f"--draft model's tokenizer differs from the target's ({len(a)} vs {len(b)} "
+                        f"tokens; {len(diff)} (token, id) pairs differ, e.g. {toks}); "
+                        "use a draft model with the same tokenizer, or --draft ngram|self")

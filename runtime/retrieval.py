@@ -1,0 +1,110 @@
+"""The middle level's cache: a fixed budget of retrieved KV chunks plus appended tokens.
+
+Built from the full cache (in memory or offloaded: only `keys(layer)` is used). Each
+layer and KV head keeps its own top `budget // chunk` chunks, scored by the last query
+against the chunk's mean key (kernels/retrieval.py). The incomplete last chunk (the most
+recent < chunk tokens) is always kept. Keys carry their absolute RoPE positions, so
+selected chunks need no re-rotation; every selected token precedes `base` (the length at
+build time) and every appended token follows it, which is all causal masking needs.
+
+Verified tokens are absorbed from the full cache (`absorb`): the retrieval cache then
+holds the target's exact KV for them rather than its own approximation.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..kernels.attention import attention
+from ..kernels.retrieval import chunk_means, chunk_scores, gather_chunks, top_chunks
+from .cache import KVCache
+from .errors import TriforceError
+
+
+class Recorder:
+    """Wraps a cache and keeps the last query row of each layer (for retrieval scoring)."""
+
+    def __init__(self, cache):
+        self.inner = cache
+        self.q = {}  # layer -> [B, Hq, D] query of the last token of the last forward
+
+    def attend(self, layer, q, k, v, start):
+        self.q[layer] = q[:, :, -1]
+        return self.inner.attend(layer, q, k, v, start)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class RetrievalCache(KVCache):
+    """`budget` tokens of selected chunks per layer and KV head + room for `extra` new tokens."""
+
+    def __init__(self, cfg, budget: int, chunk: int, extra: int, batch: int = 1,
+                 dtype=torch.float32, device="cpu"):
+        super().__init__(cfg, batch)
+        self.chunk, self.n_chunks = chunk, budget // chunk
+        self.slots = self.n_chunks * chunk + chunk + extra  # selected + tail + appended
+        shape = (batch, cfg.n_kv_heads, self.slots, cfg.head_dim)  # [B, Hkv, slots, D]
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
+        self.base = 0  # absolute position of the first appended token
+        self.n_ret = 0  # slots holding retrieved tokens (all before `base`)
+        self.holds_all = False  # the context fitted the budget: nothing was dropped
+
+    @torch.inference_mode()
+    def build(self, full, qs: dict, length: int):
+        """Select chunks from full.keys(layer) of the first `length` tokens with queries qs[layer]."""
+        n_full = length // self.chunk
+        self.holds_all = n_full <= self.n_chunks
+        for layer in range(self.n_layers):
+            K, V = full.keys(layer, length)  # [B, Hkv, S, D], maybe on the host
+            if self.holds_all:
+                k, v = K, V
+            else:
+                k, v = self._select(K, V, qs[layer], n_full * self.chunk)
+            self.n_ret = k.shape[2]
+            self.k[layer][:, :, : self.n_ret].copy_(k)
+            self.v[layer][:, :, : self.n_ret].copy_(v)
+        self.base = self.length = length
+
+    def _select(self, K, V, q, end):
+        idx = top_chunks(chunk_scores(q.to(K.device), chunk_means(K, self.chunk)), self.n_chunks)
+        k = torch.cat([gather_chunks(K, idx, self.chunk), K[:, :, end:]], 2)
+        v = torch.cat([gather_chunks(V, idx, self.chunk), V[:, :, end:]], 2)
+        return k, v
+
+    def _slot(self, pos: int) -> int:
+        return self.n_ret + pos - self.base
+
+    def room(self) -> int:
+        """Tokens that can still be appended after the committed length."""
+        return self.slots - self._slot(self.length)
+
+    def attend(self, layer, q, k, v, start):
+        s, T = self._slot(start), q.shape[2]
+        if start < self.base or s + T > self.slots:
+            raise TriforceError(f"retrieval cache: positions {start}..{start + T - 1} are outside "
+                                f"its range {self.base}..{self.base + self.slots - self.n_ret - 1}")
+        K, V = self.k[layer], self.v[layer]
+        K[:, :, s: s + T] = k
+        V[:, :, s: s + T] = v
+        return attention(q, K[:, :, : s + T], V[:, :, : s + T], start, self.base - self.n_ret)
+
+    @torch.inference_mode()
+    def absorb(self, full, lo: int, hi: int):
+        """Copy the full cache's exact KV of positions lo..hi-1 in, and commit to hi."""
+        lo = max(lo, self.base)
+        if hi > lo:
+            s = self._slot(lo)
+            for layer in range(self.n_layers):
+                K, V = full.keys(layer, hi)
+                self.k[layer][:, :, s: s + hi - lo].copy_(K[:, :, lo:hi])
+                self.v[layer][:, :, s: s + hi - lo].copy_(V[:, :, lo:hi])
+        self.commit(hi)
+
+    def commit(self, n: int):
+        if n < self.base:
+            raise TriforceError(f"retrieval cache cannot roll back to {n} < its base {self.base}")
+        self.length = n
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)

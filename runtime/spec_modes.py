@@ -1,0 +1,143 @@
+"""Speculative modes for `api.MODES`: triforce, retrieval (ablation) and draft (classic).
+
+| mode | levels |
+|---|---|
+| triforce | drafter -(gamma1)-> target+retrieval -(gamma2)-> target+full |
+| retrieval | target+retrieval -(gamma2)-> target+full |
+| draft | drafter -(gamma1)-> target+full |
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .drafters import ModelLevel, NgramDrafter, check_vocab
+from .engine import AutoGamma, Engine, Rebuild
+from .errors import TriforceError
+from .generate import Stats, check_context, peak_memory_gb, prefill
+from .offloaded import finish_stats, make_full_cache
+from .retrieval import Recorder, RetrievalCache
+from .sampling import probs, sample
+from .streaming import StreamingCache
+
+
+@dataclass
+class SpecOptions:
+    draft: str = "ngram"  # ngram | self | path of a draft model with the target's tokenizer
+    budget: int = 4096  # retrieval cache tokens per layer and KV head
+    chunk: int = 8  # tokens per retrieval chunk
+    gamma1: int = 4  # tokens the drafter proposes per check by the middle level (or target)
+    gamma2: str = "6"  # tokens the middle level proposes per verification, or "auto"
+    draft_sink: int = 16  # streaming cache: first tokens always kept
+    draft_window: int = 240  # streaming cache: recent tokens kept (256 minus gamma room)
+    rebuild: str = "never"  # never | every:N | adaptive
+    ngram: int = 3  # longest n-gram the prompt-lookup drafter matches
+
+    @classmethod
+    def from_extra(cls, extra: dict) -> "SpecOptions":
+        known = {k: v for k, v in extra.items() if k in cls.__dataclass_fields__ and v is not None}
+        o = cls(**known)
+        o.gamma2 = str(o.gamma2)
+        o.check()
+        return o
+
+    def check(self):
+        if self.chunk < 1:
+            raise TriforceError(f"--chunk {self.chunk}: must be >= 1")
+        if self.budget < 2 * self.chunk:
+            raise TriforceError(f"--budget {self.budget}: must be at least 2 chunks "
+                                f"(2 x --chunk {self.chunk} = {2 * self.chunk} tokens)")
+        if self.gamma1 < 1:
+            raise TriforceError(f"--gamma1 {self.gamma1}: must be >= 1")
+        if self.gamma2 != "auto" and (not self.gamma2.isdigit() or int(self.gamma2) < 1):
+            raise TriforceError(f"--gamma2 {self.gamma2!r}: must be an integer >= 1 or 'auto'")
+        if self.draft_sink < 0 or self.draft_window < 1:
+            raise TriforceError(f"--draft-sink {self.draft_sink} / --draft-window {self.draft_window}: "
+                                "need sink >= 0 and window >= 1")
+        Rebuild.parse(self.rebuild)
+
+    @property
+    def g2(self) -> int:
+        return 6 if self.gamma2 == "auto" else int(self.gamma2)
+
+
+def make_drafter(o: SpecOptions, loaded, prompt, full):
+    """The bottom level: n-gram lookup, the target over a streaming cache, or a draft model."""
+    if o.draft == "ngram":
+        return NgramDrafter(loaded.cfg.vocab_size, o.ngram, loaded.device)
+    mk = lambda cfg: StreamingCache(cfg, o.draft_sink, o.draft_window, max(64, o.gamma1 + 16),
+                                    dtype=loaded.dtype, device=loaded.device)
+    if o.draft == "self":
+        lv = ModelLevel(loaded.model, mk(loaded.cfg), "self")
+        lv.cache.load_from(full, len(prompt))  # the target's own KV of sink + window
+        lv.fed = len(prompt)
+        return lv
+    from .loader import load_model
+    model, cfg, tok = load_model(o.draft, loaded.dtype, loaded.device)
+    check_vocab(loaded.tokenizer, tok)
+    lv = ModelLevel(model, mk(cfg), "draft")
+    lv.prefill(prompt, lv.cache.pending)
+    return lv
+
+
+def build_levels(kind, o: SpecOptions, loaded, prompt, full, notes: list):
+    n = len(prompt)
+    top = ModelLevel(loaded.model, full, "full")
+    top.fed = n
+    levels, gammas = [top], []
+    if kind in ("triforce", "retrieval"):
+        if o.budget % o.chunk:
+            notes.append(f"budget {o.budget} rounded down to {o.budget // o.chunk * o.chunk} "
+                         f"(a multiple of chunk {o.chunk})")
+        extra = full.capacity - n + 64
+        ret = RetrievalCache(loaded.cfg, o.budget, o.chunk, extra, dtype=loaded.dtype, device=loaded.device)
+        ret.build(full, full.q, n)
+        if ret.holds_all:
+            notes.append(f"prompt of {n} tokens fits the budget: the retrieval cache holds all of it")
+        mid = ModelLevel(loaded.model, ret, "retrieval")
+        mid.fed = n
+        levels.insert(0, mid)
+        gammas.insert(0, o.g2)
+    if kind in ("triforce", "draft"):
+        levels.insert(0, make_drafter(o, loaded, prompt, full))
+        gammas.insert(0, o.gamma1)
+    return levels, gammas
+
+
+def run_speculative(kind: str, loaded, prompt, opts, on_token=None, progress=None):
+    o = SpecOptions.from_extra(opts.extra)
+    limit = min(loaded.cfg.max_position_embeddings, opts.max_context or 1 << 62)
+    max_new = check_context(len(prompt), opts.max_new_tokens, limit)
+    cap = len(prompt) + max_new + 64  # slack for look-ahead past the last token
+    full = Recorder(make_full_cache(loaded, cap, opts))  # in memory, or offloaded with --offload
+    ids = torch.tensor([prompt], device=loaded.device)
+    t0 = time.perf_counter()
+    logits = prefill(loaded.model, full, ids, chunk=opts.prefill_chunk, progress=progress)
+    t_pre = time.perf_counter()
+    notes = []
+    levels, gammas = build_levels(kind, o, loaded, prompt, full, notes)
+    sp = opts.sampling
+    gen = sp.generator(loaded.device)
+    auto = AutoGamma(o.g2) if o.gamma2 == "auto" and kind != "draft" else None  # adapts gamma2
+    eng = Engine(levels, gammas, sp, gen, auto, Rebuild.parse(o.rebuild))
+    t1 = time.perf_counter()
+    seq = list(prompt) + [int(sample(probs(logits[0], sp), gen))]
+    with torch.inference_mode():
+        toks = eng.run(seq, max_new, set() if opts.ignore_eos else loaded.eos, on_token)
+    t2 = time.perf_counter()
+    st = Stats(len(prompt), len(toks), t1 - t0, t2 - t1, peak_memory_gb(loaded.device))
+    st.extra.update(eng.figures(), build_s=round(t1 - t_pre, 3), notes=notes)
+    finish_stats(full.inner, st, opts)
+    return toks, st
+
+
+def runner(kind: str):
+    def run(loaded, prompt, opts, on_token=None, progress=None):
+        return run_speculative(kind, loaded, prompt, opts, on_token, progress)
+    run.__name__ = f"run_{kind}"
+    return run
+
+
+SPEC_MODES = {k: runner(k) for k in ("triforce", "retrieval", "draft")}
