@@ -42,6 +42,7 @@ def info(as_json: bool = typer.Option(False, "--json", help="Print one JSON obje
 
 
 from . import run as _run  # noqa: E402,F401  (registers `run`)
+from . import tune as _tune  # noqa: E402,F401  (registers `tune`)
 
 
 def main():

@@ -39,6 +39,13 @@ def run(
                                                "(kinds: linear, dynamic, yarn, llama3)."),
     prefill_chunk: int = typer.Option(512, help="Tokens per prefill forward."),
     max_context: Optional[int] = typer.Option(None, help="Cap the cache capacity (tokens)."),
+    offload: str = typer.Option("auto", help="auto|on|off: keep the full KV in host memory and "
+                                "stream it (auto: on when it does not fit the device; off on CPU)."),
+    on_chip: int = typer.Option(0, help="With --offload: the first N layers keep their KV on the device."),
+    transfer_chunk: Optional[int] = typer.Option(None, help="Tokens per host->device copy "
+                                                 "[default: from `triforce-offload tune`, else 1024]."),
+    profile: Optional[Path] = typer.Option(None, help="With --offload: write a Chrome trace JSON "
+                                           "of the last verification (copy/compute/wait per layer)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text + figures) last."),
 ):
     """Generate from a prompt; ends with a stats line (or a JSON object with --json)."""
@@ -49,6 +56,8 @@ def run(
     opts = api.RunOptions(mode=mode, max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk,
                           max_context=max_context,
                           sampling=SamplingParams(temperature, top_p, top_k, seed))
+    opts.extra.update(offload=offload, on_chip=on_chip, transfer_chunk=transfer_chunk,
+                      profile=str(profile) if profile else None)
     err.print(f"model {loaded.cfg.arch} {loaded.cfg.n_layers} layers, {loaded.dtype} on "
               f"{loaded.device}; mode {mode}; prompt {len(ids)} tokens", highlight=False)
     stream = None if as_json else print_stream(loaded.tokenizer)

@@ -13,6 +13,7 @@ from .cache import FullCache
 from .errors import TriforceError
 from .generate import autoregressive, check_context
 from .loader import load_model, parse_dtype
+from .offloaded import ZeroInferenceCache, finish_stats, make_full_cache
 from .sampling import SamplingParams
 from .spec_modes import SPEC_MODES
 
@@ -79,12 +80,25 @@ def capacity(loaded: Loaded, n_prompt: int, opts: RunOptions) -> tuple[int, int]
 
 def run_autoregressive(loaded: Loaded, prompt, opts: RunOptions, on_token=None, progress=None):
     cap, max_new = capacity(loaded, len(prompt), opts)
-    cache = FullCache(loaded.cfg, cap, dtype=loaded.dtype, device=loaded.device)
-    return autoregressive(loaded.model, cache, prompt, opts.sampling, max_new, loaded.eos,
-                          on_token, opts.prefill_chunk, progress)
+    cache = make_full_cache(loaded, cap, opts)  # FullCache, or OffloadedCache with --offload
+    return _run_with(cache, loaded, prompt, opts, max_new, on_token, progress)
 
 
-MODES = {"autoregressive": run_autoregressive}
+def run_zero_inference(loaded: Loaded, prompt, opts: RunOptions, on_token=None, progress=None):
+    """DeepSpeed ZeRO-Inference's KV offload: KV on the host, attention on the host."""
+    cap, max_new = capacity(loaded, len(prompt), opts)
+    cache = ZeroInferenceCache(loaded.cfg, cap, dtype=loaded.dtype, device=loaded.device)
+    return _run_with(cache, loaded, prompt, opts, max_new, on_token, progress)
+
+
+def _run_with(cache, loaded, prompt, opts, max_new, on_token, progress):
+    toks, st = autoregressive(loaded.model, cache, prompt, opts.sampling, max_new, loaded.eos,
+                              on_token, opts.prefill_chunk, progress)
+    finish_stats(cache, st, opts)  # overlap, streamed GB, --profile trace
+    return toks, st
+
+
+MODES = {"autoregressive": run_autoregressive, "zero-inference": run_zero_inference}
 MODES.update(SPEC_MODES)  # triforce, retrieval, draft (runtime/spec_modes.py)
 
 

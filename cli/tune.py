@@ -1,0 +1,77 @@
+"""`triforce-offload tune`: sweep transfer chunk sizes, save this device's profile."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from ..offload.tune import parse_sizes, save_profile
+from ..runtime import api
+from ..runtime.offload_bench import tune_rows
+from .app import app
+from .show import err, out
+
+
+@app.command()
+def tune(
+    model: Optional[str] = typer.Option(None, help="HF model directory or .gguf file "
+                                        "[default: bundled SmolLM2-135M-Instruct]"),
+    context: int = typer.Option(8192, help="Context (tokens) of the timed verification."),
+    tokens: int = typer.Option(6, help="Tokens per verification forward (gamma2)."),
+    sizes: str = typer.Option("64-16384", help="Chunk sizes: 64,256,1024 or a range 64-16384."),
+    dtype: Optional[str] = typer.Option(None, help="float32|bfloat16|float16 [default as run]"),
+    device: str = typer.Option("auto", help="auto|cpu|cuda"),
+    rope_scaling: Optional[str] = typer.Option(None, help="Stretch the context, e.g. linear:4."),
+    repeats: int = typer.Option(2, help="Timed verifications per size (best is kept)."),
+    plot: Optional[Path] = typer.Option(None, help="Write a PNG of GB/s and latency per chunk."),
+    save: bool = typer.Option(True, "--save/--no-save", help="Write the device profile `run` reads."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+):
+    """Measure link GB/s and verify latency per transfer chunk; pick the fastest."""
+    chunks = parse_sizes(sizes)
+    loaded = api.load(model, dtype, device, rope_scaling, progress=lambda m: err.print(m))
+    rows, best = tune_rows(loaded, context, tokens, chunks, repeats,
+                           progress=lambda r: err.print(f"chunk {r['chunk']}: "
+                                                        f"{r['verify_ms']:.1f} ms", highlight=False))
+    meta = {"context": context, "tokens": tokens, "dtype": str(loaded.dtype)}
+    path = save_profile(loaded.device, rows, best, meta) if save else None
+    if plot:
+        plot_rows(rows, plot)
+    if as_json:
+        print(json.dumps({"transfer_chunk": best, "profile": str(path) if path else None,
+                          "rows": rows, **meta}))
+        return
+    show_rows(rows, best)
+    err.print(f"best transfer chunk {best}" + (f"; saved {path}" if path else ""), highlight=False)
+
+
+def show_rows(rows: list[dict], best: int):
+    t = Table(title="transfer chunk sweep")
+    for c in ("chunk", "link GB/s", "verify ms", "overlap"):
+        t.add_column(c, justify="right")
+    for r in rows:
+        mark = " *" if r["chunk"] == best else ""
+        t.add_row(f"{r['chunk']}{mark}", f"{r['link_gbps']:.2f}", f"{r['verify_ms']:.1f}",
+                  f"{r['overlap']:.2f}")
+    out.print(t)
+
+
+def plot_rows(rows: list[dict], path: Path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    x = [r["chunk"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(x, [r["link_gbps"] for r in rows], "o-", label="link GB/s")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("transfer chunk (tokens)")
+    ax.set_ylabel("GB/s")
+    ax2 = ax.twinx()
+    ax2.plot(x, [r["verify_ms"] for r in rows], "s--", color="C1", label="verify ms")
+    ax2.set_ylabel("verify latency (ms)")
+    fig.legend(loc="upper center", ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

@@ -1,0 +1,141 @@
+"""Chunk copier: host->device fetches and device->host write-backs, in submission order.
+
+One interface, two backends:
+- CUDA: copies go on a dedicated copy stream with one event per copy; compute waits on
+  the event with `stream.wait_event` (no host synchronisation), and the copy stream waits
+  on a compute event before overwriting a staging slot or reading fresh KV.
+- CPU: a worker thread runs the copies (real memcpy into staging buffers, the analogue of
+  the PCIe transfer) and sets one `threading.Event` per copy. torch releases the GIL
+  inside copy_, so the copies overlap with compute in the main thread.
+
+Copies run strictly in the order submitted (stream order / FIFO queue): a write-back of
+layer l submitted before a fetch of layer l always lands first.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import torch
+
+from .timeline import Timeline
+
+
+class Signal:
+    """Completion of one submitted copy (or a compute-side marker on CUDA)."""
+
+    def __init__(self, event=None, cuda: bool = False):
+        self.cuda = cuda
+        self.event = event if event is not None else threading.Event()
+        self.error = None
+
+    def wait(self):
+        """Make the current compute wait for the copy: stream-side on CUDA, blocking on CPU."""
+        if self.cuda:
+            torch.cuda.current_stream().wait_event(self.event)
+        else:
+            self.event.wait()
+            if self.error is not None:
+                raise self.error
+
+    def synchronize(self):
+        """Block the host until the copy landed (host-side reads such as `keys()`)."""
+        self.event.synchronize() if self.cuda else self.wait()
+
+    def done(self) -> bool:
+        return self.event.query() if self.cuda else self.event.is_set()
+
+
+class ChunkCopier:
+    def __init__(self, device, timeline: Timeline | None = None):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.timeline = timeline
+        self.bytes = 0  # total bytes moved host->device
+        self.q = None
+        self.thread = None
+        if self.cuda:
+            self.stream = torch.cuda.Stream(self.device)
+
+    def marker(self) -> Signal | None:
+        """A compute-side point the next copies must wait for (CUDA); None on the CPU,
+        where compute runs synchronously in the submitting thread."""
+        if not self.cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return Signal(ev, cuda=True)
+
+    def fetch(self, dst: torch.Tensor, src: torch.Tensor, tag, after: Signal | None = None) -> Signal:
+        """Copy host `src` into device staging `dst` (same shape, contiguous)."""
+        self.bytes += src.numel() * src.element_size()
+        return self._submit(dst, src, tag, after, "copy")
+
+    def write_back(self, dst: torch.Tensor, src: torch.Tensor, tag) -> Signal:
+        """Copy fresh device KV `src` into host `dst` once the compute that made it is done."""
+        return self._submit(dst, src, tag, self.marker(), "write-back")
+
+    def _submit(self, dst, src, tag, after, track) -> Signal:
+        if self.cuda:
+            return self._cuda_copy(dst, src, after)
+        sig = Signal()
+        self._queue().put((dst, src, tag, sig, track))
+        return sig
+
+    def _cuda_copy(self, dst, src, after) -> Signal:
+        with torch.cuda.stream(self.stream):
+            if after is not None:
+                self.stream.wait_event(after.event)
+            dst.copy_(src, non_blocking=True)
+            if src.device.type == "cuda":
+                src.record_stream(self.stream)  # keep the fresh KV alive until copied
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        return Signal(ev, cuda=True)
+
+    def _queue(self) -> queue.Queue:
+        if self.thread is None:
+            self.q = queue.Queue()
+            self.thread = threading.Thread(target=self._worker, name="kv-copier", daemon=True)
+            self.thread.start()
+        return self.q
+
+    @torch.inference_mode()  # thread-local: the buffers may be inference tensors
+    def _worker(self):
+        while True:
+            job = self.q.get()
+            if job is None:
+                return
+            dst, src, tag, sig, track = job
+            if dst is None:  # flush marker
+                sig.event.set()
+                continue
+            t0 = time.perf_counter()
+            try:
+                self.copy(dst, src)
+            except Exception as e:  # surfaced to the waiter, never lost in the thread
+                sig.error = e
+            if self.timeline is not None:
+                self.timeline.span(track, f"{track} {tag}", t0, time.perf_counter(), tag=str(tag))
+                self.timeline.mark("signal", tag)
+            sig.event.set()
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor):
+        """The memcpy itself (tests slow it down to provoke races)."""
+        dst.copy_(src)
+
+    def flush(self):
+        """Block until every submitted copy has landed."""
+        if self.cuda:
+            self.stream.synchronize()
+        elif self.thread is not None:
+            sig = Signal()
+            self.q.put((None, None, "flush", sig, "flush"))
+            sig.event.wait()
+
+    def close(self):
+        if self.thread is not None:
+            self.q.put(None)
+            self.thread.join()
+            self.thread = None

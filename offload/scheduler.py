@@ -1,0 +1,146 @@
+"""Pipeline scheduler: which chunk of which layer streams into which staging slot, when.
+
+A *pass* streams the committed prefix [0, end) of every offloaded layer, layer after
+layer, chunk after chunk, through a ring of staging slots. The ring holds `stage_layers`
+layers' worth of chunks (double-buffered by default): while layer i is computed chunk by
+chunk, layer i+1 is already streaming. A slot is refilled with the next chunk of the pass
+as soon as the attention that read it has been issued, so the copier never waits on
+compute and compute waits only for chunks that have not landed yet.
+
+A pass can start early (`start`): on a `prefetch()` hint, or right after a commit, so the
+first offloaded layers of the next verification stream while the draft levels run. A
+pass whose prefix no longer matches the forward (rollback, different start) is simply
+abandoned: its copies finish into slots nobody reads, and copies run in order, so the
+next pass's copies land after them.
+
+`overlap=False` gives the serialized reference: each group of slots is copied in full
+and waited for before its compute starts, and nothing streams ahead.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .copier import ChunkCopier
+from .errors import OffloadError
+from .store import HostKVStore
+from .timeline import Span, Timeline
+
+
+@dataclass
+class Pass:
+    end: int  # stream positions [0, end) of each layer
+    jobs: list  # (layer, c0, c1) in stream order
+    first: dict  # layer -> index of its first job in `jobs`
+    next_job: int = 0  # next job to submit
+    next_layer: int = 0  # index into the layer order of the next layer to consume
+    inflight: dict = field(default_factory=dict)  # job index -> (slot, Signal)
+
+    def layer_at(self, i: int) -> int | None:
+        """The i-th layer this pass streams (None past the end)."""
+        order = list(self.first)
+        return order[i] if i < len(order) else None
+
+
+class PipelineScheduler:
+    def __init__(self, store: HostKVStore, copier: ChunkCopier, chunk: int, device,
+                 stage_layers: int = 2, overlap: bool = True, timeline: Timeline | None = None):
+        if chunk < 1:
+            raise OffloadError(f"--transfer-chunk {chunk}: must be >= 1 token")
+        self.store, self.copier, self.chunk = store, copier, chunk
+        self.layers = list(store.spec.layers)
+        self.overlap, self.timeline = overlap, timeline
+        self.n_slots = staging_slots(store.capacity, chunk, stage_layers)
+        s = store.spec
+        shape = (self.n_slots, chunk, s.batch, s.n_kv_heads, s.head_dim)  # [N, C, B, Hkv, D]
+        self.k = torch.empty(shape, dtype=s.dtype, device=device)
+        self.v = torch.empty(shape, dtype=s.dtype, device=device)
+        self.free = list(range(self.n_slots))
+        self.pass_ = None
+
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def start(self, end: int, first_layer: int | None = None):
+        """Begin streaming the prefix [0, end) of the offloaded layers from `first_layer`
+        (default: the first offloaded layer) on; a no-op if that pass is already running."""
+        first_layer = self.layers[0] if first_layer is None else first_layer
+        p = self.pass_
+        if p is not None and p.end == end and p.next_layer == 0 and p.layer_at(0) == first_layer:
+            return
+        self._abandon()
+        jobs, first = [], {}
+        for layer in self.layers[self.layers.index(first_layer):]:
+            first[layer] = len(jobs)
+            jobs += [(layer, c, min(c + self.chunk, end)) for c in range(0, end, self.chunk)]
+        self.pass_ = Pass(end, jobs, first)
+        if self.overlap:
+            self._fill()
+
+    def _abandon(self):
+        """Drop the current pass; its in-flight copies land in slots nobody will read."""
+        if self.pass_ is not None:
+            self.free += [slot for slot, _ in self.pass_.inflight.values()]
+        self.pass_ = None
+
+    def _fill(self, limit: int | None = None, after=None):
+        p = self.pass_
+        limit = len(p.jobs) if limit is None else limit
+        while self.free and p.next_job < limit:
+            layer, c0, c1 = p.jobs[p.next_job]
+            slot = self.free.pop()
+            n = c1 - c0
+            sk, sv = self.store.k[layer][c0:c1], self.store.v[layer][c0:c1]
+            self.copier.fetch(self.k[slot, :n], sk, (layer, c0, "k"), after)
+            sig = self.copier.fetch(self.v[slot, :n], sv, (layer, c0), after)
+            p.inflight[p.next_job] = (slot, sig)  # V lands after K: one signal covers both
+            p.next_job += 1
+
+    def stream(self, layer: int, end: int):
+        """Yield (c0, k [B,Hkv,n,D], v [B,Hkv,n,D]) for the chunks of `layer`'s prefix
+        [0, end), each only after its copy is signalled. Consume before advancing."""
+        p = self.pass_
+        if p is None or p.end != end or p.layer_at(p.next_layer) != layer:
+            self.start(end, layer)
+            p = self.pass_
+        lo = p.first[layer]
+        nxt = p.layer_at(p.next_layer + 1)
+        hi = len(p.jobs) if nxt is None else p.first[nxt]
+        p.next_layer += 1
+        for j in range(lo, hi):
+            if j not in p.inflight:  # serialized mode, or the ring ran dry: issue a group
+                self._fill(limit=hi if not self.overlap else None)
+            yield self._take(p, j)
+            slot = p.inflight.pop(j)[0]
+            self.free.append(slot)
+            if self.overlap:
+                self._fill(after=self.copier.marker())
+        if p.layer_at(p.next_layer) is None:
+            self.pass_ = None
+
+    def _take(self, p: Pass, j: int):
+        layer, c0, c1 = p.jobs[j]
+        slot, sig = p.inflight[j]
+        if not self.overlap:
+            self._wait_group(p, j)
+        with Span(self.timeline, "wait", f"wait L{layer} @{c0}"):
+            sig.wait()
+        if self.timeline is not None:
+            self.timeline.mark("read", (layer, c0))
+        n = c1 - c0
+        k = self.k[slot, :n].permute(1, 2, 0, 3)  # [B, Hkv, n, D]
+        v = self.v[slot, :n].permute(1, 2, 0, 3)
+        return c0, k, v
+
+    def _wait_group(self, p: Pass, j: int):
+        """Serialized reference: wait for every in-flight copy before computing any."""
+        with Span(self.timeline, "wait", "wait group"):
+            for _, sig in p.inflight.values():
+                sig.wait()
+
+
+def staging_slots(capacity: int, chunk: int, stage_layers: int) -> int:
+    """Slots for `stage_layers` whole layers at full capacity (at least 2)."""
+    return max(2, stage_layers * -(-capacity // chunk))
+

@@ -1,0 +1,109 @@
+"""Transfer-chunk tuning: link throughput per chunk size and the per-device profile JSON.
+
+Link efficiency rises with chunk size (fewer, larger copies) while overlap and staging
+memory favour small chunks, so the best size is measured per machine. `tune` writes
+`<cache>/profiles/<device>.json`; `run` reads `profile_chunk(device)` by default and
+`--transfer-chunk` overrides it. The cache root is `$TRIFORCE_OFFLOAD_CACHE`
+(default `~/.cache/triforce-offload`), as for the dequantized models.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import time
+from pathlib import Path
+
+import torch
+
+from .copier import ChunkCopier
+from .errors import OffloadError
+
+SIZES = tuple(2 ** i for i in range(6, 15))  # 64 .. 16384 tokens
+
+
+def device_name(device) -> str:
+    """A file-name-safe name for this device: the GPU model, or the CPU model on a CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = "cpu-" + (_cpu_model() or platform.machine())
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_")
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def profile_path(device) -> Path:
+    root = os.environ.get("TRIFORCE_OFFLOAD_CACHE") or Path.home() / ".cache" / "triforce-offload"
+    return Path(root) / "profiles" / f"{device_name(device)}.json"
+
+
+def load_profile(device) -> dict | None:
+    p = profile_path(device)
+    try:
+        return json.loads(p.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def profile_chunk(device) -> int | None:
+    """The tuned transfer chunk for this device, or None when `tune` has not run here."""
+    prof = load_profile(device)
+    return int(prof["transfer_chunk"]) if prof and "transfer_chunk" in prof else None
+
+
+def save_profile(device, rows: list[dict], chunk: int, meta: dict) -> Path:
+    p = profile_path(device)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps({"device": device_name(device), "transfer_chunk": chunk,
+                             "rows": rows, **meta}, indent=1))
+    return p
+
+
+def parse_sizes(spec: str) -> list[int]:
+    """'64,256,1024' or '64-16384' (powers of two in between) -> chunk sizes."""
+    try:
+        if "-" in spec:
+            lo, hi = (int(x) for x in spec.split("-"))
+            out = [s for s in (2 ** i for i in range(31)) if lo <= s <= hi]
+        else:
+            out = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        raise OffloadError(f"--sizes {spec!r}: give sizes like 64,256,1024 or a range 64-16384")
+    if not out or min(out) < 1:
+        raise OffloadError(f"--sizes {spec!r}: need at least one size >= 1 token")
+    return out
+
+
+def link_throughput(chunk: int, tokens: int, bytes_per_token: int, device, repeats: int = 3) -> float:
+    """GB/s of host->device copies of `tokens` tokens in `chunk`-token pieces (best of N)."""
+    elems = max(1, bytes_per_token // 4)
+    pin = torch.device(device).type == "cuda"
+    src = torch.randn(tokens, elems, pin_memory=pin)  # [S, bytes/4] float32 host KV
+    dst = torch.empty(2, chunk, elems, device=device)  # two staging slots
+    cp = ChunkCopier(device)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for i, c in enumerate(range(0, tokens, chunk)):
+            n = min(chunk, tokens - c)
+            cp.fetch(dst[i % 2, :n], src[c:c + n], i)
+        cp.flush()
+        best = min(best, time.perf_counter() - t0)
+    cp.close()
+    return src.numel() * 4 / best / 1e9
+
+
+def best_chunk(rows: list[dict]) -> int:
+    """The chunk with the lowest verify latency (ties: the larger chunk)."""
+    return min(rows, key=lambda r: (r["verify_ms"], -r["chunk"]))["chunk"]

@@ -1,0 +1,80 @@
+"""Timing helpers for the offload pipeline, shared by `tune` and benchmarks/offload_pipeline.py.
+
+A verification's cost does not depend on the KV values, so long contexts are filled with
+random K/V instead of a prefill (a 32K prefill takes minutes on a CPU); the forward
+itself runs the real model weights over them.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..offload.tune import best_chunk, link_throughput
+from .offloaded import OffloadedCache
+
+
+@torch.inference_mode()
+def fill_random(cache: OffloadedCache, n: int, seed: int = 0):
+    """Write random K/V at positions [0, n) of every layer and commit n."""
+    g = torch.Generator().manual_seed(seed)
+    for layer in range(cache.n_layers):
+        shape = (cache.batch, cache.n_kv_heads, n, cache.head_dim)  # [B, Hkv, S, D]
+        k, v = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+        if layer < cache.on_chip:
+            cache.chip.k[layer][:, :, :n] = k.to(cache.chip.k[layer])
+            cache.chip.v[layer][:, :, :n] = v.to(cache.chip.v[layer])
+        else:
+            cache.store.write(layer, 0, k.to(cache.store.spec.dtype), v.to(cache.store.spec.dtype))
+    cache.commit(n)
+
+
+@torch.inference_mode()
+def verify_once(model, cache: OffloadedCache, tokens: int, device) -> dict:
+    """One verification forward of `tokens` tokens after the committed context, started
+    from an idle link (prefetch issued right before, as when drafting is instantaneous).
+    Returns the forward's timing summary plus the end-to-end latency."""
+    n = cache.length
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens), device=device)
+    cache.sched.pass_ = None  # the commit's prefetch has landed: start from scratch
+    cache.copier.flush()
+    t0 = time.perf_counter()
+    cache.prefetch()
+    model(ids, n, cache, last_only=True)
+    lat = time.perf_counter() - t0
+    cache.commit(n)  # roll the verified tokens back: the next repeat sees the same context
+    cache.copier.flush()
+    return {**cache.forwards[-1], "latency_s": lat}
+
+
+def make_cache(loaded, context: int, tokens: int, chunk: int, overlap: bool = True,
+               on_chip: int = 0) -> OffloadedCache:
+    cache = OffloadedCache(loaded.cfg, context + tokens, dtype=loaded.dtype, device=loaded.device,
+                           on_chip=on_chip, chunk=chunk, overlap=overlap)
+    fill_random(cache, context)
+    return cache
+
+
+def verify_latency(loaded, context: int, tokens: int, chunk: int, overlap: bool = True,
+                   repeats: int = 3, on_chip: int = 0) -> dict:
+    """Best-of-`repeats` verification (after one warm-up) over a random `context`."""
+    cache = make_cache(loaded, context, tokens, chunk, overlap, on_chip)
+    verify_once(loaded.model, cache, tokens, loaded.device)  # warm-up
+    runs = [verify_once(loaded.model, cache, tokens, loaded.device) for _ in range(repeats)]
+    cache.close()
+    return min(runs, key=lambda r: r["latency_s"])
+
+
+def tune_rows(loaded, context: int, tokens: int, sizes: list[int], repeats: int = 2,
+              progress=None) -> tuple[list[dict], int]:
+    """Per chunk size: link GB/s and verify latency; and the best chunk."""
+    bpt = 2 * loaded.cfg.n_kv_heads * loaded.cfg.head_dim * torch.empty(0, dtype=loaded.dtype).element_size()
+    rows = []
+    for c in sizes:
+        gbs = link_throughput(c, context, bpt, loaded.device)
+        r = verify_latency(loaded, context, tokens, c, repeats=repeats)
+        rows.append({"chunk": c, "link_gbps": gbs, "verify_ms": 1000 * r["latency_s"],
+                     "overlap": r["overlap"]})
+        if progress:
+            progress(rows[-1])
+    return rows, best_chunk(rows)

@@ -1,0 +1,245 @@
+"""Full caches with the KV in host memory: the offloaded cache and the ZeRO-Inference one.
+
+`OffloadedCache` follows the cache protocol of `cache.py` over `offload/`: the first
+`on_chip` layers keep their KV on the device; every other layer's KV lives in the host
+store and streams through staging slots in `transfer_chunk`-token chunks while compute
+runs. Attention over such a layer runs chunk by chunk as chunks land and merges the
+partial results by log-sum-exp, then adds the forward's own tokens, which are on the
+device already. New K/V are written back to the host right after each layer's attention
+(asynchronously), so prefill fills the store layer by layer and several forwards may add
+pending tokens in a row: positions at or above the committed length are scratch that the
+next commit either keeps or forgets, and only positions below a forward's start are
+streamed.
+
+`ZeroInferenceCache` is the DeepSpeed ZeRO-Inference strategy: all KV in host memory and
+attention computed on the host (queries go over, outputs come back).
+
+`make_full_cache(loaded, capacity, opts)` picks the full cache for `--offload`; the
+autoregressive mode and the TriForce verifier both build their full cache with it.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..kernels.attention import PartialAttention, attention, attention_lse
+from ..offload.copier import ChunkCopier
+from ..offload.scheduler import PipelineScheduler, staging_slots
+from ..offload.store import HostKVStore, StoreSpec, check_memory, device_available
+from ..offload.timeline import Span, Timeline
+from ..offload.tune import profile_chunk
+from .cache import FullCache, KVCache
+from .errors import TriforceError
+
+DEFAULT_CHUNK = 1024  # transfer chunk when neither --transfer-chunk nor a tuned profile is given
+OFFLOAD_CHOICES = ("auto", "on", "off")
+HOST_HINT = "lower --max-context or --max-new-tokens (or shorten the prompt)"
+DEVICE_HINT = "lower --on-chip or --transfer-chunk"
+
+
+@dataclass
+class OffloadOptions:
+    offload: str = "auto"  # auto|on|off; auto: on when the full KV does not fit the device
+    on_chip: int = 0  # first layers whose KV stays on the device
+    transfer_chunk: int | None = None  # tokens per copy; None: tuned profile, else DEFAULT_CHUNK
+    stage_layers: int = 2  # staging ring size in layers' worth of chunks (2: double-buffered)
+    overlap: bool = True  # False: serialized reference (copy, then compute)
+    profile: str | None = None  # write a Chrome trace of the last verification forward here
+
+    @classmethod
+    def from_extra(cls, extra: dict) -> "OffloadOptions":
+        o = cls(**{k: extra[k] for k in cls.__dataclass_fields__ if extra.get(k) is not None})
+        if o.offload not in OFFLOAD_CHOICES:
+            raise TriforceError(f"--offload {o.offload!r}: allowed are {', '.join(OFFLOAD_CHOICES)}")
+        if o.transfer_chunk is not None and o.transfer_chunk < 1:
+            raise TriforceError(f"--transfer-chunk {o.transfer_chunk}: must be >= 1 token")
+        return o
+
+
+class OffloadedCache(KVCache):
+    """Full cache whose layers >= on_chip live in the host store, streamed per verification."""
+
+    def __init__(self, cfg, capacity: int, batch: int = 1, dtype=torch.float32, device="cpu",
+                 on_chip: int = 0, chunk: int = DEFAULT_CHUNK, stage_layers: int = 2,
+                 overlap: bool = True, copier_cls=ChunkCopier, log_order: bool = False):
+        super().__init__(cfg, batch)
+        if not 0 <= on_chip <= cfg.n_layers:
+            raise TriforceError(f"--on-chip {on_chip}: must be between 0 and {cfg.n_layers} layers")
+        if chunk < 1:
+            raise TriforceError(f"--transfer-chunk {chunk}: must be >= 1 token")
+        self.capacity, self.on_chip, self.chunk, self.device = capacity, on_chip, chunk, device
+        spec = StoreSpec(list(range(on_chip, cfg.n_layers)), cfg.n_kv_heads, cfg.head_dim,
+                         capacity, batch, dtype)
+        self._check(spec, stage_layers)
+        self.timeline = Timeline(log_order)
+        self.store = HostKVStore(spec)
+        self.copier = copier_cls(device, self.timeline)
+        self.sched = PipelineScheduler(self.store, self.copier, chunk, device, stage_layers,
+                                       overlap, self.timeline) if spec.layers else None
+        self.chip = FullCache(cfg, capacity, batch, dtype, device) if on_chip else None
+        self.written = 0  # end of the KV written so far (scratch above `length`)
+        self.wb = {}  # layer -> Signal of its latest write-back
+        self.forwards = []  # per-forward timing summaries
+        self.trace = None  # Chrome trace of the last multi-layer forward
+        self._t0 = None
+
+    def _check(self, spec: StoreSpec, stage_layers: int):
+        per_layer = spec.bytes_per_token() * spec.capacity
+        slots = staging_slots(spec.capacity, self.chunk, stage_layers) if spec.layers else 0
+        dev = self.on_chip * per_layer + slots * self.chunk * spec.bytes_per_token()
+        check_memory(spec.nbytes(), dev, self.device, HOST_HINT, DEVICE_HINT)
+
+    def attend(self, layer, q, k, v, start):
+        end = start + q.shape[2]
+        if end > self.capacity:
+            raise TriforceError(f"context of {end} tokens exceeds the cache capacity "
+                                f"{self.capacity}; raise --max-context")
+        if start < self.length:
+            raise RuntimeError(f"attend at {start} below the committed length {self.length}: "
+                               "roll back with commit() first")
+        if layer == 0:
+            self._t0 = time.perf_counter()
+        if layer < self.on_chip:
+            o = self.chip.attend(layer, q, k, v, start)
+        else:
+            o = self._attend_offloaded(layer, q, k, v, start)
+        self.written = max(self.written, end)
+        if layer == self.n_layers - 1:
+            self._forward_done(q.shape[2])
+        return o
+
+    def _attend_offloaded(self, layer, q, k, v, start):
+        acc = PartialAttention()
+        with Span(self.timeline, "compute", f"attention L{layer}", tokens=q.shape[2]):
+            for c0, kc, vc in self.sched.stream(layer, start):
+                acc.add(*attention_lse(q, kc, vc, start, c0))  # all keys < start: no mask
+            acc.add(*attention_lse(q, k, v, start, start))  # the forward's own tokens
+        kh = k.permute(2, 0, 1, 3).contiguous()  # [T, B, Hkv, D], the store layout
+        vh = v.permute(2, 0, 1, 3).contiguous()
+        end = start + q.shape[2]
+        self.copier.write_back(self.store.k[layer][start:end], kh, (layer, start, "wb-k"))
+        self.wb[layer] = self.copier.write_back(self.store.v[layer][start:end], vh, (layer, start, "wb"))
+        return acc.result(q.dtype)
+
+    def _forward_done(self, tokens: int):
+        t1 = time.perf_counter()
+        if self._t0 is None or self.sched is None:
+            return
+        s = self.timeline.summary(self._t0, t1)
+        s["tokens"] = tokens
+        self.forwards.append(s)
+        self.trace = self.timeline.chrome_trace()  # since the last forward: with its prefetch
+        self.timeline.clear()
+
+    def commit(self, n: int):
+        self.length = self.written = n
+        if self.chip is not None:
+            self.chip.commit(n)
+        self.prefetch()  # the next forward over this cache is the next verification
+
+    def prefetch(self):
+        """Start streaming the first offloaded layers for a forward starting at `written`."""
+        if self.sched is not None and self.sched.overlap:
+            self.sched.start(self.written)
+
+    def keys(self, layer: int, end: int | None = None):
+        """Committed (or up to `end`) K, V of a layer as [B, Hkv, S, D] views: device views
+        for on-chip layers, host store views otherwise (after pending write-backs land)."""
+        end = self.length if end is None else end
+        if layer < self.on_chip:
+            return self.chip.keys(layer, end)
+        if layer in self.wb:
+            self.wb[layer].synchronize()
+        return self.store.view(layer, end)
+
+    def nbytes(self) -> int:
+        on = self.chip.nbytes() if self.chip else 0
+        return on + self.store.nbytes() + (self.sched.nbytes() if self.sched else 0)
+
+    def stats(self) -> dict:
+        """Figures for Stats.extra: mean overlap of decode/verify forwards, bytes streamed."""
+        fw = [f for f in self.forwards if f["copy_s"] > 0]
+        out = {"offload": True, "on_chip": self.on_chip, "transfer_chunk": self.chunk,
+               "streamed_gb": self.copier.bytes / 2 ** 30}
+        if fw:
+            out["overlap"] = sum(f["overlap"] for f in fw) / len(fw)
+        return out
+
+    def close(self):
+        self.copier.close()
+
+
+class ZeroInferenceCache(KVCache):
+    """ZeRO-Inference KV offload: KV in host memory, attention computed on the host."""
+
+    def __init__(self, cfg, capacity: int, batch: int = 1, dtype=torch.float32, device="cpu"):
+        super().__init__(cfg, batch)
+        self.capacity, self.device, self.host = capacity, device, torch.device("cpu")
+        spec = StoreSpec(list(range(cfg.n_layers)), cfg.n_kv_heads, cfg.head_dim, capacity,
+                         batch, dtype, token_major=False)
+        check_memory(spec.nbytes(), 0, self.host, HOST_HINT, DEVICE_HINT)
+        self.store = HostKVStore(spec)
+        self.host_s = 0.0  # seconds in host attention, including the query/output transfers
+
+    def attend(self, layer, q, k, v, start):
+        end = start + q.shape[2]
+        if end > self.capacity:
+            raise TriforceError(f"context of {end} tokens exceeds the cache capacity "
+                                f"{self.capacity}; raise --max-context")
+        t0 = time.perf_counter()
+        qh = q.to(self.host)  # queries go over; K/V of the new tokens join the store
+        self.store.write(layer, start, k.to(self.host), v.to(self.host))
+        K, V = self.store.view(layer, end)
+        o = attention(qh, K, V, start).to(q.device)  # outputs come back
+        self.host_s += time.perf_counter() - t0
+        return o
+
+    def keys(self, layer: int, end: int | None = None):
+        return self.store.view(layer, self.length if end is None else end)
+
+    def nbytes(self) -> int:
+        return self.store.nbytes()
+
+    def stats(self) -> dict:
+        return {"host_attention_s": self.host_s}
+
+
+def use_offload(o: OffloadOptions, cfg, capacity: int, dtype, device) -> bool:
+    """`auto`: offload when the full KV would not fit in 80% of the free device memory;
+    on a CPU the device is the host, so auto means off."""
+    if o.offload != "auto":
+        return o.offload == "on"
+    free = device_available(device)
+    if free is None:
+        return False
+    need = capacity * cfg.kv_bytes_per_token(torch.empty(0, dtype=dtype).element_size())
+    return need > 0.8 * free
+
+
+def make_full_cache(loaded, capacity: int, opts) -> KVCache:
+    """The full cache for `--offload`: FullCache on the device, or an OffloadedCache."""
+    o = OffloadOptions.from_extra(opts.extra)
+    if not use_offload(o, loaded.cfg, capacity, loaded.dtype, loaded.device):
+        if o.profile:
+            raise TriforceError("--profile times the offload pipeline: add --offload on")
+        return FullCache(loaded.cfg, capacity, dtype=loaded.dtype, device=loaded.device)
+    chunk = o.transfer_chunk or profile_chunk(loaded.device) or DEFAULT_CHUNK
+    return OffloadedCache(loaded.cfg, capacity, dtype=loaded.dtype, device=loaded.device,
+                          on_chip=o.on_chip, chunk=chunk, stage_layers=o.stage_layers,
+                          overlap=o.overlap)
+
+
+def finish_stats(cache: KVCache, st, opts) -> None:
+    """Add the cache's offload figures to Stats.extra; write the --profile trace."""
+    if hasattr(cache, "stats"):
+        st.extra.update(cache.stats())
+    o = OffloadOptions.from_extra(opts.extra)
+    if o.profile and getattr(cache, "trace", None) is not None:
+        Path(o.profile).write_text(json.dumps(cache.trace))
+        st.extra["profile"] = o.profile
+    if hasattr(cache, "close"):
+        cache.close()

@@ -1,0 +1,229 @@
+"""Offload engine on the CPU: offloaded / ZeRO-Inference caches against the in-memory one,
+copy-before-read ordering, write-back, memory pre-check, tuner profile, timeline."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from triforce_offload.offload.copier import ChunkCopier
+from triforce_offload.offload.errors import OffloadError
+from triforce_offload.offload.store import HostKVStore, StoreSpec
+from triforce_offload.offload.timeline import Timeline
+from triforce_offload.offload import tune
+from triforce_offload.runtime.api import RunOptions
+from triforce_offload.runtime.cache import FullCache
+from triforce_offload.runtime.config import ModelConfig
+from triforce_offload.runtime.errors import TriforceError
+from triforce_offload.runtime.generate import autoregressive
+from triforce_offload.runtime.model import Transformer
+from triforce_offload.runtime.offloaded import (OffloadedCache, ZeroInferenceCache, finish_stats,
+                                                make_full_cache)
+from triforce_offload.runtime.sampling import SamplingParams
+
+CFG = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, n_layers=4, n_heads=6,
+                  n_kv_heads=2, max_position_embeddings=256)
+CAP = 96
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return Transformer(CFG).eval()
+
+
+@torch.inference_mode()
+def script(model, cache):
+    """Prefill in odd chunks, decode, two pending verify forwards in a row, partial accept
+    (rollback), a rollback below a committed length, decode again. Returns all logits."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, CFG.vocab_size, (1, 60), generator=g)
+    outs = []
+    for s, e in ((0, 13), (13, 29), (29, 41)):  # prefill
+        outs.append(model(ids[:, s:e], s, cache))
+        cache.commit(e)
+    outs.append(model(ids[:, 41:42], 41, cache))  # decode
+    cache.commit(42)
+    outs.append(model(ids[:, 42:46], 42, cache))  # verify 4 pending ...
+    outs.append(model(ids[:, 46:49], 46, cache))  # ... and 3 more on top, uncommitted
+    cache.commit(44)  # accept 2: positions >= 44 leave no trace
+    outs.append(model(ids[:, 50:55], 44, cache))  # different tokens at 44..48
+    cache.commit(49)
+    cache.commit(47)  # roll back committed tokens
+    cache.prefetch()
+    outs.append(model(ids[:, 55:58], 47, cache))
+    cache.commit(50)
+    return outs
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    return script(model, FullCache(CFG, CAP))
+
+
+def check_same(outs, ref):
+    for a, b in zip(outs, ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 16, 64, 200])
+@pytest.mark.parametrize("on_chip", [0, 2, 4])
+def test_offloaded_matches_full_cache(model, reference, chunk, on_chip):
+    cache = OffloadedCache(CFG, CAP, on_chip=on_chip, chunk=chunk)
+    check_same(script(model, cache), reference)
+    cache.close()
+
+
+@pytest.mark.parametrize("stage_layers", [0, 1])
+def test_serialized_and_small_ring_match(model, reference, stage_layers):
+    """overlap=False (copy all, then compute) and a ring smaller than a layer."""
+    for overlap in (False, True):
+        cache = OffloadedCache(CFG, CAP, chunk=7, stage_layers=stage_layers, overlap=overlap)
+        check_same(script(model, cache), reference)
+        cache.close()
+
+
+def test_zero_inference_matches_full_cache(model, reference):
+    check_same(script(model, ZeroInferenceCache(CFG, CAP)), reference)
+
+
+def test_greedy_tokens_identical(model):
+    prompt = torch.randint(0, CFG.vocab_size, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    run = lambda c: autoregressive(model, c, prompt, SamplingParams(), 20, set(), prefill_chunk=16)[0]
+    want = run(FullCache(CFG, CAP))
+    assert run(OffloadedCache(CFG, CAP, chunk=9, on_chip=1)) == want
+    assert run(ZeroInferenceCache(CFG, CAP)) == want
+
+
+class SlowCopier(ChunkCopier):
+    """Every memcpy takes a while, so a read that does not wait would overtake it."""
+
+    def copy(self, dst, src):
+        time.sleep(0.002)
+        super().copy(dst, src)
+
+
+def test_attention_never_reads_before_copy_signalled(model, reference):
+    cache = OffloadedCache(CFG, CAP, chunk=6, copier_cls=SlowCopier, log_order=True)
+    check_same(script(model, cache), reference)
+    order = cache.timeline.order
+    reads = [i for i, (kind, _) in enumerate(order) if kind == "read"]
+    assert len(reads) > 20
+    for i in reads:
+        tag = order[i][1]
+        assert ("signal", tag) in order[:i], f"chunk {tag} read before its copy was signalled"
+    cache.close()
+
+
+def test_write_back_persists(model):
+    full, off = FullCache(CFG, CAP), OffloadedCache(CFG, CAP, chunk=8, on_chip=1)
+    ids = torch.randint(0, CFG.vocab_size, (1, 30))
+    with torch.inference_mode():
+        for c in (full, off):
+            model(ids[:, :20], 0, c)
+            c.commit(20)
+            model(ids[:, 20:25], 20, c)
+            c.commit(23)
+    for layer in range(CFG.n_layers):
+        for a, b in zip(off.keys(layer), full.keys(layer)):
+            assert a.shape == (1, CFG.n_kv_heads, 23, CFG.head_dim)
+            torch.testing.assert_close(a, b)
+    assert off.store.k[3].data_ptr() == off.keys(3)[0].data_ptr()  # a host view, not a copy
+    off.close()
+
+
+def test_memory_precheck_refuses_with_numbers():
+    big = ModelConfig(vocab_size=10, hidden_size=4096, intermediate_size=8, n_layers=80,
+                      n_heads=32, n_kv_heads=8, max_position_embeddings=1 << 30)
+    with pytest.raises(OffloadError, match=r"needs [\d.]+ GB of host memory but [\d.]+ GB "
+                                           r"is available; lower --max-context"):
+        OffloadedCache(big, 1 << 26, dtype=torch.float16)
+    with pytest.raises(OffloadError, match="GB"):
+        ZeroInferenceCache(big, 1 << 26)
+
+
+def test_bad_options():
+    with pytest.raises(TriforceError, match="--on-chip 9"):
+        OffloadedCache(CFG, CAP, on_chip=9)
+    with pytest.raises(TriforceError, match="--transfer-chunk 0"):
+        OffloadedCache(CFG, CAP, chunk=0)
+    with pytest.raises(TriforceError, match="capacity"):
+        with torch.inference_mode():
+            Transformer(CFG)(torch.zeros(1, CAP + 1, dtype=torch.long), 0, OffloadedCache(CFG, CAP))
+
+
+class FakeLoaded:
+    cfg, dtype, device = CFG, torch.float32, torch.device("cpu")
+
+
+def test_make_full_cache_choices(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRIFORCE_OFFLOAD_CACHE", str(tmp_path))
+    mk = lambda **kw: make_full_cache(FakeLoaded, CAP, RunOptions(extra=kw))
+    assert type(mk()) is FullCache  # auto on a CPU: the device is the host
+    assert type(mk(offload="off")) is FullCache
+    c = mk(offload="on")
+    assert isinstance(c, OffloadedCache) and c.chunk == 1024
+    tune.save_profile("cpu", [], 96, {})  # a tuned profile is the default chunk ...
+    assert mk(offload="on").chunk == 96
+    assert mk(offload="on", transfer_chunk=32).chunk == 32  # ... and the flag overrides it
+    with pytest.raises(TriforceError, match="--offload 'maybe'"):
+        mk(offload="maybe")
+    with pytest.raises(TriforceError, match="--profile"):
+        mk(profile="x.json")
+
+
+def test_profile_trace_and_overlap_stats(model, tmp_path):
+    path = tmp_path / "trace.json"
+    opts = RunOptions(extra={"offload": "on", "transfer_chunk": 8, "profile": str(path)})
+    cache = make_full_cache(FakeLoaded, CAP, opts)
+    prompt = list(range(1, 50))
+    _, st = autoregressive(model, cache, prompt, SamplingParams(), 5, set(), prefill_chunk=64)
+    finish_stats(cache, st, opts)
+    assert st.extra["offload"] and st.extra["streamed_gb"] > 0
+    assert 0.0 <= st.extra.get("overlap", 0.0) <= 1.0
+    ev = json.loads(path.read_text())["traceEvents"]
+    names = {e["name"] for e in ev}
+    assert any(n.startswith("attention L3") for n in names)
+    assert any(n.startswith("copy (0,") for n in names)
+
+
+def test_timeline_overlap_math():
+    tl = Timeline()
+    tl.span("copy", "c", 0.0, 0.6)
+    tl.span("wait", "w", 0.5, 0.6)  # compute waited 0.1 of a 1.0 s forward: compute 0.9
+    s = tl.summary(0.0, 1.0)
+    assert s["compute_s"] == pytest.approx(0.9) and s["copy_s"] == pytest.approx(0.6)
+    assert s["overlap"] == pytest.approx((0.6 + 0.9 - 1.0) / 0.6)
+    assert {e["ph"] for e in tl.chrome_trace()["traceEvents"]} == {"X", "M"}
+
+
+def test_copier_orders_write_back_before_fetch():
+    """A fetch submitted after a write-back sees the written data (FIFO copies)."""
+    spec = StoreSpec([0], 1, 4, 16)
+    store = HostKVStore(spec)
+    cp = ChunkCopier("cpu")
+    stage = torch.empty(16, 1, 1, 4)
+    for i in range(20):
+        new = torch.full((16, 1, 1, 4), float(i))
+        cp.write_back(store.k[0], new, i)
+        cp.fetch(stage, store.k[0], i).wait()
+        assert torch.all(stage == i)
+    worker = cp.thread
+    cp.close()
+    assert not worker.is_alive()
+
+
+def test_tune_helpers(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRIFORCE_OFFLOAD_CACHE", str(tmp_path))
+    assert tune.parse_sizes("64-512") == [64, 128, 256, 512]
+    assert tune.parse_sizes("5,7") == [5, 7]
+    with pytest.raises(OffloadError, match="--sizes"):
+        tune.parse_sizes("big")
+    assert tune.profile_chunk("cpu") is None
+    rows = [{"chunk": 64, "verify_ms": 3.0}, {"chunk": 256, "verify_ms": 2.0}]
+    p = tune.save_profile("cpu", rows, tune.best_chunk(rows), {"context": 1})
+    assert p.parent == tmp_path / "profiles" and tune.profile_chunk("cpu") == 256
+    assert tune.link_throughput(64, 1000, 768, "cpu", repeats=1) > 0
