@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from ..runtime import api
+from ..runtime import tp as tensor_parallel
 from ..runtime.data import encode_prompt, long_prompt
 from ..runtime.sampling import SamplingParams
 from .app import app, read_prompt
@@ -39,6 +40,8 @@ def run(
                                                "(kinds: linear, dynamic, yarn, llama3)."),
     prefill_chunk: int = typer.Option(512, help="Tokens per prefill forward."),
     max_context: Optional[int] = typer.Option(None, help="Cap the cache capacity (tokens)."),
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel ranks: split heads and MLP over N "
+                           "processes (gloo on CPU, NCCL one GPU each); also works under torchrun."),
     offload: str = typer.Option("auto", help="auto|on|off: keep the full KV in host memory and "
                                 "stream it (auto: on when it does not fit the device; off on CPU)."),
     on_chip: int = typer.Option(0, help="With --offload: the first N layers keep their KV on the device."),
@@ -49,8 +52,14 @@ def run(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text + figures) last."),
 ):
     """Generate from a prompt; ends with a stats line (or a JSON object with --json)."""
-    text = read_prompt(prompt, prompt_file)
+    params = dict(locals())
+    text = read_prompt(prompt, prompt_file)  # here: ranks have no stdin
+    if tensor_parallel.launch_ranks(run, tp, model, rope_scaling, device,
+                                    {**params, "prompt": text, "prompt_file": None}):
+        return  # the ranks ran this command; rank 0 printed
+    device = tensor_parallel.join(tp, device, model)
     loaded = api.load(model, dtype, device, rope_scaling, progress=lambda m: err.print(m))
+    loaded = tensor_parallel.shard(loaded)
     ids = (long_prompt(loaded.tokenizer, prompt_tokens, chat=chat) if text is None
            else encode_prompt(loaded.tokenizer, text, chat))
     opts = api.RunOptions(mode=mode, max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk,

@@ -5,7 +5,7 @@ a function (loaded, prompt ids, RunOptions, on_token, progress) -> (new ids, Sta
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -15,6 +15,8 @@ from .generate import autoregressive, check_context
 from .loader import load_model, parse_dtype
 from .offloaded import ZeroInferenceCache, finish_stats, make_full_cache
 from .sampling import SamplingParams
+from .distributed import world_size
+from .tp import sync_sampling
 from .spec_modes import SPEC_MODES
 
 
@@ -110,6 +112,9 @@ def generate(loaded: Loaded, prompt: list[int], opts: RunOptions, on_token=None,
         raise TriforceError(f"--max-new-tokens {opts.max_new_tokens}: must be >= 1")
     if not prompt:
         raise TriforceError("the prompt is empty")
+    opts = replace(opts, sampling=sync_sampling(opts.sampling))  # tensor-parallel ranks in lockstep
     toks, st = MODES[opts.mode](loaded, prompt, opts, on_token, progress)
+    if world_size() > 1:
+        st.extra.setdefault("tp", world_size())
     st.extra.setdefault("mode", opts.mode)
     return toks, st

@@ -158,19 +158,19 @@ def _one_line(e: BaseException) -> str:
     return last.splitlines()[0][:500]
 
 
-def launch(fn, world: int, *args, device: str = "cpu", threads: int | None = None,
-           timeout: float | None = None, **kwargs) -> list:
+def launch(fn, world: int, args: tuple = (), kwargs: dict | None = None, device: str = "cpu",
+           threads: int | None = None, timeout: float | None = None) -> list:
     """Run fn(*args, **kwargs) on `world` spawned ranks; returns [result of rank 0, 1, ...].
 
-    `fn` must be importable by name (module level). `threads` sets torch threads per
-    rank. Raises TriforceError naming the rank when any rank fails or dies, after
-    killing the others; `timeout` (seconds) bounds the whole run.
+    `fn` must be importable by name (module level) and should return plain Python data.
+    `threads` sets torch threads per rank. Raises TriforceError naming the rank when any
+    rank fails or dies, after killing the others; `timeout` (seconds) bounds the whole run.
     """
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     q, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_child, args=(fn, r, world, port, q, device, threads, args, kwargs))
+    procs = [ctx.Process(target=_child, args=(fn, r, world, port, q, device, threads, args, kwargs or {}))
              for r in range(world)]
     for p in procs:
         p.start()

@@ -1,5 +1,8 @@
 """Tensor parallelism with gloo on the CPU: sharded ranks reproduce the unsharded model,
 greedy output is identical, sampling stays in lockstep, faults end in bounded time."""
+import json
+import subprocess
+import sys
 import time
 
 import pytest
@@ -15,7 +18,7 @@ PROMPT = [5, 17, 42, 7, 99, 3, 250, 11]
 @pytest.fixture(scope="module")
 def tp2():
     """One 2-rank launch running every tiny config (spawning ranks costs seconds)."""
-    return distributed.launch(H.run_all, 2, PROMPT, 12, threads=1, timeout=120)
+    return distributed.launch(H.run_all, 2, (PROMPT, 12), threads=1, timeout=120)
 
 
 @pytest.mark.parametrize("name", list(H.CONFIGS))
@@ -46,14 +49,14 @@ def test_each_rank_caches_only_its_kv_heads(tp2):
 
 def test_sampling_in_lockstep():
     """No seed given: rank 0 draws one and broadcasts it, so both ranks sample alike."""
-    a, b = distributed.launch(H.sampled, 2, None, 10, threads=1, timeout=120)
+    a, b = distributed.launch(H.sampled, 2, (None, 10), threads=1, timeout=120)
     assert a == b and len(a) == 10
 
 
 def test_dead_rank_ends_run_naming_it():
     t0 = time.monotonic()
     with pytest.raises(TriforceError, match=r"rank 1 died \(killed by SIGKILL\)"):
-        distributed.launch(H.die_mid_run, 2, 1, threads=1, timeout=120)
+        distributed.launch(H.die_mid_run, 2, (1,), threads=1, timeout=120)
     assert time.monotonic() - t0 < 60
 
 
@@ -86,3 +89,64 @@ def test_world_size_one_is_a_no_op():
     assert tp.shard_model(m, m.config, 0, 1) is m.config
     assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
     assert distributed.setup(1) == 0
+
+
+# ---- the CLI path: `triforce-offload run --tp N` starts its own ranks ----
+
+def cli(*args, stdin=None):
+    cmd = [sys.executable, "-m", "triforce_offload.cli", *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, input=stdin, timeout=600)
+
+
+def cli_json(*args, stdin=None) -> dict:
+    r = cli("run", *args, "--json", stdin=stdin)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def tp_model_dir(tmp_path_factory):
+    """A random 2-layer Llama (4 heads, 2 KV heads) with SmolLM2's tokenizer, as an HF dir."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from triforce_offload.runtime.loader import load_tokenizer, resolve
+    tok = load_tokenizer(resolve(None))
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=1024, tie_word_embeddings=True,
+                      eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    d = tmp_path_factory.mktemp("tp_tiny")
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+def test_cli_tp2_equals_tp1_on_tiny_model(tp_model_dir):
+    args = ("--model", tp_model_dir, "--mode", "autoregressive", "--max-new-tokens", "8",
+            "--dtype", "fp32", "--prompt", "-")
+    one = cli_json(*args, "--tp", "1", stdin="Tell me a story")
+    two = cli_json(*args, "--tp", "2", stdin="Tell me a story")  # stdin read before the ranks start
+    assert two["text"] == one["text"] and two["new_tokens"] == one["new_tokens"] == 8
+    assert two["tp"] == 2
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (("--tp", "0"), "--tp 0: must be >= 1"),
+    (("--tp", "2", "--device", "cuda"), "--tp 2: needs 2 CUDA devices"),
+])
+def test_cli_bad_tp_fails_before_start(flags, needle):
+    r = cli("run", "--prompt", "x", *flags)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert needle in r.stderr
+
+
+@pytest.mark.slow
+def test_cli_bundled_model_tp2_rejected_tp3_equals_tp1():
+    """SmolLM2 has 9 heads: --tp 2 is refused up front; --tp 3 (3 ranks on 2 cores) matches."""
+    r = cli("run", "--tp", "2", "--prompt", "x")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "--tp 2 does not divide the model's 9 attention heads; allowed: 1, 3" in r.stderr
+    args = ("--mode", "autoregressive", "--max-new-tokens", "8", "--prompt",
+            "What is the capital of France?")
+    one, three = cli_json(*args, "--tp", "1"), cli_json(*args, "--tp", "3")
+    assert three["text"] == one["text"] and three["new_tokens"] == one["new_tokens"]
