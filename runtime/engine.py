@@ -16,6 +16,7 @@ import torch
 from .errors import TriforceError
 from .sampling import SamplingParams, probs
 from .speculative import accept
+from .tp import agree
 
 
 @dataclass
@@ -155,7 +156,8 @@ class Engine:
         if g:
             self._acc_ema = 0.8 * self._acc_ema + 0.2 * (k / g)
         if self.auto:
-            self.gammas[-1] = self.auto.update(g, k, t_draft, t_verify)
+            # timings differ between tensor-parallel ranks: all take rank 0's choice
+            self.gammas[-1] = agree(self.auto.update(g, k, t_draft, t_verify))
         mid = self.levels[-2]
         cache = getattr(mid, "cache", None)
         if hasattr(cache, "build"):

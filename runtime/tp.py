@@ -138,10 +138,26 @@ def shard(loaded):
 
     Uses the joined process group; a no-op outside one or at world size 1.
     """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not _multi():
         return loaded
     loaded.cfg = shard_model(loaded.model, loaded.cfg, dist.get_rank(), dist.get_world_size())
     return loaded
+
+
+def _multi() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def agree(x: int) -> int:
+    """Rank 0's value, on every rank: for decisions made from local measurements (timings,
+    e.g. --gamma2 auto), which would otherwise send ranks down different paths."""
+    if not _multi():
+        return x
+    t = torch.tensor([x], dtype=torch.int64)
+    if dist.get_backend() == "nccl":
+        t = t.cuda()
+    dist.broadcast(t, src=0)
+    return int(t)
 
 
 def sync_sampling(sp):
@@ -150,15 +166,11 @@ def sync_sampling(sp):
     Also seeds torch's global generator with it, so any sampling that does not pass a
     generator stays in lockstep as well. Returns SamplingParams with the seed set.
     """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not _multi():
         return sp
-    seed = sp.seed if sp.seed is not None else random.SystemRandom().randrange(2**62)
-    t = torch.tensor([seed], dtype=torch.int64)
-    if dist.get_backend() == "nccl":
-        t = t.cuda()
-    dist.broadcast(t, src=0)
-    torch.manual_seed(int(t))
-    return dataclasses.replace(sp, seed=int(t))
+    seed = agree(sp.seed if sp.seed is not None else random.SystemRandom().randrange(2**62))
+    torch.manual_seed(seed)
+    return dataclasses.replace(sp, seed=seed)
 
 
 def launch_ranks(fn, world: int, model_path, rope_scaling, device: str, kwargs: dict) -> bool:

@@ -150,3 +150,17 @@ def test_cli_bundled_model_tp2_rejected_tp3_equals_tp1():
             "What is the capital of France?")
     one, three = cli_json(*args, "--tp", "1"), cli_json(*args, "--tp", "3")
     assert three["text"] == one["text"] and three["new_tokens"] == one["new_tokens"]
+
+
+LONG = [(i * 37 + 11) % 250 + 3 for i in range(48)] + PROMPT * 3  # repeats: the n-gram drafter hits
+
+
+def test_tp2_greedy_identical_in_every_mode():
+    """triforce (n-gram and self drafters, gamma2 auto), retrieval and autoregressive, with
+    and without --offload on: 2 ranks produce exactly the single-process tokens."""
+    two = distributed.launch(H.run_modes, 2, (LONG, 16), threads=1, timeout=300)
+    one = H.run_modes(LONG, 16)
+    for case, a, b, ref in zip(H.MODE_CASES, two[0], two[1], one):
+        assert a["tokens"] == b["tokens"] == ref["tokens"], case
+        assert len(ref["tokens"]) == 16
+        assert a["offloaded"] == (case[2].get("offload") == "on")
