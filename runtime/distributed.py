@@ -217,6 +217,9 @@ def _culprit(procs, errors) -> str:
         r = silent[0]
         return f"tensor-parallel rank {r} died ({_exit_reason(procs[r].exitcode)}); stopped the other ranks"
     r = min(errors)
+    if "timed out" in errors[r].lower():
+        return (f"tensor-parallel rank {r} waited over {timeout_s():.0f} s for another rank "
+                f"(TRIFORCE_TP_TIMEOUT): {errors[r]}")
     return f"tensor-parallel rank {r} failed: {errors[r]}"
 
 

@@ -117,3 +117,12 @@ def run_modes(prompt: list[int], n_new: int) -> list[dict]:
         out.append({"tokens": toks, "kv_heads": loaded.cfg.n_kv_heads,
                     "offloaded": bool(st.extra.get("offload"))})
     return out
+
+
+def stall(victim: int):
+    """Rank `victim` stops responding (alive, no collective); the others wait in one."""
+    import time
+    if dist.get_rank() == victim:
+        time.sleep(600)
+    dist.all_reduce(torch.ones(4))
+    return "finished"

@@ -60,6 +60,14 @@ def test_dead_rank_ends_run_naming_it():
     assert time.monotonic() - t0 < 60
 
 
+def test_stuck_rank_times_out_instead_of_hanging(monkeypatch):
+    monkeypatch.setenv("TRIFORCE_TP_TIMEOUT", "3")  # collective timeout, inherited by the ranks
+    t0 = time.monotonic()
+    with pytest.raises(TriforceError, match=r"rank 0 waited over 3 s for another rank"):
+        distributed.launch(H.stall, 2, (1,), threads=1, timeout=120)
+    assert time.monotonic() - t0 < 60
+
+
 def test_rank_error_is_reported_with_its_message():
     with pytest.raises(TriforceError, match=r"rank 0 failed: bad value 7; allowed: 1-3"):
         distributed.launch(H.raise_user_error, 2, threads=1, timeout=60)
