@@ -67,12 +67,13 @@ class ChunkCopier:
         ev.record(torch.cuda.current_stream(self.device))
         return Signal(ev, cuda=True)
 
-    def fetch(self, dst: torch.Tensor, src: torch.Tensor, tag, after: Signal | None = None) -> Signal:
-        """Copy host `src` into device staging `dst` (same shape, contiguous)."""
-        self.bytes += src.numel() * src.element_size()
+    def fetch(self, dst: tuple, src: tuple, tag, after: Signal | None = None) -> Signal:
+        """Copy host tensors `src` into device staging `dst` (pairwise same shape,
+        contiguous): one chunk's K and V, signalled together."""
+        self.bytes += sum(s.numel() * s.element_size() for s in src)
         return self._submit(dst, src, tag, after, "copy")
 
-    def write_back(self, dst: torch.Tensor, src: torch.Tensor, tag) -> Signal:
+    def write_back(self, dst: tuple, src: tuple, tag) -> Signal:
         """Copy fresh device KV `src` into host `dst` once the compute that made it is done."""
         return self._submit(dst, src, tag, self.marker(), "write-back")
 
@@ -87,9 +88,10 @@ class ChunkCopier:
         with torch.cuda.stream(self.stream):
             if after is not None:
                 self.stream.wait_event(after.event)
-            dst.copy_(src, non_blocking=True)
-            if src.device.type == "cuda":
-                src.record_stream(self.stream)  # keep the fresh KV alive until copied
+            for d, s in zip(dst, src):
+                d.copy_(s, non_blocking=True)
+                if s.device.type == "cuda":
+                    s.record_stream(self.stream)  # keep the fresh KV alive until copied
             ev = torch.cuda.Event()
             ev.record(self.stream)
         return Signal(ev, cuda=True)
@@ -121,9 +123,10 @@ class ChunkCopier:
                 self.timeline.mark("signal", tag)
             sig.event.set()
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor):
+    def copy(self, dst: tuple, src: tuple):
         """The memcpy itself (tests slow it down to provoke races)."""
-        dst.copy_(src)
+        for d, s in zip(dst, src):
+            d.copy_(s)
 
     def flush(self):
         """Block until every submitted copy has landed."""

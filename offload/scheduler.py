@@ -69,7 +69,7 @@ class PipelineScheduler:
         p = self.pass_
         if p is not None and p.end == end and p.next_layer == 0 and p.layer_at(0) == first_layer:
             return
-        self._abandon()
+        self.reset()
         jobs, first = [], {}
         for layer in self.layers[self.layers.index(first_layer):]:
             first[layer] = len(jobs)
@@ -78,7 +78,7 @@ class PipelineScheduler:
         if self.overlap:
             self._fill()
 
-    def _abandon(self):
+    def reset(self):
         """Drop the current pass; its in-flight copies land in slots nobody will read."""
         if self.pass_ is not None:
             self.free += [slot for slot, _ in self.pass_.inflight.values()]
@@ -91,10 +91,9 @@ class PipelineScheduler:
             layer, c0, c1 = p.jobs[p.next_job]
             slot = self.free.pop()
             n = c1 - c0
-            sk, sv = self.store.k[layer][c0:c1], self.store.v[layer][c0:c1]
-            self.copier.fetch(self.k[slot, :n], sk, (layer, c0, "k"), after)
-            sig = self.copier.fetch(self.v[slot, :n], sv, (layer, c0), after)
-            p.inflight[p.next_job] = (slot, sig)  # V lands after K: one signal covers both
+            src = (self.store.k[layer][c0:c1], self.store.v[layer][c0:c1])
+            sig = self.copier.fetch((self.k[slot, :n], self.v[slot, :n]), src, (layer, c0), after)
+            p.inflight[p.next_job] = (slot, sig)
             p.next_job += 1
 
     def stream(self, layer: int, end: int):

@@ -97,7 +97,7 @@ def link_throughput(chunk: int, tokens: int, bytes_per_token: int, device, repea
         t0 = time.perf_counter()
         for i, c in enumerate(range(0, tokens, chunk)):
             n = min(chunk, tokens - c)
-            cp.fetch(dst[i % 2, :n], src[c:c + n], i)
+            cp.fetch((dst[i % 2, :n],), (src[c:c + n],), i)
         cp.flush()
         best = min(best, time.perf_counter() - t0)
     cp.close()

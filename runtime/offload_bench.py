@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from ..offload.copier import ChunkCopier, Signal
 from ..offload.tune import best_chunk, link_throughput
 from .offloaded import OffloadedCache
 
@@ -36,7 +37,7 @@ def verify_once(model, cache: OffloadedCache, tokens: int, device) -> dict:
     Returns the forward's timing summary plus the end-to-end latency."""
     n = cache.length
     ids = torch.randint(0, model.config.vocab_size, (1, tokens), device=device)
-    cache.sched.pass_ = None  # the commit's prefetch has landed: start from scratch
+    cache.sched.reset()  # drop the commit's prefetch: start from an idle link
     cache.copier.flush()
     t0 = time.perf_counter()
     cache.prefetch()
@@ -47,22 +48,61 @@ def verify_once(model, cache: OffloadedCache, tokens: int, device) -> dict:
     return {**cache.forwards[-1], "latency_s": lat}
 
 
+class NoCopy(ChunkCopier):
+    """Signals every copy at once without moving data: the compute-only reference (the
+    staging slots keep stale values, which does not change the timing)."""
+
+    def _submit(self, dst, src, tag, after, track) -> Signal:
+        sig = Signal()
+        sig.event.set()
+        return sig
+
+
 def make_cache(loaded, context: int, tokens: int, chunk: int, overlap: bool = True,
-               on_chip: int = 0) -> OffloadedCache:
+               on_chip: int = 0, copier_cls=ChunkCopier) -> OffloadedCache:
     cache = OffloadedCache(loaded.cfg, context + tokens, dtype=loaded.dtype, device=loaded.device,
-                           on_chip=on_chip, chunk=chunk, overlap=overlap)
+                           on_chip=on_chip, chunk=chunk, overlap=overlap, copier_cls=copier_cls)
     fill_random(cache, context)
     return cache
 
 
 def verify_latency(loaded, context: int, tokens: int, chunk: int, overlap: bool = True,
-                   repeats: int = 3, on_chip: int = 0) -> dict:
+                   repeats: int = 3, on_chip: int = 0, copier_cls=ChunkCopier) -> dict:
     """Best-of-`repeats` verification (after one warm-up) over a random `context`."""
-    cache = make_cache(loaded, context, tokens, chunk, overlap, on_chip)
+    cache = make_cache(loaded, context, tokens, chunk, overlap, on_chip, copier_cls)
     verify_once(loaded.model, cache, tokens, loaded.device)  # warm-up
     runs = [verify_once(loaded.model, cache, tokens, loaded.device) for _ in range(repeats)]
     cache.close()
     return min(runs, key=lambda r: r["latency_s"])
+
+
+def copy_once(cache: OffloadedCache) -> float:
+    """Seconds to stream one verification's KV (every offloaded layer's prefix) with no
+    compute: the link time of a pass."""
+    cache.sched.reset()
+    cache.copier.flush()
+    t0 = time.perf_counter()
+    for layer in cache.sched.layers:
+        for _ in cache.sched.stream(layer, cache.length):
+            pass
+    return time.perf_counter() - t0
+
+
+def compare(loaded, context: int, tokens: int, chunk: int, repeats: int = 3) -> dict:
+    """Best-of-`repeats` seconds of: copy alone, compute alone, serialized, overlapped.
+    The four are measured in interleaved rounds so load drift hits them alike."""
+    caches = {"compute": make_cache(loaded, context, tokens, chunk, copier_cls=NoCopy),
+              "serialized": make_cache(loaded, context, tokens, chunk, overlap=False),
+              "overlapped": make_cache(loaded, context, tokens, chunk)}
+    best = dict.fromkeys(["copy", *caches], float("inf"))
+    for _ in range(repeats + 1):  # the first round warms up
+        best["copy"] = min(best["copy"], copy_once(caches["overlapped"]))
+        for name, c in caches.items():
+            r = verify_once(loaded.model, c, tokens, loaded.device)
+            best[name] = min(best[name], r["latency_s"])
+    for c in caches.values():
+        c.close()
+    return best
 
 
 def tune_rows(loaded, context: int, tokens: int, sizes: list[int], repeats: int = 2,

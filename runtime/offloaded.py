@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from ..kernels.attention import PartialAttention, attention, attention_lse
+from ..kernels.attention import attention, attention_lse, merge
+from ..kernels.chunked import block_attention_lse
 from ..offload.copier import ChunkCopier
 from ..offload.scheduler import PipelineScheduler, staging_slots
 from ..offload.store import HostKVStore, StoreSpec, check_memory, device_available
@@ -113,17 +114,20 @@ class OffloadedCache(KVCache):
         return o
 
     def _attend_offloaded(self, layer, q, k, v, start):
-        acc = PartialAttention()
+        outs, lses = [], []
         with Span(self.timeline, "compute", f"attention L{layer}", tokens=q.shape[2]):
             for c0, kc, vc in self.sched.stream(layer, start):
-                acc.add(*attention_lse(q, kc, vc, start, c0))  # all keys < start: no mask
-            acc.add(*attention_lse(q, k, v, start, start))  # the forward's own tokens
+                o, lse = block_attention_lse(q, kc, vc, start, c0)  # all keys < start: no mask
+                outs.append(o)
+                lses.append(lse)
+            o, lse = attention_lse(q, k, v, start, start)  # the forward's own tokens, causal
+            out = merge(outs + [o], lses + [lse])[0]  # one log-sum-exp merge over all blocks
         kh = k.permute(2, 0, 1, 3).contiguous()  # [T, B, Hkv, D], the store layout
         vh = v.permute(2, 0, 1, 3).contiguous()
         end = start + q.shape[2]
-        self.copier.write_back(self.store.k[layer][start:end], kh, (layer, start, "wb-k"))
-        self.wb[layer] = self.copier.write_back(self.store.v[layer][start:end], vh, (layer, start, "wb"))
-        return acc.result(q.dtype)
+        dst = (self.store.k[layer][start:end], self.store.v[layer][start:end])
+        self.wb[layer] = self.copier.write_back(dst, (kh, vh), (layer, start, "wb"))
+        return out.to(q.dtype)
 
     def _forward_done(self, tokens: int):
         t1 = time.perf_counter()

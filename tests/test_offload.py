@@ -69,7 +69,7 @@ def check_same(outs, ref):
         assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
-@pytest.mark.parametrize("chunk", [1, 5, 16, 64, 200])
+@pytest.mark.parametrize("chunk", [3, 16, 200])
 @pytest.mark.parametrize("on_chip", [0, 2, 4])
 def test_offloaded_matches_full_cache(model, reference, chunk, on_chip):
     cache = OffloadedCache(CFG, CAP, on_chip=on_chip, chunk=chunk)
@@ -208,8 +208,8 @@ def test_copier_orders_write_back_before_fetch():
     stage = torch.empty(16, 1, 1, 4)
     for i in range(20):
         new = torch.full((16, 1, 1, 4), float(i))
-        cp.write_back(store.k[0], new, i)
-        cp.fetch(stage, store.k[0], i).wait()
+        cp.write_back((store.k[0],), (new,), i)
+        cp.fetch((stage,), (store.k[0],), i).wait()
         assert torch.all(stage == i)
     worker = cp.thread
     cp.close()
