@@ -1,8 +1,8 @@
 """Tensor parallelism on this machine: `--tp 1` against `--tp 2`, decode ms/token, one run.
 
 Usage:
-    python benchmarks/tp_speed.py                        # 2K-token prompt, 32 new tokens, bf16
-    python benchmarks/tp_speed.py --context 4096 --new-tokens 64 --dtype fp32
+    python benchmarks/tp_speed.py                        # 2K-token prompt, 32 new tokens, fp32
+    python benchmarks/tp_speed.py --context 4096 --new-tokens 64 --dtype bf16
 
 The model is a random-initialised SmolLM2-135M look-alike whose head counts split over 2
 ranks (30 layers, width 512, 8 query / 2 KV heads of 64, MLP 1536, 49152-token vocab,
@@ -91,7 +91,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--context", type=int, default=2048, help="prompt tokens")
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--dtype", default="fp32", help="fp32 (the CPU default) or bf16")
     ap.add_argument("--out", default="results/tp_speed.jsonl")
     args = ap.parse_args()
     load0 = os.getloadavg()[0]

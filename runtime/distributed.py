@@ -134,6 +134,7 @@ def free_port() -> int:
 
 def _child(fn, r: int, world: int, port: int, q, device: str, threads: int | None, args, kwargs):
     """Body of one spawned rank: environment, silence, group, fn, report to the parent."""
+    _die_with_parent()
     os.environ.update(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if threads:
@@ -149,6 +150,16 @@ def _child(fn, r: int, world: int, port: int, q, device: str, threads: int | Non
         q.join_thread()
         os._exit(2 if isinstance(e, TriforceError) else 1)
     teardown()
+
+
+def _die_with_parent():
+    """Linux: the kernel kills this rank if the launcher dies (even by SIGKILL)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        try:
+            ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
 
 
 def _one_line(e: BaseException) -> str:
