@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,6 +80,7 @@ class OffloadedCache(KVCache):
         self.timeline = Timeline(log_order)
         self.store = HostKVStore(spec)
         self.copier = copier_cls(device, self.timeline)
+        weakref.finalize(self, self.copier.close)  # stop the copier thread with the cache
         self.sched = PipelineScheduler(self.store, self.copier, chunk, device, stage_layers,
                                        overlap, self.timeline) if spec.layers else None
         self.chip = FullCache(cfg, capacity, batch, dtype, device) if on_chip else None
