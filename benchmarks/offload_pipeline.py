@@ -16,7 +16,7 @@ drafting took no time).
   serialized: each layer's chunks are all copied, then computed (nothing streams ahead)
   overlapped: the pipeline (chunks land while attention runs, next layers stream ahead)
   copy:       streaming the pass alone (no compute)
-  compute:    the forward alone (copies signalled at once, no data moved)
+  compute:    the same forward with the KV resident (FullCache), no copies
   efficiency = (copy + compute - wall_overlapped) / min(copy, compute)
 """
 from __future__ import annotations

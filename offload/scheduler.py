@@ -45,14 +45,16 @@ class Pass:
 
 class PipelineScheduler:
     def __init__(self, store: HostKVStore, copier: ChunkCopier, chunk: int, device,
-                 stage_layers: int = 2, overlap: bool = True, timeline: Timeline | None = None):
+                 stage_layers: int = 2, overlap: bool = True, timeline: Timeline | None = None,
+                 slots: int | None = None):
         if chunk < 1:
             raise OffloadError(f"--transfer-chunk {chunk}: must be >= 1 token")
         self.store, self.copier, self.chunk = store, copier, chunk
         self.layers = list(store.spec.layers)
         self.overlap, self.timeline = overlap, timeline
-        self.n_slots = staging_slots(store.capacity, chunk, stage_layers)
         s = store.spec
+        self.n_slots = slots or staging_slots(store.capacity, chunk, stage_layers,
+                                              chunk * s.bytes_per_token(), torch.device(device))
         shape = (self.n_slots, chunk, s.batch, s.n_kv_heads, s.head_dim)  # [N, C, B, Hkv, D]
         self.k = torch.empty(shape, dtype=s.dtype, device=device)
         self.v = torch.empty(shape, dtype=s.dtype, device=device)
@@ -139,7 +141,16 @@ class PipelineScheduler:
                 sig.wait()
 
 
-def staging_slots(capacity: int, chunk: int, stage_layers: int) -> int:
-    """Slots for `stage_layers` whole layers at full capacity (at least 2)."""
-    return max(2, stage_layers * -(-capacity // chunk))
+CPU_STAGING_BYTES = 16 * 2 ** 20  # CPU staging ring: stays in the last-level cache
+
+
+def staging_slots(capacity: int, chunk: int, stage_layers: int, chunk_bytes: int = 0,
+                  device=torch.device("cuda")) -> int:
+    """Slots for `stage_layers` whole layers at full capacity (at least 2). On the CPU the
+    ring is also capped to CPU_STAGING_BYTES: the copier's memcpy then leaves each chunk
+    in cache for the attention that reads it next, where a bigger ring would evict it."""
+    n = max(2, stage_layers * -(-capacity // chunk))
+    if torch.device(device).type == "cpu" and chunk_bytes:
+        n = max(2, min(n, CPU_STAGING_BYTES // chunk_bytes))
+    return n
 

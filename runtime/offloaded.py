@@ -92,8 +92,9 @@ class OffloadedCache(KVCache):
 
     def _check(self, spec: StoreSpec, stage_layers: int):
         per_layer = spec.bytes_per_token() * spec.capacity
-        slots = staging_slots(spec.capacity, self.chunk, stage_layers) if spec.layers else 0
-        dev = self.on_chip * per_layer + slots * self.chunk * spec.bytes_per_token()
+        cb = self.chunk * spec.bytes_per_token()
+        slots = staging_slots(spec.capacity, self.chunk, stage_layers, cb, self.device) if spec.layers else 0
+        dev = self.on_chip * per_layer + slots * cb
         check_memory(spec.nbytes(), dev, self.device, HOST_HINT, DEVICE_HINT)
 
     def attend(self, layer, q, k, v, start):
