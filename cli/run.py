@@ -27,7 +27,8 @@ def run(
     prompt_file: Optional[Path] = typer.Option(None, help="Read the prompt from a file ('-' for stdin)."),
     prompt_tokens: int = typer.Option(DEFAULT_PROMPT_TOKENS, help="Length of the built-in essay prompt."),
     chat: bool = typer.Option(True, "--chat/--no-chat", help="Wrap the prompt in the chat template."),
-    mode: str = typer.Option("autoregressive", help="Generation mode."),
+    mode: str = typer.Option("triforce", help="triforce|retrieval|draft|autoregressive "
+                             "(and other registered modes)."),
     max_new_tokens: int = typer.Option(256, help="Stop after this many new tokens."),
     temperature: float = typer.Option(0.0, help="0 is greedy."),
     top_p: float = typer.Option(1.0, help="Nucleus sampling mass."),
@@ -40,6 +41,16 @@ def run(
                                                "(kinds: linear, dynamic, yarn, llama3)."),
     prefill_chunk: int = typer.Option(512, help="Tokens per prefill forward."),
     max_context: Optional[int] = typer.Option(None, help="Cap the cache capacity (tokens)."),
+    draft: str = typer.Option("ngram", help="Bottom drafter: ngram (prompt lookup), self (the "
+                              "target over a streaming cache) or a draft model path (same tokenizer)."),
+    budget: int = typer.Option(4096, help="Retrieval cache tokens per layer and KV head."),
+    chunk: int = typer.Option(8, help="Tokens per retrieval chunk."),
+    gamma1: int = typer.Option(4, help="Tokens the drafter proposes per check."),
+    gamma2: str = typer.Option("6", help="Tokens the retrieval level proposes per verification, "
+                               "or 'auto' (adapt to acceptance and cost)."),
+    draft_sink: int = typer.Option(16, help="Streaming draft cache: first tokens kept."),
+    draft_window: int = typer.Option(240, help="Streaming draft cache: recent tokens kept."),
+    rebuild: str = typer.Option("never", help="Retrieval cache rebuild: never|every:N|adaptive."),
     tp: int = typer.Option(1, "--tp", help="Tensor-parallel ranks: split heads and MLP over N "
                            "processes (gloo on CPU, NCCL one GPU each); also works under torchrun."),
     offload: str = typer.Option("auto", help="auto|on|off: keep the full KV in host memory and "
@@ -67,6 +78,8 @@ def run(
                           sampling=SamplingParams(temperature, top_p, top_k, seed))
     opts.extra.update(offload=offload, on_chip=on_chip, transfer_chunk=transfer_chunk,
                       profile=str(profile) if profile else None)
+    opts.extra.update(draft=draft, budget=budget, chunk=chunk, gamma1=gamma1, gamma2=gamma2,
+                      draft_sink=draft_sink, draft_window=draft_window, rebuild=rebuild)
     err.print(f"model {loaded.cfg.arch} {loaded.cfg.n_layers} layers, {loaded.dtype} on "
               f"{loaded.device}; mode {mode}; prompt {len(ids)} tokens", highlight=False)
     stream = None if as_json else print_stream(loaded.tokenizer)

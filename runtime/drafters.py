@@ -102,12 +102,13 @@ class NgramDrafter:
 
 
 def check_vocab(target_tok, draft_tok, show: int = 5):
-    """A draft model must share the target's tokenizer: compare vocabularies."""
-    a, b = target_tok.get_vocab(), draft_tok.get_vocab()
-    if a == b:
+    """A draft model must share the target's tokenizer: compare vocabularies id by id."""
+    a = {i: t for t, i in target_tok.get_vocab().items()}
+    b = {i: t for t, i in draft_tok.get_vocab().items()}
+    bad = [i for i in sorted(a.keys() | b.keys()) if a.get(i) != b.get(i)]
+    if not bad:
         return
-    diff = sorted(set(a.items()) ^ set(b.items()), key=lambda kv: kv[1])
-    toks = ", ".join(f"{t!r}={i}" for t, i in diff[:show])
+    eg = ", ".join(f"id {i}: target {a.get(i)!r} vs draft {b.get(i)!r}" for i in bad[:show])
     raise TriforceError(f"--draft model's tokenizer differs from the target's ({len(a)} vs {len(b)} "
-                        f"tokens; {len(diff)} (token, id) pairs differ, e.g. {toks}); "
-                        "use a draft model with the same tokenizer, or --draft ngram|self")
+                        f"tokens, {len(bad)} ids differ; e.g. {eg}); use a draft model with the "
+                        "same tokenizer, or --draft ngram|self")

@@ -97,7 +97,7 @@ class Engine:
     gen: torch.Generator  # randomness for drafts, acceptance and resampling
     auto: AutoGamma | None = None  # adapt gammas[-1]
     rebuild: Rebuild = field(default_factory=Rebuild)  # retrieval cache policy
-    accept_fn: object = accept  # the acceptance rule (tests swap in wrong ones)
+    accept_fn: object = None  # the acceptance rule; None: speculative.accept (looked up per call)
     stats: list = field(default_factory=list)  # LevelStats per verifying level
     rebuilds: int = 0  # retrieval cache rebuilds
     _since_build: int = 0
@@ -133,7 +133,7 @@ class Engine:
         t1 = time.perf_counter()
         draft = seq[m:]
         p = probs(lv.forward(seq, len(draft) + 1), self.sp)  # [g+1, V]
-        k, x = self.accept_fn(draft, q, p, self.gen)
+        k, x = (self.accept_fn or accept)(draft, q, p, self.gen)
         del seq[m + k:]
         seq.append(x)
         lv.commit(m + k)

@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -107,15 +107,30 @@ def build_levels(kind, o: SpecOptions, loaded, prompt, full, notes: list):
 
 
 def run_speculative(kind: str, loaded, prompt, opts, on_token=None, progress=None):
-    o = SpecOptions.from_extra(opts.extra)
+    """Prefill the full cache (recording the last prompt token's queries), then speculate."""
+    SpecOptions.from_extra(opts.extra)  # bad options fail before the long prefill
     limit = min(loaded.cfg.max_position_embeddings, opts.max_context or 1 << 62)
     max_new = check_context(len(prompt), opts.max_new_tokens, limit)
     cap = len(prompt) + max_new + 64  # slack for look-ahead past the last token
     full = Recorder(make_full_cache(loaded, cap, opts))  # in memory, or offloaded with --offload
-    ids = torch.tensor([prompt], device=loaded.device)
     t0 = time.perf_counter()
+    ids = torch.tensor([prompt], device=loaded.device)
     logits = prefill(loaded.model, full, ids, chunk=opts.prefill_chunk, progress=progress)
-    t_pre = time.perf_counter()
+    toks, st = speculate(kind, loaded, prompt, replace(opts, max_new_tokens=max_new), full, logits,
+                         on_token)
+    st.prefill_s = time.perf_counter() - t0 - st.decode_s
+    finish_stats(full.inner, st, opts)
+    return toks, st
+
+
+def speculate(kind: str, loaded, prompt, opts, full, logits, on_token=None):
+    """Decode after a prefill: `full` a Recorder over the prefilled full cache, logits [1, V].
+
+    Stats.prefill_s covers building the retrieval cache and the drafter here; benchmarks
+    reuse one prefill for several modes (roll `full` back and restore its queries).
+    """
+    o = SpecOptions.from_extra(opts.extra)
+    t0 = time.perf_counter()
     notes = []
     levels, gammas = build_levels(kind, o, loaded, prompt, full, notes)
     sp = opts.sampling
@@ -125,11 +140,10 @@ def run_speculative(kind: str, loaded, prompt, opts, on_token=None, progress=Non
     t1 = time.perf_counter()
     seq = list(prompt) + [int(sample(probs(logits[0], sp), gen))]
     with torch.inference_mode():
-        toks = eng.run(seq, max_new, set() if opts.ignore_eos else loaded.eos, on_token)
+        toks = eng.run(seq, opts.max_new_tokens, set() if opts.ignore_eos else loaded.eos, on_token)
     t2 = time.perf_counter()
     st = Stats(len(prompt), len(toks), t1 - t0, t2 - t1, peak_memory_gb(loaded.device))
-    st.extra.update(eng.figures(), build_s=round(t1 - t_pre, 3), notes=notes)
-    finish_stats(full.inner, st, opts)
+    st.extra.update(eng.figures(), build_s=round(t1 - t0, 3), notes=notes)
     return toks, st
 
 

@@ -11,10 +11,10 @@ from triforce_offload.runtime.model import Transformer
 from triforce_offload.runtime.sampling import SamplingParams
 
 
-def tiny(vocab=64, layers=2, heads=4, kv=2, dim=32, seed=0, scale=1.0) -> Loaded:
+def tiny(vocab=64, layers=2, heads=4, kv=2, dim=32, seed=0, scale=1.0, arch="llama") -> Loaded:
     """A random Llama-family model; `scale` sharpens the logits (more peaked distributions)."""
     torch.manual_seed(seed)
-    cfg = ModelConfig(vocab_size=vocab, hidden_size=dim, intermediate_size=2 * dim, n_layers=layers,
+    cfg = ModelConfig(arch=arch, attention_bias=arch == "qwen2", vocab_size=vocab, hidden_size=dim, intermediate_size=2 * dim, n_layers=layers,
                       n_heads=heads, n_kv_heads=kv, max_position_embeddings=4096)
     model = Transformer(cfg).eval()
     with torch.no_grad():

@@ -1,0 +1,39 @@
+"""`triforce-offload run` with the speculative modes and their flags (tiny model, SmolLM2 tokenizer)."""
+import json
+
+import pytest
+
+from test_cli import assert_user_error, cli
+
+
+def run_json(model_dir, *args):
+    r = cli("run", "--model", model_dir, "--prompt", "Hello there, hello there, hello", "--no-chat",
+            "--max-new-tokens", "12", "--dtype", "fp32", "--json", *args)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_default_mode_is_triforce_with_ngram_and_lossless(tiny_model_dir):
+    ar = run_json(tiny_model_dir, "--mode", "autoregressive")
+    d = run_json(tiny_model_dir, "--budget", "16", "--chunk", "4")
+    assert d["mode"] == "triforce" and set(d["acceptance"]) == {"ngram", "retrieval"}
+    assert d["text"] == ar["text"] and "mean_accepted" in d
+
+
+def test_draft_model_path_and_flags(tiny_model_dir):
+    ar = run_json(tiny_model_dir, "--mode", "autoregressive")
+    d = run_json(tiny_model_dir, "--draft", tiny_model_dir, "--gamma1", "3", "--gamma2", "auto",
+                 "--draft-sink", "2", "--draft-window", "8", "--rebuild", "every:4", "--budget", "16",
+                 "--chunk", "4")
+    assert d["text"] == ar["text"] and set(d["acceptance"]) == {"draft", "retrieval"}
+    assert d["rebuilds"] >= 1
+
+
+@pytest.mark.parametrize("flag,value,needle", [
+    ("--budget", "8", "--budget 8: must be at least 2 chunks"),
+    ("--gamma1", "0", "--gamma1 0"),
+    ("--gamma2", "x", "--gamma2 'x'"),
+    ("--rebuild", "often", "--rebuild 'often'"),
+])
+def test_bad_speculative_flags(tiny_model_dir, flag, value, needle):
+    assert_user_error(cli("run", "--model", tiny_model_dir, "--prompt", "hi", flag, value), needle)

@@ -1,0 +1,97 @@
+"""Acceptance rule, drafters, gamma adaptation, option checks."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from triforce_offload.runtime.drafters import NgramDrafter, check_vocab
+from triforce_offload.runtime.engine import AutoGamma, Rebuild
+from triforce_offload.runtime.errors import TriforceError
+from triforce_offload.runtime.spec_modes import SpecOptions
+from triforce_offload.runtime.speculative import accept, n_accepted, one_hot, residual
+
+
+def test_greedy_accepts_while_argmax_agrees():
+    p = one_hot([3, 1, 2, 0], 5)  # target argmaxes at 4 positions
+    k, x = accept([3, 1, 4], one_hot([3, 1, 4], 5), p)
+    assert (k, x) == (2, 2)  # third draft rejected: the target's own token replaces it
+    k, x = accept([3, 1, 2], one_hot([3, 1, 2], 5), p)
+    assert (k, x) == (3, 0)  # all accepted: bonus token
+
+
+def test_n_accepted_is_vectorised_prefix():
+    p = torch.tensor([[0.5, 0.5], [0.0, 1.0], [0.9, 0.1]])
+    q = torch.tensor([[1.0, 0.0], [1.0, 0.0]])
+    d = torch.tensor([0, 0])
+    assert n_accepted(d, q, p, torch.tensor([0.4, 0.0])) == 1  # p(0)/q(0) = 0.5 > 0.4; then p = 0
+    assert n_accepted(d, q, p, torch.tensor([0.6, 0.0])) == 0
+
+
+def test_residual():
+    p, q = torch.tensor([0.5, 0.3, 0.2]), torch.tensor([0.7, 0.1, 0.2])
+    assert torch.allclose(residual(p, q), torch.tensor([0.0, 1.0, 0.0]))
+    assert torch.equal(residual(p, p), p)
+
+
+def test_single_step_output_is_distributed_as_p():
+    """One draft token from q, verified against p: the first output token must follow p."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.tensor([[0.1, 0.6, 0.3], [0.2, 0.2, 0.6]])
+    q = torch.tensor([[0.5, 0.2, 0.3]])
+    counts = torch.zeros(3)
+    for _ in range(6000):
+        d = int(torch.multinomial(q[0], 1, generator=g))
+        k, x = accept([d], q, p, g)
+        counts[d if k else x] += 1
+    assert torch.allclose(counts / counts.sum(), p[0], atol=0.02)
+
+
+def test_ngram_lookup_takes_most_recent_longest_match():
+    dr = NgramDrafter(vocab=10, max_n=3)
+    assert dr.lookup([1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3], 3) == [7, 8, 5]
+    assert dr.lookup([4, 5, 6, 4, 5], 4) == [6, 4, 5]
+    assert dr.lookup([1, 2, 3], 2) == []
+    seq = [1, 2, 1]
+    q = dr.draft(seq, 5, None, None)
+    assert seq == [1, 2, 1, 2, 1] and q.shape == (2, 10) and q[0, 2] == 1
+
+
+def test_auto_gamma_grows_with_acceptance_and_shrinks_without():
+    ag = AutoGamma(6)
+    for _ in range(10):
+        g = ag.update(ag.gamma, ag.gamma, 0.01 * ag.gamma, 0.1)  # everything accepted, cheap drafts
+    assert g == ag.hi
+    for _ in range(40):
+        g = ag.update(ag.gamma, 0, 0.01 * ag.gamma, 0.1)  # nothing accepted
+    assert g == 1
+    assert AutoGamma(4).best(0.8, 1.0) == 1  # drafts as costly as verification: no speculation pays
+
+
+def test_rebuild_policy():
+    assert Rebuild.parse("every:16").due(16, 1.0) and not Rebuild.parse("every:16").due(15, 0.0)
+    ad = Rebuild.parse("adaptive")
+    assert ad.due(40, 0.3) and not ad.due(40, 0.9) and not ad.due(5, 0.0)
+    assert not Rebuild.parse("never").due(10**6, 0.0)
+    for bad in ("every:0", "sometimes", "every:x"):
+        with pytest.raises(TriforceError, match="--rebuild"):
+            Rebuild.parse(bad)
+
+
+@pytest.mark.parametrize("extra,msg", [
+    ({"budget": 15, "chunk": 8}, "--budget 15: must be at least 2 chunks"),
+    ({"gamma1": 0}, "--gamma1 0"),
+    ({"gamma2": "0"}, "--gamma2 '0'"),
+    ({"gamma2": "lots"}, "--gamma2 'lots'"),
+    ({"chunk": 0}, "--chunk 0"),
+])
+def test_bad_options(extra, msg):
+    with pytest.raises(TriforceError, match=msg):
+        SpecOptions.from_extra(extra)
+
+
+def test_vocab_mismatch_names_tokens():
+    a = SimpleNamespace(get_vocab=lambda: {"a": 0, "b": 1, "c": 2})
+    b = SimpleNamespace(get_vocab=lambda: {"a": 0, "b": 1, "z": 2})
+    check_vocab(a, a)
+    with pytest.raises(TriforceError, match=r"1 ids differ; e.g. id 2: target 'c' vs draft 'z'"):
+        check_vocab(a, b)
