@@ -43,6 +43,8 @@ def info(as_json: bool = typer.Option(False, "--json", help="Print one JSON obje
 
 from . import run as _run  # noqa: E402,F401  (registers `run`)
 from . import tune as _tune  # noqa: E402,F401  (registers `tune`)
+from . import bench as _bench  # noqa: E402,F401  (registers `bench`)
+from . import plan as _plan  # noqa: E402,F401  (registers `plan`)
 
 
 def main():

@@ -14,6 +14,7 @@ from ..runtime.sampling import SamplingParams
 from .app import app, read_prompt
 from .show import err, stats_line
 from .progress import bar, print_stream
+from .plan import plan_settings
 
 DEFAULT_PROMPT_TOKENS = 4000
 
@@ -60,6 +61,9 @@ def run(
                                                  "[default: from `triforce-offload tune`, else 1024]."),
     profile: Optional[Path] = typer.Option(None, help="With --offload: write a Chrome trace JSON "
                                            "of the last verification (copy/compute/wait per layer)."),
+    plan: Optional[str] = typer.Option(None, "--plan", help="auto: choose --budget, --gamma2, "
+                                       "--on-chip, --transfer-chunk with the cost model for this "
+                                       "GPU (overrides them; on a CPU the defaults stay)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text + figures) last."),
 ):
     """Generate from a prompt; ends with a stats line (or a JSON object with --json)."""
@@ -80,6 +84,8 @@ def run(
                       profile=str(profile) if profile else None)
     opts.extra.update(draft=draft, budget=budget, chunk=chunk, gamma1=gamma1, gamma2=gamma2,
                       draft_sink=draft_sink, draft_window=draft_window, rebuild=rebuild)
+    if plan is not None:
+        opts.extra.update(plan_settings(plan, loaded, len(ids) + max_new_tokens))
     err.print(f"model {loaded.cfg.arch} {loaded.cfg.n_layers} layers, {loaded.dtype} on "
               f"{loaded.device}; mode {mode}; prompt {len(ids)} tokens", highlight=False)
     stream = None if as_json else print_stream(loaded.tokenizer)

@@ -1,0 +1,133 @@
+"""`triforce-offload bench`: every mode and the outside references on one model and prompt."""
+from __future__ import annotations
+
+import json
+import platform
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Optional
+
+import torch
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from ..runtime import api
+from ..runtime.bench import CONTENDERS, BenchOptions, run_bench, summarize
+from ..runtime.errors import TriforceError
+from .app import app
+from .show import err, out
+
+DEFAULT_MODES = ",".join(CONTENDERS)
+
+
+def parse_list(text: str, kind, flag: str) -> list:
+    try:
+        vals = [kind(v) for v in text.replace(" ", "").split(",") if v]
+    except ValueError:
+        raise TriforceError(f"{flag} {text!r}: expected a comma-separated list of "
+                            f"{kind.__name__} values, e.g. 2048,4096")
+    if not vals:
+        raise TriforceError(f"{flag} {text!r}: give at least one value")
+    return vals
+
+
+@app.command()
+def bench(
+    model: Optional[str] = typer.Option(None, help="HF model directory or .gguf file "
+                                        "[default: bundled SmolLM2-135M-Instruct]"),
+    gguf: Optional[str] = typer.Option(None, help="GGUF for the llama.cpp rows "
+                                       "[default: --model if it is a .gguf, or the bundled one]"),
+    contexts: str = typer.Option("2048", help="Contexts (prompt + new tokens), e.g. 2048,4096,8192."),
+    new_tokens: int = typer.Option(64, help="Tokens generated per run (end-of-sequence ignored)."),
+    temperatures: str = typer.Option("0", help="Temperatures, e.g. 0,0.6,1.0 (0 is greedy)."),
+    repeats: int = typer.Option(1, help="Runs per cell; the median ms/token is reported."),
+    modes: str = typer.Option(DEFAULT_MODES, help="Contenders to run (comma-separated)."),
+    seed: int = typer.Option(0, help="Sampling seed."),
+    dtype: Optional[str] = typer.Option(None, help="float32|bfloat16|float16 [default as run]"),
+    device: str = typer.Option("auto", help="auto|cpu|cuda"),
+    draft: str = typer.Option("ngram", help="Drafter of draft/triforce: ngram, self or a model path."),
+    budget: int = typer.Option(1024, help="Retrieval cache tokens (retrieval, triforce)."),
+    gamma1: int = typer.Option(4, help="Drafter tokens per check."),
+    gamma2: str = typer.Option("6", help="Retrieval-level tokens per verification, or auto."),
+    lookup: int = typer.Option(10, help="Prompt-lookup draft length of transformers and llama.cpp."),
+    out_dir: Path = typer.Option(Path("results"), "--out", help="Folder for bench.jsonl and PNGs."),
+    plots: bool = typer.Option(True, "--plots/--no-plots", help="Write the PNG plots."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON object."),
+):
+    """Run the modes side by side; table, JSONL (appended) and PNG plots."""
+    o = BenchOptions(parse_list(contexts, int, "--contexts"), new_tokens,
+                     parse_list(temperatures, float, "--temperatures"), repeats,
+                     parse_list(modes, str, "--modes"), seed, gguf=gguf,
+                     spec=dict(draft=draft, budget=budget, gamma1=gamma1, gamma2=gamma2),
+                     lookup=lookup)
+    o.check()
+    loaded = api.load(model, dtype, device, progress=lambda m: err.print(m))
+    with runs_bar() as progress:
+        rows = run_bench(loaded, o, model, progress)
+    summary = summarize(rows)
+    meta = run_meta(loaded, o, model)
+    save_rows(out_dir / "bench.jsonl", rows, meta)
+    pngs = write_plots(summary, out_dir) if plots else []
+    if as_json:
+        print(json.dumps({"meta": meta, "summary": summary, "plots": [str(p) for p in pngs]}))
+        return
+    show_summary(summary, o)
+    err.print(f"appended {len(rows)} rows to {out_dir / 'bench.jsonl'}"
+              + "".join(f"; wrote {p}" for p in pngs), highlight=False)
+
+
+@contextmanager
+def runs_bar():
+    """Yields progress(done, total, label) driving a bar over the runs on stderr."""
+    cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*cols, console=err, transient=True) as p:
+        task = p.add_task("bench", total=None)
+        yield lambda done, total, label: p.update(task, completed=done, total=total,
+                                                  description=label)
+
+
+def run_meta(loaded, o: BenchOptions, model) -> dict:
+    return {"bench": "bench", "time": time.time(), "model": model or "bundled SmolLM2-135M-Instruct",
+            "dtype": str(loaded.dtype).replace("torch.", ""), "device": str(loaded.device),
+            "torch_threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
+            "new_tokens": o.new_tokens, "spec": o.spec}
+
+
+def save_rows(path: Path, rows: list[dict], meta: dict):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        for r in rows:
+            f.write(json.dumps({**meta, **r}) + "\n")
+
+
+def write_plots(summary: list[dict], folder: Path) -> list[Path]:
+    from ..runtime.bench_plot import plot_acceptance, plot_speed
+    return [plot_speed(summary, folder / "bench_speed.png"),
+            plot_acceptance(summary, folder / "bench_acceptance.png")]
+
+
+def show_summary(summary: list[dict], o: BenchOptions):
+    t = Table(title=f"bench: {o.new_tokens} new tokens per run, median of {o.repeats}")
+    for c in ("mode", "context", "T", "ms/token", "tok/s", "speedup", "acceptance",
+              "mean acc.", "peak GB", "lossless"):
+        t.add_column(c, justify="left" if c in ("mode", "acceptance") else "right")
+    for s in summary:
+        if "skipped" not in s:
+            t.add_row(*summary_cells(s))
+    out.print(t)
+    for s in summary:
+        if "skipped" in s:
+            err.print(f"skipped {s['mode']}: {s['skipped']}", highlight=False)
+
+
+def summary_cells(s: dict) -> list[str]:
+    acc = " ".join(f"{k} {v:.2f}" for k, v in s.get("acceptance", {}).items())
+    lossless = {None: "-", True: "yes", False: "NO"}[s["lossless"]]
+    if s["lossless"] is False and "note" in s:
+        lossless = "differs*"  # a peer with other arithmetic (quantized GGUF)
+    return [s["mode"], str(s["context"]), f"{s['temperature']:g}", f"{s['ms_per_token']:.1f}",
+            f"{s['tokens_per_s']:.1f}", f"{s['speedup']:.2f}x" if s["speedup"] else "-", acc or "-",
+            f"{s['mean_accepted']:.2f}" if "mean_accepted" in s else "-", f"{s['peak_gb']:.2f}",
+            lossless]

@@ -1,0 +1,135 @@
+"""`triforce-offload plan`: choose TriForce settings for GPUs with the cost model; `run --plan auto`."""
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import replace
+from typing import Optional
+
+import torch
+import typer
+from rich.table import Table
+
+from ..offload import costmodel as cm
+from ..offload import plan as pl
+from ..runtime.errors import TriforceError
+from .app import app
+from .show import err, out
+
+
+def _value(fn, *args):
+    """Parser/search ValueErrors are user mistakes: one line, exit 2."""
+    try:
+        return fn(*args)
+    except ValueError as e:
+        raise TriforceError(str(e)) from None
+
+
+@app.command()
+def plan(
+    gpus: str = typer.Option("2x4090", help="[N x]GPU: 4090, 2x4090, a100-80g ..."),
+    model: str = typer.Option("llama2-7b-128k", help=f"Preset ({', '.join(cm.MODELS)}) "
+                              "or a HF model folder / config.json."),
+    context: str = typer.Option("128k", help="Context in tokens: 131072, 128k, 1M."),
+    gpu_mem: Optional[float] = typer.Option(None, help="GiB per GPU [default: the card's]."),
+    host_mem: Optional[float] = typer.Option(None, help="GiB of host RAM [default: 256]."),
+    alpha0: float = typer.Option(0.6, help="Acceptance of L0 drafts by L1 (measured by bench)."),
+    alpha1: float = typer.Option(0.9, help="Acceptance of L1 tokens by L2 at a 4K budget."),
+    draft_model: bool = typer.Option(True, "--draft-model/--no-draft-model",
+                                     help="Plan with a llama-68m L0 draft (else L1 drafts alone)."),
+    model_path: Optional[str] = typer.Option(None, help="Model path for the printed command "
+                                             "[default: --model]."),
+    draft_path: str = typer.Option("path/to/llama-68m", help="L0 draft model path for the "
+                                   "printed command (same tokenizer as the target)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+):
+    """Search on-chip layers, budget, gamma2 and transfer chunk for the lowest predicted
+    ms/token that fits memory; print the plan and the command line to run it."""
+    hw = _value(pl.parse_gpus, gpus)
+    spec = _value(pl.parse_model, model)
+    ctx = _value(pl.parse_context, context)
+    for a, flag in ((alpha0, "--alpha0"), (alpha1, "--alpha1")):
+        if not 0 <= a <= 1:
+            raise TriforceError(f"{flag} {a}: must be in [0, 1]")
+    p = _value(lambda: pl.search_plan(hw, spec, ctx, gpu_mem, host_mem, alpha0, alpha1,
+                                      draft=cm.LLAMA_68M if draft_model else None))
+    cmd = run_command(p, model_path or model, draft_path if draft_model else None)
+    if as_json:
+        print(json.dumps({**plan_dict(p), "command": cmd}))
+        return
+    out.print(plan_table(p))
+    out.print(cmd, highlight=False, soft_wrap=True)
+
+
+def run_command(p: pl.Plan, model_path: str, draft_path: str | None) -> str:
+    """The `run` invocation: triforce with the L0 draft model, else retrieval (L1 drafts)."""
+    s = p.settings
+    head = f"triforce-offload run --model {shlex.quote(str(model_path))} "
+    mode = (f"--mode triforce --draft {shlex.quote(draft_path)} --gamma1 {s.gamma1} "
+            if draft_path else "--mode retrieval ")
+    return (head + mode + f"--budget {s.budget} --chunk {s.chunk} --gamma2 {s.gamma2} "
+            f"--offload on --on-chip {s.on_chip} --transfer-chunk {s.transfer_chunk} "
+            f"--tp {p.tp} --max-context {s.context}")
+
+
+def plan_dict(p: pl.Plan) -> dict:
+    s = p.settings
+    return {"gpus": p.hardware.gpus, "hardware": p.hardware.name, "model": p.model.name,
+            "context": s.context, "tp": p.tp, "on_chip": s.on_chip, "budget": s.budget,
+            "chunk": s.chunk, "gamma1": s.gamma1 if s.draft is not None else 0,
+            "gamma2": s.gamma2, "transfer_chunk": s.transfer_chunk, "alpha1": s.alpha1,
+            "ms_per_token": p.ms_per_token, "baseline_ms": p.baseline_ms,
+            "gpu_gb": p.gpu_gb, "host_gb": p.host_gb}
+
+
+def plan_table(p: pl.Plan) -> Table:
+    d = plan_dict(p)
+    t = Table(title=f"plan: {d['model']} at {d['context']} tokens on {p.hardware.gpus} x "
+                    f"{p.hardware.name.split('x')[-1]} (predicted by the cost model)",
+              show_header=False)
+    t.add_column(style="bold")
+    t.add_column(justify="right")
+    for k in ("tp", "on_chip", "budget", "chunk", "gamma1", "gamma2", "transfer_chunk"):
+        t.add_row(k.replace("_", " "), str(d[k]))
+    t.add_row("L1 acceptance at budget", f"{d['alpha1']:.3f}")
+    t.add_row("GPU memory", f"{d['gpu_gb']:.1f} GiB per GPU")
+    t.add_row("host memory", f"{d['host_gb']:.1f} GiB")
+    t.add_row("predicted TriForce", f"{d['ms_per_token']:.0f} ms/token")
+    t.add_row("predicted autoregressive offload", f"{d['baseline_ms']:.0f} ms/token")
+    t.add_row("predicted speedup", f"{d['baseline_ms'] / d['ms_per_token']:.1f}x")
+    return t
+
+
+def auto_plan(cfg, context: int, device: torch.device) -> tuple[dict, str]:
+    """`run --plan auto`: (RunOptions.extra updates, a note for stderr).
+
+    The plan models GPUs with a PCIe link; on a machine without CUDA it leaves the
+    defaults alone and says so."""
+    if device.type != "cuda":
+        return {}, ("--plan auto: the planner targets GPUs (PCIe-streamed KV); running on "
+                    f"{device.type}, so the run keeps its defaults")
+    from ..offload.tune import load_profile
+    name = torch.cuda.get_device_name(device)
+    hw = cm.Hardware.from_profile(load_profile(device) or {"device": name})
+    hw = replace(hw, gpus=1, gpu_mem_gb=torch.cuda.get_device_properties(device).total_memory / cm.GIB)
+    spec = cm.ModelSpec(name="model", layers=cfg.n_layers, heads=cfg.n_heads,
+                        kv_heads=cfg.n_kv_heads, hidden=cfg.hidden_size,
+                        intermediate=cfg.intermediate_size, vocab=cfg.vocab_size,
+                        head_dim=cfg.head_dim, tied=cfg.tie_word_embeddings)
+    p = _value(pl.search_plan, hw, spec, context, None, None, 0.6, 0.9, 8, None)
+    s = p.settings
+    extra = {"offload": "on", "on_chip": s.on_chip, "budget": s.budget, "gamma2": str(s.gamma2),
+             "transfer_chunk": s.transfer_chunk}
+    note = (f"--plan auto on {name}: " + ", ".join(f"{k} {v}" for k, v in extra.items())
+            + f" (predicted {p.ms_per_token:.0f} ms/token)")
+    return extra, note
+
+
+def plan_settings(spec: str, loaded, context: int) -> dict:
+    """`run --plan SPEC`: the RunOptions.extra updates (only `auto` exists)."""
+    if spec != "auto":
+        raise TriforceError(f"--plan {spec!r}: allowed is auto (see `triforce-offload plan` "
+                            "for other machines)")
+    extra, note = auto_plan(loaded.cfg, context, loaded.device)
+    err.print(note, highlight=False)
+    return extra

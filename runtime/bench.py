@@ -1,0 +1,254 @@
+"""`bench`: every generation mode and the outside references, side by side, in one process.
+
+One model, one prompt per context. For each (context, temperature, repeat) every
+contender generates `new_tokens` tokens (end-of-sequence ignored) from the same prompt:
+
+| contender | what |
+|---|---|
+| autoregressive | our one-token-at-a-time decode, full KV on the device |
+| autoregressive+offload | the same with the KV in the host store, streamed in chunks |
+| zero-inference | DeepSpeed ZeRO-Inference's strategy: KV and attention on the host |
+| draft | drafter -> target (classic speculative decoding) |
+| retrieval | target over the retrieval cache -> target (TriForce without L0) |
+| triforce | drafter -> target + retrieval cache -> target + full cache |
+| hf, hf-lookup | transformers `generate`, plain and prompt-lookup assisted |
+| llama.cpp, llama.cpp-lookup | llama-cpp-python on the GGUF, plain and prompt lookup |
+
+ms/token counts decode only (first new token to last). Peak memory is the peak RSS
+above the RSS before the run (sampled by a thread), so it shows what a run adds, not
+the weights every run shares. `lossless` compares greedy tokens with autoregressive's.
+Library code: returns rows, never prints.
+"""
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+
+import psutil
+import torch
+
+from . import api, peers
+from .data import long_prompt
+from .errors import TriforceError
+from .loader import DEFAULT_GGUF, default_model_path, resolve
+from .sampling import SamplingParams
+
+# name -> (kind, our mode or peer variant, RunOptions.extra for our modes)
+CONTENDERS = {
+    "autoregressive": ("ours", "autoregressive", {"offload": "off"}),
+    "autoregressive+offload": ("ours", "autoregressive", {"offload": "on"}),
+    "zero-inference": ("ours", "zero-inference", {}),
+    "draft": ("ours", "draft", {"offload": "off"}),
+    "retrieval": ("ours", "retrieval", {"offload": "off"}),
+    "triforce": ("ours", "triforce", {"offload": "off"}),
+    "hf": ("transformers", "plain", {}),
+    "hf-lookup": ("transformers", "lookup", {}),
+    "llama.cpp": ("llama.cpp", "plain", {}),
+    "llama.cpp-lookup": ("llama.cpp", "lookup", {}),
+}
+BASELINE = "autoregressive"
+
+
+@dataclass
+class BenchOptions:
+    contexts: list[int] = field(default_factory=lambda: [2048])  # prompt + new tokens
+    new_tokens: int = 64  # tokens generated per run
+    temperatures: list[float] = field(default_factory=lambda: [0.0])  # 0 is greedy
+    repeats: int = 1  # runs per (contender, context, temperature); the median is reported
+    modes: list[str] = field(default_factory=lambda: list(CONTENDERS))  # contenders to run
+    seed: int = 0  # sampling seed (the same for every contender)
+    spec: dict = field(default_factory=dict)  # extra options for our modes (budget, gamma1, ...)
+    lookup: int = 10  # prompt-lookup draft length for transformers and llama.cpp
+    gguf: str | None = None  # GGUF for llama.cpp; None: the --model file or the bundled one
+    threads: int = 0  # llama.cpp threads; 0: torch's thread count
+
+    def check(self):
+        bad = [m for m in self.modes if m not in CONTENDERS]
+        if bad:
+            raise TriforceError(f"--modes {','.join(bad)}: allowed are {', '.join(CONTENDERS)}")
+        if self.new_tokens < 2 or self.repeats < 1:
+            raise TriforceError(f"--new-tokens {self.new_tokens} / --repeats {self.repeats}: "
+                                "need at least 2 new tokens and 1 repeat")
+        for c in self.contexts:
+            if c < self.new_tokens + 64:
+                raise TriforceError(f"--contexts {c}: must be at least --new-tokens + 64 "
+                                    f"= {self.new_tokens + 64}")
+
+
+class PeakRSS:
+    """Peak resident memory above the level at entry, sampled every `every` seconds."""
+
+    def __init__(self, every: float = 0.005):
+        self.every, self.peak, self._stop = every, 0, threading.Event()
+
+    def __enter__(self):
+        self.proc = psutil.Process()
+        self.base = self.proc.memory_info().rss
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+        self.thread.start()
+        return self
+
+    def _poll(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            self._stop.wait(self.every)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self.thread.join()
+        self.peak = max(self.peak, self.proc.memory_info().rss)
+
+    @property
+    def gb(self) -> float:
+        return max(self.peak - self.base, 0) / 2**30
+
+
+class Bench:
+    """Holds the loaded model and the lazily built peers while the runs go by."""
+
+    def __init__(self, loaded: api.Loaded, o: BenchOptions, model_path=None):
+        self.loaded, self.o, self.model_path = loaded, o, model_path
+        self.hf = None  # transformers model, loaded on first use
+        self.llms = {}  # (context, variant) -> llama_cpp.Llama
+
+    def gguf(self):
+        """The GGUF file llama.cpp reads, or None when there is none."""
+        if self.o.gguf:
+            return self.o.gguf
+        if self.model_path is None:
+            return default_model_path()
+        return self.model_path if str(self.model_path).endswith(".gguf") else None
+
+    def skip_note(self, name: str) -> str | None:
+        """Why a contender cannot run here, or None."""
+        if CONTENDERS[name][0] != "llama.cpp":
+            return None
+        if self.gguf() is None:
+            return "llama.cpp needs a GGUF: pass --gguf FILE (or --model FILE.gguf)"
+        return peers.llama_cpp_missing()
+
+    def run(self, name: str, ctx: int, prompt: list[int], temp: float) -> dict:
+        kind, variant, extra = CONTENDERS[name]
+        with PeakRSS() as mem:
+            if kind == "ours":
+                row = self._ours(variant, extra, prompt, temp)
+            elif kind == "transformers":
+                row = self._hf(variant, prompt, temp)
+            else:
+                row = self._llama_cpp(variant, ctx, prompt, temp)
+        row["peak_gb"] = mem.gb
+        return row
+
+    def _ours(self, mode: str, extra: dict, prompt, temp) -> dict:
+        opts = api.RunOptions(mode=mode, max_new_tokens=self.o.new_tokens, ignore_eos=True,
+                              sampling=SamplingParams(temp, seed=self.o.seed),
+                              extra={**self.o.spec, **extra})
+        toks, st = api.generate(self.loaded, prompt, opts)
+        row = {"tokens": toks, "ms_per_token": 1000 * st.decode_s / max(len(toks) - 1, 1),
+               "prefill_s": st.prefill_s}
+        for k in ("acceptance", "mean_accepted", "overlap", "notes"):
+            if st.extra.get(k) not in (None, [], {}):
+                row[k] = st.extra[k]
+        return row
+
+    def _hf(self, variant: str, prompt, temp) -> dict:
+        if self.hf is None:
+            d = resolve(self.model_path)
+            self.hf = peers.load_hf(d, self.loaded.dtype).to(self.loaded.device)
+        lookup = self.o.lookup if variant == "lookup" else 0
+        r = peers.hf_generate(self.hf, prompt, self.o.new_tokens, temp, self.o.seed, lookup)
+        return {"tokens": r.tokens, "ms_per_token": r.ms_per_token}
+
+    def _llama_cpp(self, variant: str, ctx: int, prompt, temp) -> dict:
+        key = (ctx, variant)
+        if key not in self.llms:
+            self.llms.clear()  # one llama.cpp context alive at a time
+            lookup = self.o.lookup if variant == "lookup" else 0
+            threads = self.o.threads or torch.get_num_threads()
+            self.llms[key] = peers.load_llama_cpp(self.gguf(), ctx + 64, threads, lookup,
+                                                  self.o.seed)
+        r = peers.llama_cpp_generate(self.llms[key], prompt, self.o.new_tokens, temp, self.o.seed)
+        return {"tokens": r.tokens, "ms_per_token": r.ms_per_token,
+                "note": "quantized GGUF weights (not the same arithmetic)"}
+
+
+def bench_prompt(tokenizer, ctx: int, new_tokens: int) -> list[int]:
+    """Essays plus a summary request, chat-wrapped, leaving room for the new tokens."""
+    ids = long_prompt(tokenizer, ctx - new_tokens - 64)
+    return ids[: ctx - new_tokens]
+
+
+def plan_runs(o: BenchOptions) -> list[tuple[int, float, int, str]]:
+    """(context, temperature, repeat, contender) in run order: the baseline first."""
+    order = sorted(o.modes, key=lambda m: m != BASELINE)
+    return [(c, t, r, m) for c in o.contexts for t in o.temperatures
+            for r in range(o.repeats) for m in order]
+
+
+def run_bench(loaded: api.Loaded, o: BenchOptions, model_path=None, progress=None):
+    """Every run as a row dict (skipped contenders: one row with a `skipped` note).
+
+    progress(done, total, label) is called before each run."""
+    o.check()
+    b, runs = Bench(loaded, o, model_path), plan_runs(o)
+    prompts = {c: bench_prompt(loaded.tokenizer, c, o.new_tokens) for c in o.contexts}
+    warm_up(loaded)
+    rows, skipped = [], set()
+    for i, (ctx, temp, rep, name) in enumerate(runs):
+        if progress:
+            progress(i, len(runs), f"{name} @ {ctx} T={temp:g}")
+        note = b.skip_note(name)
+        if note:
+            if name not in skipped:
+                rows.append({"mode": name, "skipped": note})
+            skipped.add(name)
+            continue
+        r = b.run(name, ctx, prompts[ctx], temp)
+        rows.append({"mode": name, "context": ctx, "prompt_tokens": len(prompts[ctx]),
+                     "temperature": temp, "repeat": rep, "new_tokens": len(r["tokens"]), **r})
+    if progress:
+        progress(len(runs), len(runs), "done")
+    return rows
+
+
+def warm_up(loaded: api.Loaded):
+    """One short generation, so the first timed run does not pay for lazy initialisation."""
+    ids = loaded.tokenizer("Warm up.").input_ids
+    api.generate(loaded, ids, api.RunOptions(max_new_tokens=4, ignore_eos=True))
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """One row per (mode, context, temperature): median ms/token over repeats, speedup over
+    autoregressive, and lossless = greedy tokens equal autoregressive's (None if not greedy)."""
+    groups = {}
+    for r in rows:
+        if "skipped" not in r:
+            groups.setdefault((r["mode"], r["context"], r["temperature"]), []).append(r)
+    base = {(c, t): statistics.median(x["ms_per_token"] for x in g)
+            for (m, c, t), g in groups.items() if m == BASELINE}
+    ref = {(c, t): g[0]["tokens"] for (m, c, t), g in groups.items() if m == BASELINE}
+    out = []
+    for (m, c, t), g in groups.items():
+        ms = statistics.median(x["ms_per_token"] for x in g)
+        s = {"mode": m, "context": c, "temperature": t, "ms_per_token": ms,
+             "tokens_per_s": 1000 / ms if ms else 0.0, "repeats": len(g),
+             "peak_gb": max(x["peak_gb"] for x in g),
+             "speedup": base[(c, t)] / ms if (c, t) in base and ms else None,
+             "lossless": (g[0]["tokens"] == ref[(c, t)]) if t == 0 and (c, t) in ref else None}
+        s.update(_mean_acceptance(g))
+        s.update({k: g[0][k] for k in ("note",) if k in g[0]})
+        out.append(s)
+    order = list(CONTENDERS)
+    out.sort(key=lambda s: (s["context"], s["temperature"], order.index(s["mode"])))
+    return out + [{"mode": r["mode"], "skipped": r["skipped"]} for r in rows if "skipped" in r]
+
+
+def _mean_acceptance(g: list[dict]) -> dict:
+    """Acceptance per level and mean accepted tokens per verification, averaged over repeats."""
+    if "acceptance" not in g[0]:
+        return {}
+    levels = g[0]["acceptance"].keys()
+    acc = {k: statistics.mean(x["acceptance"][k] for x in g) for k in levels}
+    return {"acceptance": acc, "mean_accepted": statistics.mean(x.get("mean_accepted", 0) for x in g)}

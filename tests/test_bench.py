@@ -1,0 +1,187 @@
+"""`bench`, `plan`, `run --plan auto` and needle-in-a-haystack on tiny models."""
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from triforce_offload.runtime import api, bench, peers
+from triforce_offload.runtime.errors import TriforceError
+
+OURS = ["autoregressive", "autoregressive+offload", "zero-inference", "draft", "retrieval",
+        "triforce"]
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def cli(*args):
+    cmd = [sys.executable, "-m", "triforce_offload.cli", *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+
+
+def bench_cli(model, out, contexts, temperatures, *more):
+    return cli("bench", "--model", model, "--contexts", contexts, "--new-tokens", "12",
+               "--temperatures", temperatures, "--budget", "32", "--gamma2", "3", "--dtype", "fp32",
+               "--device", "cpu", "--out", out, "--json", *more)
+
+
+@pytest.fixture(scope="module")
+def bench_run(tiny_model_dir, tmp_path_factory):
+    """A small `bench` then one over every contender, both into one results folder."""
+    out = tmp_path_factory.mktemp("bench")
+    first = bench_cli(tiny_model_dir, out, "160", "0", "--modes", "autoregressive,triforce")
+    assert first.returncode == 0, first.stderr
+    r = bench_cli(tiny_model_dir, out, "160,256", "0,0.8")
+    assert r.returncode == 0, r.stderr
+    return out, json.loads(r.stdout.strip().splitlines()[-1]), first
+
+
+def test_bench_rows_for_every_mode(bench_run):
+    _, d, _ = bench_run
+    rows = [s for s in d["summary"] if "skipped" not in s]
+    for mode in OURS + ["hf", "hf-lookup"]:
+        cells = {(s["context"], s["temperature"]) for s in rows if s["mode"] == mode}
+        assert cells == {(160, 0.0), (160, 0.8), (256, 0.0), (256, 0.8)}, mode
+    for s in rows:
+        assert s["ms_per_token"] > 0 and s["tokens_per_s"] > 0 and s["peak_gb"] >= 0
+
+
+def test_bench_greedy_modes_are_lossless(bench_run):
+    _, d, _ = bench_run
+    greedy = [s for s in d["summary"] if s.get("temperature") == 0 and s["mode"] in OURS]
+    assert len(greedy) == 2 * len(OURS)
+    assert all(s["lossless"] is True for s in greedy), [s["mode"] for s in greedy if not s["lossless"]]
+    assert all(s["lossless"] is None for s in d["summary"] if s.get("temperature", 0) > 0)
+
+
+def test_bench_speedup_and_acceptance(bench_run):
+    _, d, _ = bench_run
+    by = {(s["mode"], s["context"], s["temperature"]): s for s in d["summary"] if "skipped" not in s}
+    assert by[("autoregressive", 256, 0.0)]["speedup"] == pytest.approx(1.0)
+    tf = by[("triforce", 256, 0.0)]
+    assert set(tf["acceptance"]) == {"ngram", "retrieval"} and tf["mean_accepted"] >= 1
+    assert "acceptance" not in by[("autoregressive", 256, 0.0)]
+
+
+def test_bench_skips_llama_cpp_without_gguf_with_a_note(bench_run):
+    _, d, _ = bench_run
+    skipped = {s["mode"]: s["skipped"] for s in d["summary"] if "skipped" in s}
+    assert set(skipped) == {"llama.cpp", "llama.cpp-lookup"}
+    assert "GGUF" in skipped["llama.cpp"]
+
+
+def test_bench_appends_jsonl_and_writes_plots(bench_run):
+    out, d, first = bench_run
+    lines = (out / "bench.jsonl").read_text().splitlines()
+    n_first = 2  # 2 modes x 1 context x 1 temperature
+    n_second = (len(OURS) + 2) * 2 * 2 + 2  # + one skip row per llama.cpp contender
+    assert len(lines) == n_first + n_second
+    row = json.loads(lines[-3])
+    assert {"mode", "context", "temperature", "ms_per_token", "tokens", "model"} <= set(row)
+    for name in ("bench_speed.png", "bench_acceptance.png"):
+        assert (out / name).read_bytes()[:4] == b"\x89PNG"
+    assert sorted(d["plots"]) == sorted(str(out / n) for n in ("bench_speed.png", "bench_acceptance.png"))
+
+
+def test_llama_cpp_missing_gives_a_note(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llama_cpp" else real(name, *a))
+    note = peers.llama_cpp_missing()
+    assert note and "llama-cpp-python not installed" in note
+    b = bench.Bench(loaded=None, o=bench.BenchOptions(gguf="/x/model.gguf"))
+    assert b.skip_note("llama.cpp") == note and b.skip_note("hf") is None
+
+
+def test_bench_options_refuse_bad_values():
+    with pytest.raises(TriforceError, match="--modes magic"):
+        bench.BenchOptions(modes=["magic"]).check()
+    with pytest.raises(TriforceError, match="--contexts 50"):
+        bench.BenchOptions(contexts=[50], new_tokens=8).check()
+
+
+def test_summarize_flags_a_lossy_mode_and_speedup():
+    row = lambda m, ms, toks: {"mode": m, "context": 100, "temperature": 0.0, "ms_per_token": ms,
+                               "tokens": toks, "peak_gb": 0.1}
+    s = bench.summarize([row("autoregressive", 10.0, [1, 2]), row("triforce", 5.0, [1, 3]),
+                         row("draft", 4.0, [1, 2])])
+    by = {x["mode"]: x for x in s}
+    assert by["triforce"]["lossless"] is False and by["draft"]["lossless"] is True
+    assert by["triforce"]["speedup"] == pytest.approx(2.0)
+
+
+def test_bench_cli_refuses_bad_list():
+    r = cli("bench", "--contexts", "2k,4k")
+    assert r.returncode == 2 and "--contexts" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_plan_prints_table_and_command():
+    r = cli("plan", "--gpus", "2x4090", "--model", "llama2-7b-128k", "--context", "128k")
+    assert r.returncode == 0, r.stderr
+    assert "predicted TriForce" in r.stdout
+    cmd = [ln for ln in r.stdout.splitlines() if ln.startswith("triforce-offload run")]
+    assert len(cmd) == 1
+    for flag in ("--mode triforce", "--budget", "--gamma2", "--on-chip", "--transfer-chunk",
+                 "--offload on", "--tp 2", "--max-context 131072"):
+        assert flag in cmd[0]
+
+
+def test_plan_json_without_draft_model_uses_retrieval():
+    r = cli("plan", "--gpus", "a100-80g", "--model", "llama-3.1-8b", "--context", "64k",
+            "--no-draft-model", "--json")
+    d = json.loads(r.stdout)
+    assert d["gpu_gb"] <= 80 and d["ms_per_token"] < d["baseline_ms"]
+    assert "--mode retrieval" in d["command"] and "--gamma1" not in d["command"]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (("--gpus", "4090", "--context", "1M", "--host-mem", "64"), "host memory"),
+    (("--gpus", "3090"), "unknown GPU"),
+    (("--context", "lots"), "bad context"),
+    (("--alpha1", "1.5"), "--alpha1"),
+])
+def test_plan_refuses_impossible_or_bad_input(args, needle):
+    r = cli("plan", *args)
+    assert r.returncode == 2, r.stdout
+    assert "Traceback" not in r.stderr and needle in r.stderr
+
+
+def test_run_plan_auto_on_cpu_keeps_defaults(tiny_model_dir):
+    r = cli("run", "--model", tiny_model_dir, "--mode", "autoregressive", "--prompt", "Hi",
+            "--max-new-tokens", "3", "--device", "cpu", "--plan", "auto", "--json")
+    assert r.returncode == 0, r.stderr
+    assert "planner targets GPUs" in r.stderr
+    r = cli("run", "--model", tiny_model_dir, "--prompt", "Hi", "--plan", "fast")
+    assert r.returncode == 2 and "--plan 'fast'" in r.stderr
+
+
+def load_niah():
+    spec = importlib.util.spec_from_file_location("niah", ROOT / "benchmarks" / "niah.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_needle_is_placed_at_depth(smol_dir):
+    niah = load_niah()
+    from triforce_offload.runtime.loader import load_tokenizer
+    tok = load_tokenizer(smol_dir)
+    assert niah.haystack(tok, 400, 0).startswith(niah.NEEDLE)
+    assert niah.haystack(tok, 400, 100).endswith(niah.NEEDLE)
+    mid = niah.haystack(tok, 400, 50)
+    assert 0.3 < mid.index(niah.NEEDLE) / len(mid) < 0.7
+
+
+def test_niah_grid_on_tiny_model(tiny_model_dir, tmp_path):
+    niah = load_niah()
+    o = niah.parse(["--model", str(tiny_model_dir), "--lengths", "200", "300", "--depths", "0",
+                    "100", "--new-tokens", "6", "--budget", "32", "--out", str(tmp_path)])
+    loaded = api.load(o.model, "float32", "cpu")
+    grid = niah.run_grid(loaded, o)
+    assert {(c["length"], c["depth"]) for c in grid} == {(200, 0), (200, 100), (300, 0), (300, 100)}
+    assert all(c["identical"] for c in grid)  # greedy triforce == greedy autoregressive
+    pngs = niah.save(grid, o)
+    assert all(p.read_bytes()[:4] == b"\x89PNG" for p in pngs)
+    assert len((tmp_path / "niah.jsonl").read_text().splitlines()) == 4
+    assert "| 300 | 100% |" in niah.table(grid)
