@@ -13,9 +13,10 @@ weights over it. Each row: best of `repeats` interleaved rounds after a warm-up 
 each forward measured from an idle link (prefetch issued right before it, as if
 drafting took no time).
 
-  serialized: each layer's chunks are all copied, then computed (nothing streams ahead)
-  overlapped: the pipeline (chunks land while attention runs, next layers stream ahead)
-  copy:       streaming the pass alone (no compute)
+  serialized: each layer is copied whole into staging, then computed (nothing streams ahead)
+  overlapped: the pipeline (chunks land while attention runs, the next chunks and layers
+              stream ahead; on a CPU the staging ring is sized to stay in cache)
+  copy:       copying every layer's KV into whole-layer staging, alone (no compute)
   compute:    the same forward with the KV resident (FullCache), no copies
   efficiency = (copy + compute - wall_overlapped) / min(copy, compute)
 """

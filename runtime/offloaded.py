@@ -67,7 +67,8 @@ class OffloadedCache(KVCache):
 
     def __init__(self, cfg, capacity: int, batch: int = 1, dtype=torch.float32, device="cpu",
                  on_chip: int = 0, chunk: int = DEFAULT_CHUNK, stage_layers: int = 2,
-                 overlap: bool = True, copier_cls=ChunkCopier, log_order: bool = False):
+                 overlap: bool = True, copier_cls=ChunkCopier, log_order: bool = False,
+                 slots: int | None = None):
         super().__init__(cfg, batch)
         if not 0 <= on_chip <= cfg.n_layers:
             raise TriforceError(f"--on-chip {on_chip}: must be between 0 and {cfg.n_layers} layers")
@@ -76,13 +77,13 @@ class OffloadedCache(KVCache):
         self.capacity, self.on_chip, self.chunk, self.device = capacity, on_chip, chunk, device
         spec = StoreSpec(list(range(on_chip, cfg.n_layers)), cfg.n_kv_heads, cfg.head_dim,
                          capacity, batch, dtype)
-        self._check(spec, stage_layers)
+        self._check(spec, stage_layers, slots)
         self.timeline = Timeline(log_order)
         self.store = HostKVStore(spec)
         self.copier = copier_cls(device, self.timeline)
         weakref.finalize(self, self.copier.close)  # stop the copier thread with the cache
         self.sched = PipelineScheduler(self.store, self.copier, chunk, device, stage_layers,
-                                       overlap, self.timeline) if spec.layers else None
+                                       overlap, self.timeline, slots) if spec.layers else None
         self.chip = FullCache(cfg, capacity, batch, dtype, device) if on_chip else None
         self.written = 0  # end of the KV written so far (scratch above `length`)
         self.wb = {}  # layer -> Signal of its latest write-back
@@ -90,10 +91,13 @@ class OffloadedCache(KVCache):
         self.trace = None  # Chrome trace of the last multi-layer forward
         self._t0 = None
 
-    def _check(self, spec: StoreSpec, stage_layers: int):
+    def _check(self, spec: StoreSpec, stage_layers: int, slots: int | None):
         per_layer = spec.bytes_per_token() * spec.capacity
         cb = self.chunk * spec.bytes_per_token()
-        slots = staging_slots(spec.capacity, self.chunk, stage_layers, cb, self.device) if spec.layers else 0
+        if not spec.layers:
+            slots = 0
+        slots = slots if slots is not None else staging_slots(
+            spec.capacity, self.chunk, stage_layers, cb, self.device)
         dev = self.on_chip * per_layer + slots * cb
         check_memory(spec.nbytes(), dev, self.device, HOST_HINT, DEVICE_HINT)
 
