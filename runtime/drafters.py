@@ -68,19 +68,21 @@ class ModelLevel:
 class NgramDrafter:
     """Prompt lookup: find the last n tokens earlier in the context, propose what followed.
 
-    Tries n = max_n .. 1 and takes the most recent match. Deterministic, so q is one-hot.
+    Tries n = max_n .. min_n and takes the most recent match (single-token matches are
+    mostly noise on prose: they cost verification rows and are rarely accepted).
+    Deterministic, so q is one-hot.
     """
 
     name = "ngram"
 
-    def __init__(self, vocab: int, max_n: int = 3, device="cpu"):
-        self.vocab, self.max_n, self.device = vocab, max_n, device
+    def __init__(self, vocab: int, max_n: int = 3, device="cpu", min_n: int = 2):
+        self.vocab, self.max_n, self.min_n, self.device = vocab, max_n, min_n, device
         self.time = 0.0  # seconds spent looking up
 
     def lookup(self, seq: list[int], g: int) -> list[int]:
         a = np.asarray(seq, dtype=np.int64)
         L = len(a)
-        for n in range(min(self.max_n, L - 1), 0, -1):
+        for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
             hit = np.ones(L - n, dtype=bool)  # candidate starts 0 .. L-n-1 (not the suffix itself)
             for j in range(n):
                 hit &= a[j: L - n + j] == a[L - n + j]

@@ -1,9 +1,18 @@
-"""Greedy losslessness of every speculative mode on the real SmolLM2 (fp32, ~4K-token prompt)."""
+"""Greedy losslessness of every speculative mode on the real SmolLM2 (fp32, ~4K-token prompt).
+
+The prompt is prefilled once; each mode decodes from that full cache (rolled back, its
+recorded queries restored), as benchmarks/speedup.py does.
+"""
 import pytest
+import torch
 
 from triforce_offload.runtime import api
+from triforce_offload.runtime.cache import FullCache
 from triforce_offload.runtime.data import long_prompt
+from triforce_offload.runtime.generate import decode, prefill
+from triforce_offload.runtime.retrieval import Recorder
 from triforce_offload.runtime.sampling import SamplingParams
+from triforce_offload.runtime.spec_modes import speculate
 
 pytestmark = pytest.mark.slow
 
@@ -13,6 +22,7 @@ MODES = [
     ("triforce", {"budget": 512, "draft": "self", "gamma2": "auto", "rebuild": "every:48"}),
     ("retrieval", {"budget": 1024}),
     ("draft", {}),
+    ("draft", {"draft": "self", "draft_window": 64}),
 ]
 
 
@@ -20,18 +30,21 @@ MODES = [
 def setup():
     L = api.load(None, "float32", "cpu")
     prompt = long_prompt(L.tokenizer, 4000)
-    return L, prompt, gen(L, prompt, "autoregressive", {})[0]
-
-
-def gen(L, prompt, mode, extra):
-    opts = api.RunOptions(mode=mode, max_new_tokens=N_NEW, ignore_eos=True, extra=dict(extra),
-                          sampling=SamplingParams())
-    return api.generate(L, prompt, opts)
+    full = Recorder(FullCache(L.cfg, len(prompt) + N_NEW + 64))
+    logits = prefill(L.model, full, torch.tensor([prompt]))
+    qs = dict(full.q)
+    ref = decode(L.model, full, logits, len(prompt), SamplingParams(), N_NEW, set())
+    return L, prompt, full, logits, qs, ref
 
 
 @pytest.mark.parametrize("mode,extra", MODES)
 def test_smollm2_greedy_equals_autoregressive(setup, mode, extra):
-    L, prompt, ref = setup
-    out, st = gen(L, prompt, mode, extra)
-    assert len(ref) == N_NEW and out == ref, f"diverges at {next(i for i, (a, b) in enumerate(zip(out, ref)) if a != b)}"
+    L, prompt, full, logits, qs, ref = setup
+    full.commit(len(prompt))
+    full.q = dict(qs)
+    opts = api.RunOptions(mode=mode, max_new_tokens=N_NEW, ignore_eos=True, extra=dict(extra),
+                          sampling=SamplingParams())
+    out, st = speculate(mode, L, prompt, opts, full, logits)
+    assert len(ref) == N_NEW
+    assert out == ref, f"diverges at {next(i for i, (a, b) in enumerate(zip(out, ref)) if a != b)}"
     assert st.extra["mean_accepted"] > 1.2  # speculation does accept tokens on real text

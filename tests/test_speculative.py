@@ -51,9 +51,10 @@ def test_ngram_lookup_takes_most_recent_longest_match():
     assert dr.lookup([1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3], 3) == [7, 8, 5]
     assert dr.lookup([4, 5, 6, 4, 5], 4) == [6, 4, 5]
     assert dr.lookup([1, 2, 3], 2) == []
-    seq = [1, 2, 1]
+    assert dr.lookup([1, 2, 1], 2) == [] and NgramDrafter(10, min_n=1).lookup([1, 2, 1], 2) == [2, 1]
+    seq = [1, 2, 1, 2]
     q = dr.draft(seq, 5, None, None)
-    assert seq == [1, 2, 1, 2, 1] and q.shape == (2, 10) and q[0, 2] == 1
+    assert seq == [1, 2, 1, 2, 1, 2] and q.shape == (2, 10) and q[0, 1] == 1
 
 
 def test_auto_gamma_grows_with_acceptance_and_shrinks_without():
