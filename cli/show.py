@@ -29,9 +29,12 @@ def stats_line(d: dict) -> str:
              f"decode {d['decode_ms_per_token']:.1f} ms/tok ({d['tokens_per_s']:.1f} tok/s)",
              f"{d['new_tokens']} new", f"peak {d['peak_memory_gb']:.2f} GB"]
     for k, v in d.get("acceptance", {}).items():
-        parts.append(f"accept[{k}] {v:.2f}")
+        parts.append(f"accept {k} {v:.2f}")  # no [brackets]: rich would read them as markup
     if "mean_accepted" in d:
         parts.append(f"mean accepted {d['mean_accepted']:.2f}")
+    if d.get("rebuilds"):
+        parts.append(f"rebuilds {d['rebuilds']}")
+    parts += d.get("notes", [])
     if "overlap" in d:
         parts.append(f"overlap {d['overlap']:.2f}")
     return " | ".join(parts)
