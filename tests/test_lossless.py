@@ -38,6 +38,8 @@ MODES = [
     ("triforce", {"budget": 60, "rebuild": "every:7", "gamma1": 2, "gamma2": "3"}),
     ("triforce", {"budget": 48, "rebuild": "adaptive"}),
     ("triforce", {"budget": 4096}),  # prompt shorter than the budget
+    ("triforce", {"budget": 64, "offload": "on", "transfer_chunk": 64}),  # host-streamed full cache
+    ("triforce", {"budget": 64, "offload": "on", "on_chip": 1, "draft": "self", "transfer_chunk": 32}),
 ]
 
 
