@@ -52,6 +52,8 @@ def bench(
     gamma1: int = typer.Option(4, help="Drafter tokens per check."),
     gamma2: str = typer.Option("6", help="Retrieval-level tokens per verification, or auto."),
     lookup: int = typer.Option(10, help="Prompt-lookup draft length of transformers and llama.cpp."),
+    threads: int = typer.Option(0, help="CPU threads of every contender (torch and llama.cpp) "
+                                "[default: torch's]."),
     out_dir: Path = typer.Option(Path("results"), "--out", help="Folder for bench.jsonl and PNGs."),
     plots: bool = typer.Option(True, "--plots/--no-plots", help="Write the PNG plots."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON object."),
@@ -61,8 +63,10 @@ def bench(
                      parse_list(temperatures, float, "--temperatures"), repeats,
                      parse_list(modes, str, "--modes"), seed, gguf=gguf,
                      spec=dict(draft=draft, budget=budget, gamma1=gamma1, gamma2=gamma2),
-                     lookup=lookup)
+                     lookup=lookup, threads=threads)
     o.check()
+    if threads:
+        torch.set_num_threads(threads)  # the same CPU share for our modes and the peers
     loaded = api.load(model, dtype, device, progress=lambda m: err.print(m))
     with runs_bar() as progress:
         rows = run_bench(loaded, o, model, progress)
@@ -116,7 +120,7 @@ def show_summary(summary: list[dict], o: BenchOptions):
     for s in summary:
         if "skipped" not in s:
             t.add_row(*summary_cells(s))
-    out.print(t)
+    out.print(t, width=None if out.is_terminal else 160)  # files and pipes: no squeezed columns
     for s in summary:
         if "skipped" in s:
             err.print(f"skipped {s['mode']}: {s['skipped']}", highlight=False)
