@@ -36,7 +36,7 @@ def run(
     top_k: int = typer.Option(0, help="Keep the k most likely tokens (0: all)."),
     seed: Optional[int] = typer.Option(None, help="Seed for sampling."),
     dtype: Optional[str] = typer.Option(None, help="float32|bfloat16|float16 (fp32/bf16/fp16) "
-                                        "[default: bfloat16; float16 on GPUs without bf16]"),
+                                        "[default: float32 on CPU, bfloat16 on GPUs (float16 without bf16)]"),
     device: str = typer.Option("auto", help="auto|cpu|cuda"),
     rope_scaling: Optional[str] = typer.Option(None, help="Stretch the context, e.g. linear:4 "
                                                "(kinds: linear, dynamic, yarn, llama3)."),
