@@ -16,7 +16,7 @@ from that config holds only this rank's KV heads.
 
 Kept replicated on every rank: the embedding, the norms and the LM head. Sharding the
 vocabulary would add a third collective per forward (an all-gather of logits, which
-sampling needs whole) for a matrix that is 1-3% of a 7B+ model's weights; replicated,
+sampling needs whole) for a matrix that is about 2% of Llama2-7B; replicated,
 every rank computes bitwise-identical logits from the identical all-reduced hidden
 state. A draft model (TriForce L0) is likewise left unsharded: it is small, runs with no
 collectives at all, and every rank drafts the same tokens from it.
