@@ -68,11 +68,10 @@ def bench(
     if threads:
         torch.set_num_threads(threads)  # the same CPU share for our modes and the peers
     loaded = api.load(model, dtype, device, progress=lambda m: err.print(m))
-    with runs_bar() as progress:
-        rows = run_bench(loaded, o, model, progress)
-    summary = summarize(rows)
     meta = run_meta(loaded, o, model)
-    save_rows(out_dir / "bench.jsonl", rows, meta)
+    with runs_bar() as progress:
+        rows = run_bench(loaded, o, model, progress, row_writer(out_dir / "bench.jsonl", meta))
+    summary = summarize(rows)
     pngs = write_plots(summary, out_dir) if plots else []
     if as_json:
         print(json.dumps({"meta": meta, "summary": summary, "plots": [str(p) for p in pngs]}))
@@ -99,11 +98,14 @@ def run_meta(loaded, o: BenchOptions, model) -> dict:
             "new_tokens": o.new_tokens, "spec": o.spec}
 
 
-def save_rows(path: Path, rows: list[dict], meta: dict):
+def row_writer(path: Path, meta: dict):
+    """Appends each row to the JSONL as soon as it is measured."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        for r in rows:
-            f.write(json.dumps({**meta, **r}) + "\n")
+
+    def write(row: dict):
+        with open(path, "a") as f:
+            f.write(json.dumps({**meta, **row}) + "\n")
+    return write
 
 
 def write_plots(summary: list[dict], folder: Path) -> list[Path]:

@@ -187,27 +187,29 @@ def plan_runs(o: BenchOptions) -> list[tuple[int, float, int, str]]:
             for r in range(o.repeats) for m in order]
 
 
-def run_bench(loaded: api.Loaded, o: BenchOptions, model_path=None, progress=None):
+def run_bench(loaded: api.Loaded, o: BenchOptions, model_path=None, progress=None, on_row=None):
     """Every run as a row dict (skipped contenders: one row with a `skipped` note).
 
-    progress(done, total, label) is called before each run."""
+    progress(done, total, label) is called before each run, on_row(row) after it (so a
+    long sweep can be saved as it goes)."""
     o.check()
     b, runs = Bench(loaded, o, model_path), plan_runs(o)
     prompts = {c: bench_prompt(loaded.tokenizer, c, o.new_tokens) for c in o.contexts}
     warm_up(loaded)
     rows, skipped = [], set()
+    emit = lambda row: (rows.append(row), on_row and on_row(row))
     for i, (ctx, temp, rep, name) in enumerate(runs):
         if progress:
             progress(i, len(runs), f"{name} @ {ctx} T={temp:g}")
         note = b.skip_note(name)
         if note:
             if name not in skipped:
-                rows.append({"mode": name, "skipped": note})
+                emit({"mode": name, "skipped": note})
             skipped.add(name)
             continue
         r = b.run(name, ctx, prompts[ctx], temp)
-        rows.append({"mode": name, "context": ctx, "prompt_tokens": len(prompts[ctx]),
-                     "temperature": temp, "repeat": rep, "new_tokens": len(r["tokens"]), **r})
+        emit({"mode": name, "context": ctx, "prompt_tokens": len(prompts[ctx]),
+              "temperature": temp, "repeat": rep, "new_tokens": len(r["tokens"]), **r})
     if progress:
         progress(len(runs), len(runs), "done")
     return rows
