@@ -1,5 +1,6 @@
 """Offload through the user's entry points: `run --offload/--profile`, `tune`, the
-zero-inference mode, and the real SmolLM2 (greedy tokens equal with and without offload)."""
+zero-inference mode, and the real SmolLM2 (greedy tokens equal with and without offload,
+autoregressive and TriForce with the offloaded verifier)."""
 import json
 import subprocess
 import sys
@@ -56,15 +57,14 @@ def test_tune_writes_profile_that_run_uses(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_smollm2_offloaded_and_zero_inference_greedy_equal():
+def test_smollm2_offloaded_greedy_equal():
     loaded = api.load(None, "float32", "cpu")
-    ids = long_prompt(loaded.tokenizer, 700)
+    ids = long_prompt(loaded.tokenizer, 250)
     run = lambda mode, **extra: api.generate(
-        loaded, ids, api.RunOptions(mode=mode, max_new_tokens=12, prefill_chunk=256,
+        loaded, ids, api.RunOptions(mode=mode, max_new_tokens=8, prefill_chunk=128,
                                     sampling=SamplingParams(), extra=extra))
     want, _ = run("autoregressive")
     got, st = run("autoregressive", offload="on", on_chip=4, transfer_chunk=100)
     assert got == want and st.extra["streamed_gb"] > 0
-    assert run("zero-inference")[0] == want
-    tri, st = run("triforce", offload="on", transfer_chunk=256, budget=256)
+    tri, st = run("triforce", offload="on", transfer_chunk=256, budget=128)
     assert tri == want and st.extra["offload"]
