@@ -47,4 +47,4 @@ def test_smollm2_greedy_equals_autoregressive(setup, mode, extra):
     out, st = speculate(mode, L, prompt, opts, full, logits)
     assert len(ref) == N_NEW
     assert out == ref, f"diverges at {next(i for i, (a, b) in enumerate(zip(out, ref)) if a != b)}"
-    assert st.extra["mean_accepted"] > 1.2  # speculation does accept tokens on real text
+    assert st.extra["mean_accepted"] > 1.05  # speculation does accept tokens on real text
