@@ -29,7 +29,9 @@ def markdown(summary: list[dict]) -> str:
         if "skipped" in s:
             continue
         acc = ", ".join(f"{k} {v:.2f}" for k, v in s.get("acceptance", {}).items()) or "-"
-        same = {None: "-", True: "yes", False: "no"}[s["lossless"]]
+        same = {None: "-", True: "yes", False: "NO"}[s["lossless"]]
+        if s.get("peer") and s["lossless"] is not None:  # a reference, not a lossless claim
+            same = "same" if s["lossless"] else "differs"
         mean = f"{s['mean_accepted']:.2f}" if "mean_accepted" in s else "-"
         speed = f"{s['speedup']:.2f}x" if s["speedup"] else "-"
         lines.append(f"| {s['mode']} | {s['context']} | {s['temperature']:g} | "

@@ -131,8 +131,8 @@ def show_summary(summary: list[dict], o: BenchOptions):
 def summary_cells(s: dict) -> list[str]:
     acc = " ".join(f"{k} {v:.2f}" for k, v in s.get("acceptance", {}).items())
     lossless = {None: "-", True: "yes", False: "NO"}[s["lossless"]]
-    if s["lossless"] is False and "note" in s:
-        lossless = "differs*"  # a peer with other arithmetic (quantized GGUF)
+    if s.get("peer") and s["lossless"] is not None:  # a reference, not a lossless claim
+        lossless = "same" if s["lossless"] else "differs"
     return [s["mode"], str(s["context"]), f"{s['temperature']:g}", f"{s['ms_per_token']:.1f}",
             f"{s['tokens_per_s']:.1f}", f"{s['speedup']:.2f}x" if s["speedup"] else "-", acc or "-",
             f"{s['mean_accepted']:.2f}" if "mean_accepted" in s else "-", f"{s['peak_gb']:.2f}",

@@ -223,7 +223,8 @@ def warm_up(loaded: api.Loaded):
 
 def summarize(rows: list[dict]) -> list[dict]:
     """One row per (mode, context, temperature): median ms/token over repeats, speedup over
-    autoregressive, and lossless = greedy tokens equal autoregressive's (None if not greedy)."""
+    autoregressive, and lossless = greedy tokens equal autoregressive's (None if not greedy;
+    for peers, `peer` is set: other kernels or quantized weights may flip near-ties)."""
     groups = {}
     for r in rows:
         if "skipped" not in r:
@@ -239,7 +240,7 @@ def summarize(rows: list[dict]) -> list[dict]:
              "peak_gb": max(x["peak_gb"] for x in g),
              "speedup": base[(c, t)] / ms if (c, t) in base and ms else None,
              "lossless": (g[0]["tokens"] == ref[(c, t)]) if t == 0 and (c, t) in ref else None}
-        s.update(_mean_acceptance(g))
+        s.update(_mean_acceptance(g), peer=CONTENDERS[m][0] != "ours")
         s.update({k: g[0][k] for k in ("note",) if k in g[0]})
         out.append(s)
     order = list(CONTENDERS)
