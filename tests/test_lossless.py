@@ -128,8 +128,9 @@ def wrong_accept(draft, q, p, gen=None):
     return k, int(sample(nxt, gen))
 
 
-# retrieval alone is too close to the target at this size for the wrong rule to show
-@pytest.mark.parametrize("mode,extra", SAMPLING_MODES[:2] + SAMPLING_MODES[3:])
+# the self drafter (a 2-token window) is far from the target, so rejections are frequent;
+# retrieval alone and sparse n-gram drafts are too close/rare here for the wrong rule to show
+@pytest.mark.parametrize("mode,extra", [SAMPLING_MODES[1], SAMPLING_MODES[3]])
 def test_wrong_acceptance_rule_fails_the_same_test(monkeypatch, mode, extra):
     monkeypatch.setattr(engine_mod, "accept", wrong_accept)
     L, prompt = sampling_setup()
