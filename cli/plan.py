@@ -3,10 +3,8 @@ from __future__ import annotations
 
 import json
 import shlex
-from dataclasses import replace
 from typing import Optional
 
-import torch
 import typer
 from rich.table import Table
 
@@ -98,38 +96,3 @@ def plan_table(p: pl.Plan) -> Table:
     t.add_row("predicted autoregressive offload", f"{d['baseline_ms']:.0f} ms/token")
     t.add_row("predicted speedup", f"{d['baseline_ms'] / d['ms_per_token']:.1f}x")
     return t
-
-
-def auto_plan(cfg, context: int, device: torch.device) -> tuple[dict, str]:
-    """`run --plan auto`: (RunOptions.extra updates, a note for stderr).
-
-    The plan models GPUs with a PCIe link; on a machine without CUDA it leaves the
-    defaults alone and says so."""
-    if device.type != "cuda":
-        return {}, ("--plan auto: the planner targets GPUs (PCIe-streamed KV); running on "
-                    f"{device.type}, so the run keeps its defaults")
-    from ..offload.tune import load_profile
-    name = torch.cuda.get_device_name(device)
-    hw = cm.Hardware.from_profile(load_profile(device) or {"device": name})
-    hw = replace(hw, gpus=1, gpu_mem_gb=torch.cuda.get_device_properties(device).total_memory / cm.GIB)
-    spec = cm.ModelSpec(name="model", layers=cfg.n_layers, heads=cfg.n_heads,
-                        kv_heads=cfg.n_kv_heads, hidden=cfg.hidden_size,
-                        intermediate=cfg.intermediate_size, vocab=cfg.vocab_size,
-                        head_dim=cfg.head_dim, tied=cfg.tie_word_embeddings)
-    p = _value(pl.search_plan, hw, spec, context, None, None, 0.6, 0.9, 8, None)
-    s = p.settings
-    extra = {"offload": "on", "on_chip": s.on_chip, "budget": s.budget, "gamma2": str(s.gamma2),
-             "transfer_chunk": s.transfer_chunk}
-    note = (f"--plan auto on {name}: " + ", ".join(f"{k} {v}" for k, v in extra.items())
-            + f" (predicted {p.ms_per_token:.0f} ms/token)")
-    return extra, note
-
-
-def plan_settings(spec: str, loaded, context: int) -> dict:
-    """`run --plan SPEC`: the RunOptions.extra updates (only `auto` exists)."""
-    if spec != "auto":
-        raise TriforceError(f"--plan {spec!r}: allowed is auto (see `triforce-offload plan` "
-                            "for other machines)")
-    extra, note = auto_plan(loaded.cfg, context, loaded.device)
-    err.print(note, highlight=False)
-    return extra

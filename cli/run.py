@@ -14,7 +14,7 @@ from ..runtime.sampling import SamplingParams
 from .app import app, read_prompt
 from .show import err, stats_line
 from .progress import bar, print_stream
-from .plan import plan_settings
+from .autoplan import plan_settings
 
 DEFAULT_PROMPT_TOKENS = 4000
 

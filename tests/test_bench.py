@@ -185,3 +185,23 @@ def test_niah_grid_on_tiny_model(tiny_model_dir, tmp_path):
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in pngs)
     assert len((tmp_path / "niah.jsonl").read_text().splitlines()) == 4
     assert "| 300 | 100% |" in niah.table(grid)
+
+
+def test_auto_plan_on_a_gpu_uses_the_planner(monkeypatch):
+    """The GPU branch of `run --plan auto`, with the CUDA queries faked."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from triforce_offload.cli import autoplan
+    from triforce_offload.runtime.config import ModelConfig
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "NVIDIA GeForce RTX 4090")
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda d: SimpleNamespace(total_memory=24 * 2**30))
+    monkeypatch.setattr("triforce_offload.offload.tune.load_profile",
+                        lambda d: {"rows": [{"chunk": 4096, "link_gbps": 20.0}]})
+    cfg = ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, n_layers=32,
+                      n_heads=32)
+    extra, note = autoplan.auto_plan(cfg, 65536, torch.device("cuda"))
+    assert extra["offload"] == "on" and extra["budget"] >= 1024 and int(extra["gamma2"]) >= 1
+    assert 0 <= extra["on_chip"] <= 32 and "RTX 4090" in note and "ms/token" in note
