@@ -24,6 +24,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "slow or not slow" tests
 
+# README numbers: every mode + transformers (+ llama.cpp if `pip install '.[bench]'`), then NIAH.
+bench: $(STAMP)
+	$(BIN)/triforce-offload bench --contexts 2048,4096,8192 --new-tokens 64 --threads 1 --budget 512
+	$(BIN)/python benchmarks/niah.py --lengths 2048 4096 8000 --depths 0 50 100 --new-tokens 24 --budget 512
+
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow" tests
 
