@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.console import Console
 from rich.table import Table
 
 from ..runtime import api
@@ -122,7 +123,8 @@ def show_summary(summary: list[dict], o: BenchOptions):
     for s in summary:
         if "skipped" not in s:
             t.add_row(*summary_cells(s))
-    out.print(t, width=None if out.is_terminal else 160)  # files and pipes: no squeezed columns
+    con = out if out.is_terminal else Console(width=160)  # files and pipes: no squeezed columns
+    con.print(t)
     for s in summary:
         if "skipped" in s:
             err.print(f"skipped {s['mode']}: {s['skipped']}", highlight=False)
