@@ -2,7 +2,7 @@
 
 Usage:
     python benchmarks/decode_speed.py                       # 1K/4K/8K, fp32 and bf16
-    python benchmarks/decode_speed.py --contexts 1024 --dtypes bf16 --new-tokens 16
+    python benchmarks/decode_speed.py --contexts 1024 --dtypes bf16 --new-tokens 16 --threads 1
 
 For every (context, dtype) it runs, in this one process and on the same prompt: our
 `autoregressive` mode, transformers with its default (dynamic) cache, and transformers
@@ -79,8 +79,11 @@ def main():
     ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"])
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--out", default="results/decode_speed.jsonl")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--rss-probe", nargs=3, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
     if a.rss_probe:
         print(json.dumps(rss_probe(a.rss_probe[0], int(a.rss_probe[1]), int(a.rss_probe[2]))))
         return
@@ -115,7 +118,8 @@ def speed_rows(a) -> list[dict]:
 
 
 def memory_row(dt: str, ctx: int, n: int) -> dict:
-    cmd = [sys.executable, __file__, "--rss-probe", dt, str(ctx), str(n)]
+    cmd = [sys.executable, __file__, "--rss-probe", dt, str(ctx), str(n),
+           "--threads", str(torch.get_num_threads())]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
 
