@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import time
@@ -61,13 +60,14 @@ def rss_probe(dtype: str, ctx: int, n: int) -> dict:
     import psutil
     from triforce_offload.runtime import api
     from triforce_offload.runtime.data import essay_tokens
+    from triforce_offload.runtime.generate import host_peak_bytes
     L = api.load(None, dtype, "cpu")
     prompt = essay_tokens(L.tokenizer, ctx - n)
     weights = sum(p.numel() * p.element_size() for p in L.model.parameters())
     base = psutil.Process().memory_info().rss - weights  # libraries + tokenizer
     our_ms(L, prompt, n)
     kv = L.cfg.kv_bytes_per_token(L.model.lm_head.weight.element_size()) * (ctx + 64)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = host_peak_bytes()
     return {"dtype": dtype, "context": ctx, "weights_gb": weights / 2**30, "kv_gb": kv / 2**30,
             "runtime_peak_gb": (peak - base) / 2**30,
             "overhead": (peak - base) / (weights + kv) - 1}

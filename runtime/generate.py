@@ -38,7 +38,20 @@ class Stats:
 def peak_memory_gb(device) -> float:
     if torch.device(device).type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    return host_peak_bytes() / 2**30
+
+
+def host_peak_bytes() -> int:
+    """Peak RSS of this process. VmHWM belongs to this address space; ru_maxrss would also
+    count the parent's RSS at fork time (Linux carries it across exec)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def check_context(n_prompt: int, max_new: int, limit: int, what: str = "the model's context"):

@@ -135,10 +135,26 @@ def read_safetensors(path: Path, dtype: torch.dtype):
             src = ST_DTYPES.get(h["dtype"])
             if src is None:
                 raise TriforceError(f"{path.name}: tensor {name} has unsupported dtype {h['dtype']}")
-            t = torch.empty(h["shape"], dtype=src)
             f.seek(8 + n + h["data_offsets"][0])
-            f.readinto(memoryview(t.view(-1).view(torch.uint8).numpy()) if t.numel() else bytearray())
-            yield name, t.to(dtype) if src.is_floating_point else t
+            want = dtype if src.is_floating_point else src
+            yield name, _read_tensor(f, h["shape"], src, want)
+
+
+def _read_tensor(f, shape, src: torch.dtype, dtype: torch.dtype, block: int = 1 << 22):
+    """Read one tensor at the file position; convert `block` elements at a time so a dtype
+    change never holds a second full-size copy."""
+    out = torch.empty(shape, dtype=dtype)
+    flat = out.view(-1)
+    if src == dtype:
+        if flat.numel():
+            f.readinto(memoryview(flat.view(torch.uint8).numpy()))
+        return out
+    buf = torch.empty(min(block, flat.numel()), dtype=src)
+    for i in range(0, flat.numel(), block):
+        b = buf[: min(block, flat.numel() - i)]
+        f.readinto(memoryview(b.view(torch.uint8).numpy()))
+        flat[i:i + b.numel()] = b
+    return out
 
 
 def load_weights(model: Transformer, d: Path, dtype: torch.dtype, device) -> None:

@@ -98,3 +98,20 @@ def test_batch_dimension(tmp_path):
         got = ours(ids, 0, FullCache(cfg, 16, batch=3))
         ref = hf(ids).logits
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_dtype_conversion_while_reading_matches_torch(tmp_path):
+    from triforce_offload.runtime.loader import read_safetensors, _read_tensor
+    hf = tiny_hf("qwen2")
+    hf.save_pretrained(tmp_path)
+    f = next(tmp_path.glob("*.safetensors"))
+    want = {k: v.to(torch.bfloat16) for k, v in hf.state_dict().items()}
+    got = dict(read_safetensors(f, torch.bfloat16))
+    assert set(got) >= {k for k in want if k != "lm_head.weight"}
+    for k, t in got.items():
+        assert t.dtype == torch.bfloat16 and torch.equal(t, want[k]), k
+    x = torch.randn(5, 7)  # several small blocks, the last one partial
+    (tmp_path / "raw").write_bytes(x.numpy().tobytes())
+    with open(tmp_path / "raw", "rb") as fh:
+        y = _read_tensor(fh, [5, 7], torch.float32, torch.float16, block=4)
+    assert torch.equal(y, x.half())
