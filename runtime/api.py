@@ -11,7 +11,7 @@ import torch
 
 from .cache import FullCache
 from .errors import TriforceError
-from .generate import autoregressive, check_context
+from .generate import autoregressive, capacity, stop_ids
 from .loader import load_model, parse_dtype
 from .offloaded import ZeroInferenceCache, finish_stats, make_full_cache
 from .sampling import SamplingParams
@@ -73,19 +73,6 @@ def load(model_path=None, dtype: str | None = None, device: str = "auto",
     dt = parse_dtype(dtype or default_dtype(dev))
     model, cfg, tok = load_model(model_path, dt, dev, rope_scaling, progress)
     return Loaded(model, cfg, tok, dev, dt)
-
-
-def capacity(loaded: Loaded, n_prompt: int, opts: RunOptions) -> tuple[int, int]:
-    """(cache capacity, max new tokens) after checking the prompt fits the context."""
-    limit, what = loaded.cfg.max_position_embeddings, "the model's context"
-    if opts.max_context and opts.max_context < limit:
-        limit, what = opts.max_context, "--max-context"
-    max_new = check_context(n_prompt, opts.max_new_tokens, limit, what)
-    return n_prompt + max_new + 64, max_new  # slack for speculative look-ahead
-
-
-def stop_ids(loaded: Loaded, opts: RunOptions) -> set[int]:
-    return set() if opts.ignore_eos else loaded.eos
 
 
 def run_autoregressive(loaded: Loaded, prompt, opts: RunOptions, on_token=None, progress=None):

@@ -61,6 +61,20 @@ def check_context(n_prompt: int, max_new: int, limit: int, what: str = "the mode
     return min(max_new, limit - n_prompt)
 
 
+def capacity(loaded, n_prompt: int, opts) -> tuple[int, int]:
+    """(cache capacity, max new tokens) after checking the prompt fits the context."""
+    limit, what = loaded.cfg.max_position_embeddings, "the model's context"
+    if opts.max_context and opts.max_context < limit:
+        limit, what = opts.max_context, "--max-context"
+    max_new = check_context(n_prompt, opts.max_new_tokens, limit, what)
+    return n_prompt + max_new + 64, max_new  # slack for speculative look-ahead
+
+
+def stop_ids(loaded, opts) -> set[int]:
+    """Token ids that end generation (none with opts.ignore_eos)."""
+    return set() if opts.ignore_eos else loaded.eos
+
+
 @torch.inference_mode()
 def prefill(model, cache, ids: torch.Tensor, start: int = 0, chunk: int = 512, progress=None):
     """Run ids [B, T] through the model in chunks of `chunk` tokens; commit; last logits [B, V]."""

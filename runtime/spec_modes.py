@@ -16,7 +16,7 @@ import torch
 from .drafters import ModelLevel, NgramDrafter, check_vocab
 from .engine import AutoGamma, Engine, Rebuild
 from .errors import TriforceError
-from .generate import Stats, check_context, peak_memory_gb, prefill
+from .generate import Stats, capacity, peak_memory_gb, prefill, stop_ids
 from .offloaded import finish_stats, make_full_cache
 from .retrieval import Recorder, RetrievalCache
 from .sampling import probs, sample
@@ -109,9 +109,7 @@ def build_levels(kind, o: SpecOptions, loaded, prompt, full, notes: list):
 def run_speculative(kind: str, loaded, prompt, opts, on_token=None, progress=None):
     """Prefill the full cache (recording the last prompt token's queries), then speculate."""
     SpecOptions.from_extra(opts.extra)  # bad options fail before the long prefill
-    limit = min(loaded.cfg.max_position_embeddings, opts.max_context or 1 << 62)
-    max_new = check_context(len(prompt), opts.max_new_tokens, limit)
-    cap = len(prompt) + max_new + 64  # slack for look-ahead past the last token
+    cap, max_new = capacity(loaded, len(prompt), opts)
     full = Recorder(make_full_cache(loaded, cap, opts))  # in memory, or offloaded with --offload
     t0 = time.perf_counter()
     ids = torch.tensor([prompt], device=loaded.device)
@@ -140,7 +138,7 @@ def speculate(kind: str, loaded, prompt, opts, full, logits, on_token=None):
     t1 = time.perf_counter()
     seq = list(prompt) + [int(sample(probs(logits[0], sp), gen))]
     with torch.inference_mode():
-        toks = eng.run(seq, opts.max_new_tokens, set() if opts.ignore_eos else loaded.eos, on_token)
+        toks = eng.run(seq, opts.max_new_tokens, stop_ids(loaded, opts), on_token)
     t2 = time.perf_counter()
     st = Stats(len(prompt), len(toks), t1 - t0, t2 - t1, peak_memory_gb(loaded.device))
     st.extra.update(eng.figures(), build_s=round(t1 - t0, 3), notes=notes)
