@@ -35,6 +35,14 @@ class KVCache:
     def commit(self, n: int):
         self.length = n
 
+    def end_of(self, q, start: int) -> int:
+        """Position after the new tokens; refuses to write past a preallocated capacity."""
+        end = start + q.shape[2]
+        if end > getattr(self, "capacity", end):
+            raise TriforceError(f"context of {end} tokens exceeds the cache capacity "
+                                f"{self.capacity}; raise --max-context")
+        return end
+
     def prefetch(self):
         """Hint from the engine: a verification forward over this cache comes next (an
         offloaded cache starts streaming its first layers; others ignore it)."""
@@ -55,10 +63,7 @@ class FullCache(KVCache):
         self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
 
     def attend(self, layer, q, k, v, start):
-        end = start + q.shape[2]
-        if end > self.capacity:
-            raise TriforceError(f"context of {end} tokens exceeds the cache capacity "
-                                f"{self.capacity}; raise --max-context")
+        end = self.end_of(q, start)
         K, V = self.k[layer], self.v[layer]
         K[:, :, start:end] = k
         V[:, :, start:end] = v

@@ -102,10 +102,7 @@ class OffloadedCache(KVCache):
         check_memory(spec.nbytes(), dev, self.device, HOST_HINT, DEVICE_HINT)
 
     def attend(self, layer, q, k, v, start):
-        end = start + q.shape[2]
-        if end > self.capacity:
-            raise TriforceError(f"context of {end} tokens exceeds the cache capacity "
-                                f"{self.capacity}; raise --max-context")
+        end = self.end_of(q, start)
         if start < self.length:
             raise RuntimeError(f"attend at {start} below the committed length {self.length}: "
                                "roll back with commit() first")
@@ -197,10 +194,7 @@ class ZeroInferenceCache(KVCache):
         self.host_s = 0.0  # seconds in host attention, including the query/output transfers
 
     def attend(self, layer, q, k, v, start):
-        end = start + q.shape[2]
-        if end > self.capacity:
-            raise TriforceError(f"context of {end} tokens exceeds the cache capacity "
-                                f"{self.capacity}; raise --max-context")
+        end = self.end_of(q, start)
         t0 = time.perf_counter()
         qh = q.to(self.host)  # queries go over; K/V of the new tokens join the store
         self.store.write(layer, start, k.to(self.host), v.to(self.host))
