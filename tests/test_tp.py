@@ -113,20 +113,9 @@ def cli_json(*args, stdin=None) -> dict:
 
 
 @pytest.fixture(scope="module")
-def tp_model_dir(tmp_path_factory):
-    """A random 2-layer Llama (4 heads, 2 KV heads) with SmolLM2's tokenizer, as an HF dir."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from triforce_offload.runtime.loader import load_tokenizer, resolve
-    tok = load_tokenizer(resolve(None))
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=1024, tie_word_embeddings=True,
-                      eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
-    d = tmp_path_factory.mktemp("tp_tiny")
-    LlamaForCausalLM(cfg).save_pretrained(d)
-    tok.save_pretrained(d)
-    return d
+def tp_model_dir(tiny_model_dir):
+    """conftest's 2-layer random Llama (4 heads, 2 KV heads: splits over 2 ranks)."""
+    return tiny_model_dir
 
 
 def test_cli_tp2_equals_tp1_on_tiny_model(tp_model_dir):
