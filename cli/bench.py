@@ -13,14 +13,14 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from ..runtime import api
-from ..runtime.bench import CONTENDERS, BenchOptions, run_bench, summarize
+from ..runtime.bench import (DEFAULT_MODES, EXTRA_BASELINES, BenchOptions, check_baselines,
+                             run_bench, summarize)
 from ..runtime.errors import TriforceError
 from .app import app
 from .show import err, out
-
-DEFAULT_MODES = ",".join(CONTENDERS)
 
 
 def parse_list(text: str, kind, flag: str) -> list:
@@ -44,7 +44,10 @@ def bench(
     new_tokens: int = typer.Option(64, help="Tokens generated per run (end-of-sequence ignored)."),
     temperatures: str = typer.Option("0", help="Temperatures, e.g. 0,0.6,1.0 (0 is greedy)."),
     repeats: int = typer.Option(1, help="Runs per cell; the median ms/token is reported."),
-    modes: str = typer.Option(DEFAULT_MODES, help="Contenders to run (comma-separated)."),
+    modes: str = typer.Option(",".join(DEFAULT_MODES), help="Contenders to run (comma-separated)."),
+    baseline: str = typer.Option("", help="Extra peer rows (comma-separated): "
+                                 f"{', '.join(EXTRA_BASELINES)} (real DeepSpeed ZeRO-Inference; "
+                                 "needs CUDA and `pip install triforce-offload[deepspeed]`)."),
     seed: int = typer.Option(0, help="Sampling seed."),
     dtype: Optional[str] = typer.Option(None, help="float32|bfloat16|float16 [default as run]"),
     device: str = typer.Option("auto", help="auto|cpu|cuda"),
@@ -60,9 +63,11 @@ def bench(
     as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON object."),
 ):
     """Run the modes side by side; table, JSONL (appended) and PNG plots."""
+    extra = check_baselines(parse_list(baseline, str, "--baseline") if baseline else [])
+    names = parse_list(modes, str, "--modes")
     o = BenchOptions(parse_list(contexts, int, "--contexts"), new_tokens,
                      parse_list(temperatures, float, "--temperatures"), repeats,
-                     parse_list(modes, str, "--modes"), seed, gguf=gguf,
+                     names + [b for b in extra if b not in names], seed, gguf=gguf,
                      spec=dict(draft=draft, budget=budget, gamma1=gamma1, gamma2=gamma2),
                      lookup=lookup, threads=threads)
     o.check()
@@ -74,6 +79,9 @@ def bench(
         rows = run_bench(loaded, o, model, progress, row_writer(out_dir / "bench.jsonl", meta))
     summary = summarize(rows)
     pngs = write_plots(summary, out_dir) if plots else []
+    for s in summary:
+        if "skipped" in s:
+            err.print(skip_line(s), markup=False, highlight=False)
     if as_json:
         print(json.dumps({"meta": meta, "summary": summary, "plots": [str(p) for p in pngs]}))
         return
@@ -116,18 +124,21 @@ def write_plots(summary: list[dict], folder: Path) -> list[Path]:
 
 
 def show_summary(summary: list[dict], o: BenchOptions):
-    t = Table(title=f"bench: {o.new_tokens} new tokens per run, median of {o.repeats}")
+    notes = "\n".join(skip_line(s) for s in summary if "skipped" in s)
+    t = Table(title=f"bench: {o.new_tokens} new tokens per run, median of {o.repeats}",
+              caption=Text(notes) if notes else None)  # Text: "[bench]" is not markup
     for c in ("mode", "context", "T", "ms/token", "tok/s", "speedup", "acceptance",
               "mean acc.", "peak GB", "lossless"):
         t.add_column(c, justify="left" if c in ("mode", "acceptance") else "right")
-    for s in summary:
-        if "skipped" not in s:
-            t.add_row(*summary_cells(s))
+    for s in summary:  # skipped contenders last, their reasons in the caption
+        t.add_row(*([s["mode"], "-", "-", "skipped"] + ["-"] * 6 if "skipped" in s
+                    else summary_cells(s)))
     con = out if out.is_terminal else Console(width=160)  # files and pipes: no squeezed columns
     con.print(t)
-    for s in summary:
-        if "skipped" in s:
-            err.print(f"skipped {s['mode']}: {s['skipped']}", highlight=False)
+
+
+def skip_line(s: dict) -> str:
+    return f"{s['mode']}: skipped ({s['skipped']})"
 
 
 def summary_cells(s: dict) -> list[str]:

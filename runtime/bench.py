@@ -13,6 +13,7 @@ contender generates `new_tokens` tokens (end-of-sequence ignored) from the same 
 | triforce | drafter -> target + retrieval cache -> target + full cache |
 | hf, hf-lookup | transformers `generate`, plain and prompt-lookup assisted |
 | llama.cpp, llama.cpp-lookup | llama-cpp-python on the GGUF, plain and prompt lookup |
+| deepspeed | DeepSpeed ZeRO-Inference (ZeRO-3, weights in pinned host memory); CUDA, opt-in |
 
 ms/token counts decode only (first new token to last). Peak memory is the peak RSS
 above the RSS before the run (sampled by a thread), so it shows what a run adds, not
@@ -47,8 +48,11 @@ CONTENDERS = {
     "hf-lookup": ("transformers", "lookup", {}),
     "llama.cpp": ("llama.cpp", "plain", {}),
     "llama.cpp-lookup": ("llama.cpp", "lookup", {}),
+    "deepspeed": ("deepspeed", "zero-3", {}),
 }
 BASELINE = "autoregressive"
+EXTRA_BASELINES = ["deepspeed"]  # opt-in peers (`--baseline`): not in the default modes
+DEFAULT_MODES = [m for m in CONTENDERS if m not in EXTRA_BASELINES]
 
 
 @dataclass
@@ -57,7 +61,7 @@ class BenchOptions:
     new_tokens: int = 64  # tokens generated per run
     temperatures: list[float] = field(default_factory=lambda: [0.0])  # 0 is greedy
     repeats: int = 1  # runs per (contender, context, temperature); the median is reported
-    modes: list[str] = field(default_factory=lambda: list(CONTENDERS))  # contenders to run
+    modes: list[str] = field(default_factory=lambda: list(DEFAULT_MODES))  # contenders to run
     seed: int = 0  # sampling seed (the same for every contender)
     spec: dict = field(default_factory=dict)  # extra options for our modes (budget, gamma1, ...)
     lookup: int = 10  # prompt-lookup draft length for transformers and llama.cpp
@@ -112,6 +116,7 @@ class Bench:
         self.loaded, self.o, self.model_path = loaded, o, model_path
         self.hf = None  # transformers model, loaded on first use
         self.llms = {}  # (context, variant) -> llama_cpp.Llama
+        self.ds = None  # peers.DeepSpeedPeer, loaded on first use
 
     def gguf(self):
         """The GGUF file llama.cpp reads, or None when there is none."""
@@ -123,6 +128,8 @@ class Bench:
 
     def skip_note(self, name: str) -> str | None:
         """Why a contender cannot run here, or None."""
+        if CONTENDERS[name][0] == "deepspeed":
+            return peers.deepspeed_missing()
         if CONTENDERS[name][0] != "llama.cpp":
             return None
         if self.gguf() is None:
@@ -136,6 +143,8 @@ class Bench:
                 row = self._ours(variant, extra, prompt, temp)
             elif kind == "transformers":
                 row = self._hf(variant, prompt, temp)
+            elif kind == "deepspeed":
+                row = self._deepspeed(prompt, temp)
             else:
                 row = self._llama_cpp(variant, ctx, prompt, temp)
         row["peak_gb"] = mem.gb
@@ -161,6 +170,13 @@ class Bench:
         r = peers.hf_generate(self.hf, prompt, self.o.new_tokens, temp, self.o.seed, lookup)
         return {"tokens": r.tokens, "ms_per_token": r.ms_per_token}
 
+    def _deepspeed(self, prompt, temp) -> dict:
+        if self.ds is None:
+            self.ds = peers.load_deepspeed(resolve(self.model_path), self.loaded.dtype)
+        r = peers.deepspeed_generate(self.ds, prompt, self.o.new_tokens, temp, self.o.seed)
+        return {"tokens": r.tokens, "ms_per_token": r.ms_per_token, **r.extra,
+                "note": "DeepSpeed ZeRO-Inference: weights streamed from pinned host memory"}
+
     def _llama_cpp(self, variant: str, ctx: int, prompt, temp) -> dict:
         key = (ctx, variant)
         if key not in self.llms:
@@ -172,6 +188,15 @@ class Bench:
         r = peers.llama_cpp_generate(self.llms[key], prompt, self.o.new_tokens, temp, self.o.seed)
         return {"tokens": r.tokens, "ms_per_token": r.ms_per_token,
                 "note": "quantized GGUF weights (not the same arithmetic)"}
+
+
+def check_baselines(names: list[str]) -> list[str]:
+    """The `--baseline` names, refused with the allowed ones when unknown."""
+    bad = [n for n in names if n not in EXTRA_BASELINES]
+    if bad:
+        raise TriforceError(f"--baseline {','.join(bad)}: "
+                            f"allowed are {', '.join(EXTRA_BASELINES)}")
+    return names
 
 
 def bench_prompt(tokenizer, ctx: int, new_tokens: int) -> list[int]:
