@@ -30,6 +30,23 @@ def causal_mask(q_pos0: int, T: int, k_pos0: int, S: int, group: int, device) ->
     return (kp[None, :] <= qp[:, None]).repeat(group, 1)
 
 
+# Split-K on the CPU: below this many keys per split the extra merge costs more than the
+# better thread balance gains.
+MIN_SPLIT_KEYS = 1024
+
+
+def cpu_splits(batch_heads: int, free_keys: int, threads: int | None = None) -> int:
+    """How many pieces to cut the always-visible keys into so that every CPU thread gets
+    the same number of (head, piece) work items: 1 when the heads already balance."""
+    threads = threads or torch.get_num_threads()
+    s = 1
+    while (batch_heads * s) % threads and batch_heads * s < 4 * threads:
+        s += 1
+    while s > 1 and free_keys // s < MIN_SPLIT_KEYS:
+        s -= 1
+    return s
+
+
 def attention(q, k, v, q_pos0: int, k_pos0: int = 0, scale: float | None = None):
     """Softmax attention of q [B, Hq, T, D] over k, v [B, Hkv, S, D] -> [B, Hq, T, D].
 
@@ -37,9 +54,43 @@ def attention(q, k, v, q_pos0: int, k_pos0: int = 0, scale: float | None = None)
     """
     B, Hq, T, D = q.shape
     n_kv = k.shape[1]
+    if q.device.type == "cpu" and B == 1:
+        free = max(0, min(q_pos0 - k_pos0, k.shape[2]))  # keys every query sees
+        splits = cpu_splits(n_kv, free)
+        if splits > 1:
+            return _split_attention(q, k, v, q_pos0, k_pos0, scale, splits, free)
     mask = causal_mask(q_pos0, T, k_pos0, k.shape[2], Hq // n_kv, q.device)
     o = F.scaled_dot_product_attention(_fold(q, n_kv), k, v, attn_mask=mask, scale=scale)
     return _unfold(o, Hq)
+
+
+def _split_attention(q, k, v, q_pos0, k_pos0, scale, splits, free):
+    """CPU flash-decoding: the keys all queries see are cut into `splits` equal pieces that
+    run as separate (piece, head) work items of one flash-attention call (with 3 KV heads
+    on 2 threads, one thread would otherwise do two heads and the other one); the rest
+    (the causal tail) is one more call; the partial results merge by log-sum-exp."""
+    B, Hq, T, D = q.shape
+    n_kv = k.shape[1]
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    qf = _fold(q, n_kv)  # [1, Hkv, G*T, D]
+    a = free - free % splits
+    # [splits, Hkv, a/splits, D] views of the first `a` keys: the piece is the batch axis
+    ka = k[0, :, :a].unflatten(1, (splits, a // splits)).transpose(0, 1)
+    va = v[0, :, :a].unflatten(1, (splits, a // splits)).transpose(0, 1)
+    o, lse = flash(qf.expand(splits, -1, -1, -1), ka, va, scale=scale)
+    outs, lses = [o], [lse]
+    if a < k.shape[2]:  # the tail: key `a` is visible to every query, so no row is empty
+        kt, vt = k[:, :, a:], v[:, :, a:]
+        mask = causal_mask(q_pos0, T, k_pos0 + a, kt.shape[2], Hq // n_kv, q.device)
+        if mask is not None:  # the raw op takes an additive mask of the query's dtype
+            mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+        o, lse = flash(qf, kt, vt, attn_mask=mask, scale=scale)
+        outs.append(o)
+        lses.append(lse)
+    lse = torch.cat(lses)  # [P, Hkv, G*T]
+    w = torch.softmax(lse, dim=0).unsqueeze(-1)  # weight of each piece per query row
+    o = (w * torch.cat(outs).float()).sum(0, keepdim=True)
+    return _unfold(o.to(q.dtype), Hq)
 
 
 def attention_lse(q, k, v, q_pos0: int, k_pos0: int = 0, scale: float | None = None):

@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..kernels.linear import Linear
 from .config import ModelConfig, rope_frequencies
 
 
@@ -52,10 +53,10 @@ class Attention(nn.Module):
         self.layer = layer
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         b = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.n_heads * cfg.head_dim, bias=b)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.n_kv_heads * cfg.head_dim, bias=b)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.n_kv_heads * cfg.head_dim, bias=b)
-        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.q_proj = Linear(cfg.hidden_size, cfg.n_heads * cfg.head_dim, bias=b)
+        self.k_proj = Linear(cfg.hidden_size, cfg.n_kv_heads * cfg.head_dim, bias=b)
+        self.v_proj = Linear(cfg.hidden_size, cfg.n_kv_heads * cfg.head_dim, bias=b)
+        self.o_proj = Linear(cfg.n_heads * cfg.head_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, start, cache):
         B, T, _ = x.shape
@@ -70,9 +71,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -106,7 +107,7 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Body(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = Rotary(cfg)
 
     def tie_weights(self):
