@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import native
+
 
 def _fold(q: torch.Tensor, n_kv: int) -> torch.Tensor:
     """[B, Hq, T, D] -> [B, Hkv, G*T, D] (the G query heads of a KV head side by side)."""
@@ -54,6 +56,8 @@ def attention(q, k, v, q_pos0: int, k_pos0: int = 0, scale: float | None = None)
     """
     B, Hq, T, D = q.shape
     n_kv = k.shape[1]
+    if native.supports(q, k):
+        return native.attend(q, k, v, q_pos0, k_pos0, scale)[0]
     if q.device.type == "cpu" and B == 1:
         free = max(0, min(q_pos0 - k_pos0, k.shape[2]))  # keys every query sees
         splits = cpu_splits(n_kv, free)
@@ -101,6 +105,8 @@ def attention_lse(q, k, v, q_pos0: int, k_pos0: int = 0, scale: float | None = N
     """
     B, Hq, T, D = q.shape
     n_kv = k.shape[1]
+    if native.supports(q, k):
+        return native.attend(q, k, v, q_pos0, k_pos0, scale, out_dtype=torch.float32)
     scale = D ** -0.5 if scale is None else scale
     s = (_fold(q, n_kv).float() @ k.float().transpose(-1, -2)) * scale  # [B, Hkv, G*T, S]
     mask = causal_mask(q_pos0, T, k_pos0, k.shape[2], Hq // n_kv, q.device)

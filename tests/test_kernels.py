@@ -53,6 +53,7 @@ def test_cpu_splits_balance_threads():
     (64, 4, 0, 7),      # seven pieces of 8 keys, the tail holds the rest
 ])
 def test_split_attention_matches_reference(monkeypatch, dtype, tol, S, T, k_pos0, splits):
+    monkeypatch.setattr(A.native, "supports", lambda q, k: False)  # the torch path
     monkeypatch.setattr(A, "cpu_splits", lambda bh, free, threads=None: splits if free >= splits * 8 else 1)
     g = torch.Generator().manual_seed(S + T)
     cap = S + 5
@@ -69,6 +70,7 @@ def test_split_attention_matches_reference(monkeypatch, dtype, tol, S, T, k_pos0
 def test_greedy_modes_unchanged_with_forced_splits(monkeypatch):
     """Every cache's attention through the split path: speculative output still equals
     autoregressive output, and both equal the unsplit run."""
+    monkeypatch.setattr(A.native, "supports", lambda q, k: False)  # the torch path
     L = tiny(scale=3.0, seed=1)
     prompt = repetitive_prompt(300, L.cfg.vocab_size, seed=3)
     plain, _ = run(L, prompt, "autoregressive", 24)
@@ -78,3 +80,108 @@ def test_greedy_modes_unchanged_with_forced_splits(monkeypatch):
     for mode, extra in [("triforce", {"budget": 64}), ("draft", {"draft": "self", "draft_window": 16})]:
         out, _ = run(L, prompt, mode, 24, **extra)
         assert out == ref, mode
+
+
+# ---- the native CPU kernel (kernels/cpu_attention.c) ----
+
+from triforce_offload.kernels import native  # noqa: E402
+
+
+def test_native_kernel_builds_here():
+    """This machine (and CI) has a C compiler: the kernel must build and load. Without one,
+    `available()` is False and attention stays on torch (the tests above)."""
+    import shutil
+    if not native.compiler():
+        assert not native.available() and "compiler" in native.reason()
+        return
+    assert shutil.which(native.compiler())
+    assert native.available(), native.reason()
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("D", [16, 64, 80])
+@pytest.mark.parametrize("S,T,k_pos0,G", [
+    (1000, 1, 0, 3),   # decode over several blocks, a partial last block
+    (513, 7, 0, 3),    # verification: 21 folded rows (the tiled score path)
+    (300, 5, 40, 2),   # keys starting past 0 (streaming / retrieval caches)
+    (5, 2, 0, 3),      # fewer keys than a vector
+    (40, 9, 0, 1),     # more queries than keys before them: early rows see few keys
+])
+def test_native_attention_matches_reference(dtype, tol, D, S, T, k_pos0, G):
+    g = torch.Generator().manual_seed(S * T + D)
+    cap = S + 9
+    K = torch.randn(1, 3, cap, D, generator=g).to(dtype)[:, :, :S]  # views of a preallocated cache
+    V = torch.randn(1, 3, cap, D, generator=g).to(dtype)[:, :, :S]
+    q = torch.randn(1, 3 * G, T, D, generator=g).to(dtype)
+    q_pos0 = k_pos0 + S - T
+    ref, ref_lse = A.attention_lse(q.float(), K.float(), V.float(), q_pos0, k_pos0)
+    out, lse = native.attend(q, K, V, q_pos0, k_pos0, out_dtype=torch.float32)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+
+
+def test_native_rows_are_independent():
+    """A row's output does not depend on which other rows share the call: verification
+    over 7 tokens gives each token what a one-token decode at its position gives."""
+    g = torch.Generator().manual_seed(0)
+    K = torch.randn(1, 3, 700, 64, generator=g)
+    V = torch.randn(1, 3, 700, 64, generator=g)
+    q = torch.randn(1, 9, 7, 64, generator=g)
+    many, _ = native.attend(q, K, V, 693)
+    for t in range(7):
+        one, _ = native.attend(q[:, :, t:t + 1], K[:, :, :694 + t], V[:, :, :694 + t], 693 + t)
+        assert torch.equal(one[:, :, 0], many[:, :, t])
+
+
+def test_native_row_that_sees_nothing():
+    K = torch.randn(1, 2, 32, 16)
+    q = torch.randn(1, 2, 2, 16)
+    out, lse = native.attend(q, K, K, q_pos0=3, k_pos0=4)  # row 0 at position 3 precedes every key
+    assert torch.isinf(lse[0, :, 0]).all() and (out[0, :, 0] == 0).all()
+    assert torch.isfinite(lse[0, :, 1]).all()
+
+
+def test_native_refuses_cleanly(monkeypatch):
+    q = torch.randn(1, 2, 1, 12)
+    assert not native.supports(q, torch.randn(1, 2, 5, 12))  # head_dim not a multiple of 16
+    assert not native.supports(q[..., :8].half(), torch.randn(1, 2, 5, 8).half())  # fp16
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setenv("TRIFORCE_OFFLOAD_NATIVE", "0")
+    assert not native.available() and "TRIFORCE_OFFLOAD_NATIVE" in native.reason()
+    q = torch.randn(1, 6, 3, 64)
+    K = torch.randn(1, 2, 50, 64)
+    ref, _ = A.attention_lse(q, K, K, 47)
+    torch.testing.assert_close(A.attention(q, K, K, 47), ref, rtol=1e-5, atol=1e-5)  # torch path
+
+
+def test_native_build_failure_is_reported(monkeypatch, tmp_path):
+    monkeypatch.setenv("TRIFORCE_OFFLOAD_CACHE", str(tmp_path))
+    bad = tmp_path / "bad.c"
+    bad.write_text("int f( {")
+    monkeypatch.setattr(native, "SOURCE", bad)
+    with pytest.raises(RuntimeError, match="failed"):
+        native.build()
+    monkeypatch.setattr(native, "compiler", lambda: None)
+    with pytest.raises(RuntimeError, match="no C compiler"):
+        native.build()
+
+
+def test_greedy_modes_on_the_native_kernel(monkeypatch):
+    """head_dim 16: every cache's attention runs in the native kernel; speculative output
+    equals autoregressive output, and both equal the torch-kernel run."""
+    if not native.available():
+        pytest.skip(f"native kernel unavailable: {native.reason()}")  # covered by test_native_kernel_builds_here
+    L = tiny(scale=3.0, seed=1, dim=64, heads=4, kv=2)
+    prompt = repetitive_prompt(300, L.cfg.vocab_size, seed=3)
+    calls = []
+    real = native.attend
+    monkeypatch.setattr(native, "attend", lambda *a, **k: calls.append(1) or real(*a, **k))
+    ref, _ = run(L, prompt, "autoregressive", 24)
+    assert calls
+    for mode, extra in [("triforce", {"budget": 64}), ("draft", {"draft": "self", "draft_window": 16}),
+                        ("triforce", {"budget": 64, "offload": "on", "transfer_chunk": 48})]:
+        out, _ = run(L, prompt, mode, 24, **extra)
+        assert out == ref, mode
+    monkeypatch.setattr(A.native, "supports", lambda q, k: False)
+    torch_ref, _ = run(L, prompt, "autoregressive", 24)
+    assert torch_ref == ref

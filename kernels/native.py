@@ -1,0 +1,134 @@
+"""The native CPU attention kernel (cpu_attention.c): compiled once, loaded with ctypes.
+
+The C file is compiled with the system compiler (`$CC`, else cc/gcc) for this machine's
+CPU into the cache folder (`$TRIFORCE_OFFLOAD_CACHE`, default ~/.cache/triforce-offload),
+keyed by the source, the flags and the CPU, so a later run just loads it. No compiler, a
+failed build, or `TRIFORCE_OFFLOAD_NATIVE=0` means `available()` is False and attention
+stays on torch's kernels (kernels/attention.py); nothing else changes.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_attention.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]
+BLOCK = 256  # keys per work item
+
+_lib = None  # ctypes handle, False once a build failed
+_error = ""  # why the kernel is unavailable
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("TRIFORCE_OFFLOAD_CACHE") or Path.home() / ".cache" / "triforce-offload"
+    return Path(root) / "native"
+
+
+def _cpu_id() -> str:
+    try:
+        flags = next(l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = ""
+    return platform.machine() + platform.processor() + flags
+
+
+def compiler() -> str | None:
+    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cc and shutil.which(cc):
+            return cc
+    return None
+
+
+def build() -> Path:
+    """Compile (or find the cached build of) the kernel; raises RuntimeError with the reason."""
+    cc = compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(src + " ".join([cc] + FLAGS).encode() + _cpu_id().encode()).hexdigest()[:16]
+    out = cache_dir() / f"cpu_attention-{key}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        tmp_so = Path(tmp) / out.name
+        r = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp_so), "-lm"],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            errors = [l for l in r.stderr.splitlines() if "error" in l] or [f"exit code {r.returncode}"]
+            raise RuntimeError(f"{cc} failed: {errors[0].strip()}")
+        os.replace(tmp_so, out)  # atomic: concurrent builders do not see half a file
+    return out
+
+
+def load():
+    """The ctypes library, or None (with the reason in `reason()`)."""
+    global _lib, _error
+    if _lib is None:
+        if os.environ.get("TRIFORCE_OFFLOAD_NATIVE", "1") == "0":
+            _lib, _error = False, "disabled by TRIFORCE_OFFLOAD_NATIVE=0"
+        else:
+            try:
+                lib = ctypes.CDLL(str(build()))
+                f = lib.triforce_attend
+                f.restype = ctypes.c_int
+                f.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int] + [ctypes.c_int64] * 6
+                              + [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3)
+                _lib = lib
+            except (OSError, RuntimeError, AttributeError) as e:
+                _lib, _error = False, str(e)
+    return _lib or None
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def reason() -> str:
+    load()
+    return _error
+
+
+def supports(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Shapes and dtypes the kernel takes: one sequence on the CPU, float32 or bfloat16,
+    K and V with unit stride on the head dimension and matching strides."""
+    return (q.device.type == "cpu" and k.device.type == "cpu" and q.shape[0] == 1
+            and k.dtype in (torch.float32, torch.bfloat16) and k.shape[-1] % 16 == 0
+            and k.shape[-1] <= 256
+            and k.stride(-1) == 1 and available())
+
+
+def attend(q, k, v, q_pos0: int, k_pos0: int = 0, scale: float | None = None, out_dtype=None):
+    """Causal attention of q [1, Hq, T, D] over k, v [1, Hkv, S, D] -> (out [1, Hq, T, D]
+    in `out_dtype` (default q's), lse [1, Hq, T] float32); a query that sees no key gets
+    out 0 and lse -inf. Query t sits at position q_pos0 + t and sees
+    the keys at positions <= its own (keys start at k_pos0)."""
+    _, Hq, T, D = q.shape
+    H, S = k.shape[1], k.shape[2]
+    if v.stride() != k.stride():
+        v = v.contiguous()
+        k = k.contiguous()
+    G = Hq // H
+    scale = D ** -0.5 if scale is None else scale
+    qf = (q.float() * scale).reshape(H, G * T, D).contiguous()  # rows of a KV head side by side
+    pos = torch.arange(q_pos0, q_pos0 + T).repeat(G)
+    nvis = (pos - k_pos0 + 1).clamp(0, S).to(torch.int64).contiguous()
+    R = G * T
+    nb = -(-S // BLOCK) if S else 0
+    part = torch.empty(H * max(nb, 1) * R * (D + 2), dtype=torch.float32)
+    out = torch.empty(H, R, D, dtype=torch.float32)
+    lse = torch.empty(H, R, dtype=torch.float32)
+    rc = load().triforce_attend(qf.data_ptr(), k.data_ptr(), v.data_ptr(), int(k.dtype == torch.bfloat16),
+                              H, R, D, S, k.stride(1), k.stride(2), nvis.data_ptr(), BLOCK,
+                              part.data_ptr(), out.data_ptr(), lse.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"native attention refused D={D}")
+    return out.reshape(1, Hq, T, D).to(out_dtype or q.dtype), lse.reshape(1, Hq, T)
