@@ -13,6 +13,7 @@ setup(
     packages=["triforce_offload"] + [f"triforce_offload.{p}" for p in SUBPACKAGES],
     package_dir={"triforce_offload": "triforce_offload",
                  **{f"triforce_offload.{p}": p for p in SUBPACKAGES}},
+    package_data={"triforce_offload.kernels": ["*.c"]},  # the native kernel, compiled on first use
     install_requires=[
         "torch>=2.4",  # install torch==2.13.0 first: a bare `torch` pulls a CUDA build
         "transformers>=4.45",
