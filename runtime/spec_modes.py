@@ -94,12 +94,17 @@ def build_levels(kind, o: SpecOptions, loaded, prompt, full, notes: list):
         extra = full.capacity - n + 64
         ret = RetrievalCache(loaded.cfg, o.budget, o.chunk, extra, dtype=loaded.dtype, device=loaded.device)
         ret.build(full, full.q, n)
-        if ret.holds_all:
-            notes.append(f"prompt of {n} tokens fits the budget: the retrieval cache holds all of it")
-        mid = ModelLevel(loaded.model, ret, "retrieval")
-        mid.fed = n
-        levels.insert(0, mid)
-        gammas.insert(0, o.g2)
+        if ret.holds_all and kind == "triforce":
+            # the middle level would run the full model over a copy of the full cache: pure cost
+            notes.append(f"prompt of {n} tokens fits the budget {o.budget}: no retrieval level, "
+                         f"the drafter drafts for the full cache directly (lower --budget to keep it)")
+        else:
+            if ret.holds_all:
+                notes.append(f"prompt of {n} tokens fits the budget: the retrieval cache holds all of it")
+            mid = ModelLevel(loaded.model, ret, "retrieval")
+            mid.fed = n
+            levels.insert(0, mid)
+            gammas.insert(0, o.g2)
     if kind in ("triforce", "draft"):
         levels.insert(0, make_drafter(o, loaded, prompt, full))
         gammas.insert(0, o.gamma1)

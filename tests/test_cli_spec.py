@@ -6,6 +6,9 @@ import pytest
 from test_cli import assert_user_error, cli
 
 
+LONGER = "Hello there, hello there, " * 6 + "hello"  # longer than a budget of 8 tokens
+
+
 def run_json(model_dir, *args):
     r = cli("run", "--model", model_dir, "--prompt", "Hello there, hello there, hello", "--no-chat",
             "--max-new-tokens", "12", "--dtype", "fp32", "--json", *args)
@@ -14,17 +17,17 @@ def run_json(model_dir, *args):
 
 
 def test_default_mode_is_triforce_with_ngram_and_lossless(tiny_model_dir):
-    ar = run_json(tiny_model_dir, "--mode", "autoregressive")
-    d = run_json(tiny_model_dir, "--budget", "16", "--chunk", "4")
+    ar = run_json(tiny_model_dir, "--mode", "autoregressive", "--prompt", LONGER)
+    d = run_json(tiny_model_dir, "--budget", "8", "--chunk", "4", "--prompt", LONGER)
     assert d["mode"] == "triforce" and set(d["acceptance"]) == {"ngram", "retrieval"}
     assert d["text"] == ar["text"] and "mean_accepted" in d
 
 
 def test_draft_model_path_and_flags(tiny_model_dir):
-    ar = run_json(tiny_model_dir, "--mode", "autoregressive")
+    ar = run_json(tiny_model_dir, "--mode", "autoregressive", "--prompt", LONGER)
     d = run_json(tiny_model_dir, "--draft", tiny_model_dir, "--gamma1", "3", "--gamma2", "auto",
-                 "--draft-sink", "2", "--draft-window", "8", "--rebuild", "every:4", "--budget", "16",
-                 "--chunk", "4")
+                 "--draft-sink", "2", "--draft-window", "8", "--rebuild", "every:4", "--budget", "8",
+                 "--chunk", "4", "--prompt", LONGER)
     assert d["text"] == ar["text"] and set(d["acceptance"]) == {"draft", "retrieval"}
     assert d["rebuilds"] >= 1
 

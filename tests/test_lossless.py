@@ -59,7 +59,10 @@ def test_greedy_equals_autoregressive(arch, mode, extra):
 def test_notes_for_small_prompt_and_rounded_budget():
     L = tiny()
     _, st = run(L, repetitive_prompt(40, 64), "triforce", 4, budget=4096)
-    assert any("holds all of it" in n for n in st.extra["notes"])
+    assert any("no retrieval level" in n for n in st.extra["notes"])
+    assert list(st.extra["acceptance"]) == ["ngram"]  # drafter -> full, the middle level dropped
+    _, st = run(L, repetitive_prompt(40, 64), "retrieval", 4, budget=4096)
+    assert any("holds all of it" in n for n in st.extra["notes"])  # the ablation keeps its level
     _, st = run(L, repetitive_prompt(100, 64), "triforce", 4, budget=20, chunk=8)
     assert any("rounded down to 16" in n for n in st.extra["notes"])
 
