@@ -16,6 +16,8 @@ def show_info(d: dict):
               "torch_threads", "pinned_memory"):
         t.add_row(k, str(d[k]))
     t.add_row("ram", f"{d['ram_available_gb']:.1f} GB available of {d['ram_total_gb']:.1f} GB")
+    for k, v in d.get("cpu_kernels", {}).items():
+        t.add_row(f"cpu {k.replace('_', ' ')}", v)
     for g in d["gpus"] or [{"name": "none"}]:
         link = (f"PCIe gen {g['pcie_gen']} x{g['pcie_width']}" if "pcie_gen" in g
                 else g.get("pcie", ""))

@@ -21,6 +21,9 @@ import torch
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]
+# retried without these when a build fails (no -march=native: clang on some ARM; no OpenMP:
+# Apple clang without libomp, where the kernel then runs on one thread)
+FALLBACK_DROPS = [(), ("-march=native",), ("-march=native", "-fopenmp")]
 BLOCK = 256  # keys per work item
 
 _lib = None  # ctypes handle, False once a build failed
@@ -60,13 +63,18 @@ def build() -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_so = Path(tmp) / out.name
-        r = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp_so), "-lm"],
-                           capture_output=True, text=True)
-        if r.returncode != 0:
-            errors = [l for l in r.stderr.splitlines() if "error" in l] or [f"exit code {r.returncode}"]
-            raise RuntimeError(f"{cc} failed: {errors[0].strip()}")
-        os.replace(tmp_so, out)  # atomic: concurrent builders do not see half a file
-    return out
+        first = None
+        for drop in FALLBACK_DROPS:  # a compiler without -march=native or OpenMP still builds
+            flags = [f for f in FLAGS if f not in drop]
+            r = subprocess.run([cc, *flags, str(SOURCE), "-o", str(tmp_so), "-lm"],
+                               capture_output=True, text=True)
+            if r.returncode == 0:
+                os.replace(tmp_so, out)  # atomic: concurrent builders do not see half a file
+                return out
+            if first is None:
+                errors = [l for l in r.stderr.splitlines() if "error" in l] or [f"exit code {r.returncode}"]
+                first = f"{cc} failed: {errors[0].strip()}"
+    raise RuntimeError(first)
 
 
 def load():

@@ -56,4 +56,12 @@ def system_info() -> dict:
         "ram_available_gb": vm.available / 2**30,
         "pinned_memory": pinned_available(),
         "gpus": gpus(),
+        "cpu_kernels": cpu_kernels(),
     }
+
+
+def cpu_kernels() -> dict:
+    """Which CPU kernels attention and float32 projections run on (kernels/)."""
+    from ..kernels import linear, native
+    return {"attention": "native" if native.available() else f"torch ({native.reason()})",
+            "float32_linear": "oneDNN" if linear.onednn_enabled() else "F.linear"}

@@ -161,6 +161,11 @@ def test_native_build_failure_is_reported(monkeypatch, tmp_path):
     monkeypatch.setattr(native, "SOURCE", bad)
     with pytest.raises(RuntimeError, match="failed"):
         native.build()
+    # a flag the compiler rejects is dropped on retry (as -march=native is where unsupported)
+    monkeypatch.setattr(native, "SOURCE", native.Path(__file__).parents[1] / "kernels" / "cpu_attention.c")
+    monkeypatch.setattr(native, "FLAGS", native.FLAGS + ["-fno-such-flag-xyz"])
+    monkeypatch.setattr(native, "FALLBACK_DROPS", [(), ("-fno-such-flag-xyz",)])
+    assert native.build().exists()
     monkeypatch.setattr(native, "compiler", lambda: None)
     with pytest.raises(RuntimeError, match="no C compiler"):
         native.build()
