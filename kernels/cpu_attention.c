@@ -6,11 +6,17 @@
  *
  * Work is split into (KV head, block of keys) items. Each item computes, for every query
  * row of that head, the block's max score m, sum of exp l and unnormalised output acc; a
- * second pass merges the blocks of a row in key order. A row's result depends only on its
- * own query and the keys it sees, never on the other rows: a verification over 7 rows
- * gives each row exactly what a one-row decode at that position gives.
+ * second pass merges the blocks of a row in key order.
  *
- * Scores and accumulation are float32 whatever the cache dtype (float32 or bfloat16).
+ * Scores take one of two paths. Few rows (a decode, < FEW_ROWS): one key at a time, each
+ * row's dot product vectorised over the head dimension and summed horizontally; this is
+ * bound by reading K. More rows (a verification): up to 16 rows in the lanes of a vector,
+ * a key broadcast, accumulated in head-dimension order over 8 keys in flight; with a
+ * bfloat16 cache and queries on CPUs with AVX512-BF16 through vdpbf16ps (pairs of exact
+ * bf16 products added in float32, twice the multiply-adds of FMA per instruction). Within
+ * a path a row's result depends only on its own query and the keys it sees, never on the
+ * other rows; the two paths round differently (float32 order of summation).
+ * Probabilities and sums are float32 throughout.
  * Vectors are GCC/Clang vector extensions of 16 floats: the compiler maps them onto
  * whatever the CPU has (one AVX-512 register, two AVX2 ones, four NEON ones).
  */
@@ -18,6 +24,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v8 __attribute__((vector_size(32)));
@@ -129,37 +138,56 @@ static inline __attribute__((always_inline)) void scores_by_key(
     }
 }
 
-static inline __attribute__((always_inline)) void scores_by_tile(
-        float *restrict scores, const float *qh, const void *k, int bf16, int64_t base, int64_t ss,
-        int64_t j0, int64_t jend, int64_t R, int64_t block, const int DV) {
-    /* 16 keys at a time, transposed once, then 16 scores per row per pass without
-     * horizontal sums (many rows: verification) */
-    v16 kt[16 * MAXV];  /* kt[d][key] */
-    for (int64_t jt = j0; jt < jend; jt += 16) {
-        const int64_t nk = jend - jt < 16 ? jend - jt : 16;
-        for (int64_t t = 0; t < 16; t++) {
-            v16 kv[MAXV];
-            if (t < nk) load_row(kv, k, bf16, base + (jt + t) * ss, DV);
-            else for (int i = 0; i < DV; i++) kv[i] = (v16){0};
-            for (int i = 0; i < DV; i++)
-                for (int l = 0; l < 16; l++) kt[16 * i + l][t] = kv[i][l];
-        }
-        for (int64_t r = 0; r < R; r++) {
-            /* lane l of the by-key dot product, for 16 keys at once, then hsum's tree: the
-             * same operations in the same order, so both paths give identical scores */
-            const float *qr = qh + r * 16 * DV;
-            v16 acc[16];
-            for (int l = 0; l < 16; l++) acc[l] = (v16){0};
-            for (int i = 0; i < DV; i++)
-                for (int l = 0; l < 16; l++) acc[l] += qr[16 * i + l] * kt[16 * i + l];
-            v16 a8[8], b4[4];
-            for (int l = 0; l < 8; l++) a8[l] = acc[l] + acc[l + 8];
-            for (int l = 0; l < 4; l++) b4[l] = a8[l] + a8[l + 4];
-            const v16 sc = (b4[0] + b4[2]) + (b4[1] + b4[3]);
-            memcpy(scores + r * block + (jt - j0), &sc, sizeof(float) * nk);
+#define FEW_ROWS 8 /* below: rows one by one (decode); from here: rows in vector lanes */
+#define KEYS 8 /* keys in flight: independent accumulator chains hide the FMA latency */
+
+/* st[(j - j0) * 16 + lane] = scale * q[lane] . k[j], float32 multiply-adds in d order */
+static inline __attribute__((always_inline)) void scores_f32(
+        float *restrict st, const v16 *qT, const void *k, int bf16, int64_t base, int64_t ss,
+        int64_t j0, int64_t jend, float scale, const int DV) {
+    for (int64_t j = j0; j < jend; j += KEYS) {
+        const int nk = jend - j < KEYS ? (int)(jend - j) : KEYS;
+        v16 kr[KEYS][MAXV];
+        for (int u = 0; u < KEYS; u++)
+            load_row(kr[u], k, bf16, base + (j + (u < nk ? u : 0)) * ss, DV);
+        v16 acc[KEYS];
+        for (int u = 0; u < KEYS; u++) acc[u] = (v16){0};
+        for (int i = 0; i < DV; i++)
+            for (int l = 0; l < 16; l++) {
+                const v16 a = qT[16 * i + l];
+                for (int u = 0; u < KEYS; u++) acc[u] += a * kr[u][i][l];
+            }
+        for (int u = 0; u < nk; u++) {
+            const v16 x = acc[u] * scale;
+            memcpy(st + (j + u - j0) * 16, &x, sizeof x);
         }
     }
 }
+
+#if defined(__AVX512BF16__)
+/* the same with vdpbf16ps: qT2[i] holds the 16 rows' bf16 pair (2i, 2i+1) */
+static inline __attribute__((always_inline)) void scores_bf16(
+        float *restrict st, const __m512i *qT2, const uint16_t *k, int64_t base, int64_t ss,
+        int64_t j0, int64_t jend, float scale, const int DV) {
+    for (int64_t j = j0; j < jend; j += KEYS) {
+        const int nk = jend - j < KEYS ? (int)(jend - j) : KEYS;
+        const uint16_t *kp[KEYS];
+        for (int u = 0; u < KEYS; u++) kp[u] = k + base + (j + (u < nk ? u : 0)) * ss;
+        __m512 acc[KEYS];
+        for (int u = 0; u < KEYS; u++) acc[u] = _mm512_setzero_ps();
+        for (int i = 0; i < 8 * DV; i++) {
+            const __m512bh a = (__m512bh)qT2[i];
+            for (int u = 0; u < KEYS; u++) {
+                uint32_t pair;
+                memcpy(&pair, kp[u] + 2 * i, sizeof pair);
+                acc[u] = _mm512_dpbf16_ps(acc[u], a, (__m512bh)_mm512_set1_epi32((int)pair));
+            }
+        }
+        for (int u = 0; u < nk; u++)
+            _mm512_storeu_ps(st + (j + u - j0) * 16, _mm512_mul_ps(acc[u], _mm512_set1_ps(scale)));
+    }
+}
+#endif
 
 /* acc rows r0 .. r0+NR-1 = sum_j p[r][j] v[j], kept in registers across the keys */
 static inline __attribute__((always_inline)) void pv_rows(
@@ -180,22 +208,74 @@ static inline __attribute__((always_inline)) void pv_rows(
 }
 
 static inline __attribute__((always_inline)) void block_item(
-        const float *qh, const void *k, const void *v, int bf16, int64_t base, int64_t ss,
-        const int64_t *nvis, int64_t R, int64_t j0, int64_t jend, int64_t block,
-        float *restrict scores, float *restrict ph, const int DV) {
-    const int64_t D = 16 * DV, W = D + 2;
-    if (R >= 8) scores_by_tile(scores, qh, k, bf16, base, ss, j0, jend, R, block, DV);
-    else scores_by_key(scores, qh, k, bf16, base, ss, j0, jend, R, block, DV);
-    /* softmax statistics per row over the keys it sees; unseen keys get weight 0 */
-    const int64_t len = (jend - j0 + 15) / 16 * 16;
-    for (int64_t r = 0; r < R; r++) {
-        float *pr = ph + r * W;
-        float *s = scores + r * block;
-        const int64_t n = (nvis[r] < jend ? nvis[r] : jend) - j0;
-        float l = 0.f;
-        pr[D] = n > 0 ? softmax_row(s, n, len, &l) : -INFINITY;
-        if (n <= 0) memset(s, 0, sizeof(float) * len);
-        pr[D + 1] = l;
+        const float *qh, const void *k, const void *v, int bf16, int dot_bf16, float scale,
+        int64_t base, int64_t ss, const int64_t *nvis, int64_t R, int64_t j0, int64_t jend,
+        int64_t block, float *restrict scores, float *restrict st, v16 *restrict qT,
+        float *restrict ph, const int DV) {
+    const int64_t D = 16 * DV, W = D + 2, n = jend - j0;
+    if (R < FEW_ROWS) { /* decode: one key at a time, each row's dot product and a sum */
+        scores_by_key(scores, qh, k, bf16, base, ss, j0, jend, R, block, DV);
+        const int64_t len = (n + 15) / 16 * 16;
+        for (int64_t r = 0; r < R; r++) {
+            float *pr = ph + r * W, *s = scores + r * block, l = 0.f;
+            const int64_t nr = (nvis[r] < jend ? nvis[r] : jend) - j0;
+            for (int64_t jj = 0; jj < nr; jj++) s[jj] *= scale;
+            pr[D] = nr > 0 ? softmax_row(s, nr, len, &l) : -INFINITY;
+            if (nr <= 0) memset(s, 0, sizeof(float) * len);
+            pr[D + 1] = l;
+        }
+    } else {
+        for (int64_t c = 0; c < R; c += 16) { /* 16 rows at a time in the vector lanes */
+            const int nr = R - c < 16 ? (int)(R - c) : 16;
+            i16x16 vis;
+            for (int l = 0; l < 16; l++) vis[l] = l < nr ? (int32_t)(nvis[c + l] - j0) : 0;
+#if defined(__AVX512BF16__)
+            if (dot_bf16) {
+                uint32_t *q2 = (uint32_t *)qT; /* [D/2][16] bf16 pairs; q is bf16-exact */
+                for (int64_t i = 0; i < D / 2; i++)
+                    for (int l = 0; l < 16; l++) {
+                        uint32_t lo = 0, hi = 0;
+                        if (l < nr) {
+                            memcpy(&lo, qh + (c + l) * D + 2 * i, 4);
+                            memcpy(&hi, qh + (c + l) * D + 2 * i + 1, 4);
+                        }
+                        q2[i * 16 + l] = (lo >> 16) | (hi & 0xffff0000u);
+                    }
+                scores_bf16(st, (const __m512i *)qT, (const uint16_t *)k, base, ss, j0, jend, scale, DV);
+            } else
+#endif
+            {
+                (void)dot_bf16;
+                for (int64_t d = 0; d < D; d++)
+                    for (int l = 0; l < 16; l++) qT[d][l] = l < nr ? qh[(c + l) * D + d] : 0.f;
+                scores_f32(st, qT, k, bf16, base, ss, j0, jend, scale, DV);
+            }
+            /* softmax statistics per row (lane) over the keys it sees; unseen keys weigh 0 */
+            v16 m = {0}, l = {0};
+            m -= INFINITY;
+            v16 ninf = m;
+            for (int64_t jj = 0; jj < n; jj++) {
+                v16 x;
+                memcpy(&x, st + jj * 16, sizeof x);
+                const i16x16 ok = (i16x16){0} + (int32_t)jj < vis;
+                x = (v16)(((i16x16)x & ok) | ((i16x16)ninf & ~ok));
+                m = vmax(x, m);
+            }
+            const i16x16 any = m > ninf;
+            const v16 m0 = (v16)((i16x16)m & any); /* rows that see nothing: 0, all weights 0 */
+            for (int64_t jj = 0; jj < n; jj++) {
+                v16 x;
+                memcpy(&x, st + jj * 16, sizeof x);
+                const i16x16 ok = (i16x16){0} + (int32_t)jj < vis;
+                x = (v16)((i16x16)exp_neg16(x - m0) & ok);
+                l += x;
+                for (int r = 0; r < nr; r++) scores[(c + r) * block + jj] = x[r];
+            }
+            for (int r = 0; r < nr; r++) {
+                ph[(c + r) * W + D] = any[r] ? m[r] : -INFINITY;
+                ph[(c + r) * W + D + 1] = l[r];
+            }
+        }
     }
     int64_t r0 = 0;
     for (; r0 + 4 <= R; r0 += 4) pv_rows(ph, W, scores, v, bf16, base, ss, j0, jend, r0, block, 4, DV);
@@ -205,16 +285,18 @@ static inline __attribute__((always_inline)) void block_item(
 }
 
 /*
- * q     [H, R, D] float32, contiguous, already multiplied by the softmax scale
+ * q     [H, R, D] float32, contiguous (q_bf16: its values are bfloat16-exact)
+ * scale softmax scale, applied to the dot products
  * k, v  head h, key j, dim d at  h*hs + j*ss + d  (float32 or bfloat16)
  * nvis  [R] keys each row sees (a prefix 0 .. nvis[r]-1 of the S keys)
  * part  [H, NB, R, D + 2] float32 scratch, NB = ceil(S / block)
  * out   [H, R, D] float32;  lse [H, R] float32 (natural log, of the scaled scores)
  * Returns 0, or -1 when D is not a multiple of 16 up to 256.
  */
-int triforce_attend(const float *q, const void *k, const void *v, int bf16,
+int triforce_attend(const float *q, const void *k, const void *v, int bf16, int q_bf16, float scale,
                     int64_t H, int64_t R, int64_t D, int64_t S, int64_t hs, int64_t ss,
                     const int64_t *nvis, int64_t block, float *part, float *out, float *lse) {
+    const int dot_bf16 = bf16 && q_bf16;
     if (D % 16 || D / 16 > MAXV || block < 16 || block % 16) return -1;
     const int DV = (int)(D / 16);
     const int64_t NB = (S + block - 1) / block;
@@ -225,6 +307,8 @@ int triforce_attend(const float *q, const void *k, const void *v, int bf16,
 #pragma omp parallel
     {
         float *scores = (float *)malloc(sizeof(float) * (R > 0 ? R : 1) * block);
+        float *st = (float *)aligned_alloc(64, sizeof(float) * 16 * block);
+        v16 *qT = (v16 *)aligned_alloc(64, sizeof(v16) * 16 * MAXV);
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < H * NB; item++) {
             const int64_t h = item / NB, b = item % NB;
@@ -233,11 +317,19 @@ int triforce_attend(const float *q, const void *k, const void *v, int bf16,
             const float *qh = q + h * R * D;
             float *ph = part + (h * NB + b) * R * W;
             /* the common head sizes get fully unrolled code */
-            if (DV == 4) block_item(qh, k, v, bf16, h * hs, ss, nvis, R, j0, jend, block, scores, ph, 4);
-            else if (DV == 8) block_item(qh, k, v, bf16, h * hs, ss, nvis, R, j0, jend, block, scores, ph, 8);
-            else block_item(qh, k, v, bf16, h * hs, ss, nvis, R, j0, jend, block, scores, ph, DV);
+            if (DV == 4)
+                block_item(qh, k, v, bf16, dot_bf16, scale, h * hs, ss, nvis, R, j0, jend, block,
+                           scores, st, qT, ph, 4);
+            else if (DV == 8)
+                block_item(qh, k, v, bf16, dot_bf16, scale, h * hs, ss, nvis, R, j0, jend, block,
+                           scores, st, qT, ph, 8);
+            else
+                block_item(qh, k, v, bf16, dot_bf16, scale, h * hs, ss, nvis, R, j0, jend, block,
+                           scores, st, qT, ph, DV);
         }
         free(scores);
+        free(st);
+        free(qT);
 
         /* merge the blocks of each (head, row) in key order */
 #pragma omp for schedule(static)

@@ -88,7 +88,8 @@ def load():
                 lib = ctypes.CDLL(str(build()))
                 f = lib.triforce_attend
                 f.restype = ctypes.c_int
-                f.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int] + [ctypes.c_int64] * 6
+                f.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_int, ctypes.c_float]
+                              + [ctypes.c_int64] * 6
                               + [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3)
                 _lib = lib
             except (OSError, RuntimeError, AttributeError) as e:
@@ -126,7 +127,7 @@ def attend(q, k, v, q_pos0: int, k_pos0: int = 0, scale: float | None = None, ou
         k = k.contiguous()
     G = Hq // H
     scale = D ** -0.5 if scale is None else scale
-    qf = (q.float() * scale).reshape(H, G * T, D).contiguous()  # rows of a KV head side by side
+    qf = q.float().reshape(H, G * T, D).contiguous()  # rows of a KV head side by side
     pos = torch.arange(q_pos0, q_pos0 + T).repeat(G)
     nvis = (pos - k_pos0 + 1).clamp(0, S).to(torch.int64).contiguous()
     R = G * T
@@ -135,7 +136,7 @@ def attend(q, k, v, q_pos0: int, k_pos0: int = 0, scale: float | None = None, ou
     out = torch.empty(H, R, D, dtype=torch.float32)
     lse = torch.empty(H, R, dtype=torch.float32)
     rc = load().triforce_attend(qf.data_ptr(), k.data_ptr(), v.data_ptr(), int(k.dtype == torch.bfloat16),
-                              H, R, D, S, k.stride(1), k.stride(2), nvis.data_ptr(), BLOCK,
+                              int(q.dtype == torch.bfloat16), scale, H, R, D, S, k.stride(1), k.stride(2), nvis.data_ptr(), BLOCK,
                               part.data_ptr(), out.data_ptr(), lse.data_ptr())
     if rc != 0:
         raise RuntimeError(f"native attention refused D={D}")
