@@ -24,7 +24,9 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPI
 # retried without these when a build fails (no -march=native: clang on some ARM; no OpenMP:
 # Apple clang without libomp, where the kernel then runs on one thread)
 FALLBACK_DROPS = [(), ("-march=native",), ("-march=native", "-fopenmp")]
-BLOCK = 256  # keys per work item
+BLOCK = 256  # keys per work item (a multiple of it past MAX_BLOCKS * BLOCK keys)
+MAX_BLOCKS = 64  # blocks per head: enough work items for every thread, bounded scratch
+SCRATCH_BYTES = 32 << 20  # per-block partial results of one call
 
 _lib = None  # ctypes handle, False once a build failed
 _error = ""  # why the kernel is unavailable
@@ -131,13 +133,27 @@ def attend(q, k, v, q_pos0: int, k_pos0: int = 0, scale: float | None = None, ou
     pos = torch.arange(q_pos0, q_pos0 + T).repeat(G)
     nvis = (pos - k_pos0 + 1).clamp(0, S).to(torch.int64).contiguous()
     R = G * T
-    nb = -(-S // BLOCK) if S else 0
-    part = torch.empty(H * max(nb, 1) * R * (D + 2), dtype=torch.float32)
+    block = BLOCK * max(1, -(-S // (BLOCK * MAX_BLOCKS)))  # at most MAX_BLOCKS blocks per head
+    nb = max(1, -(-S // block))
+    # per-block partial results cost H * nb * (D + 2) floats per row: a prefill chunk of
+    # thousands of rows goes through in slices that keep them under SCRATCH_BYTES
+    rows = max(16, SCRATCH_BYTES // (H * nb * (D + 2) * 4))
+    part = torch.empty(H * nb * min(rows, R) * (D + 2), dtype=torch.float32)
     out = torch.empty(H, R, D, dtype=torch.float32)
     lse = torch.empty(H, R, dtype=torch.float32)
-    rc = load().triforce_attend(qf.data_ptr(), k.data_ptr(), v.data_ptr(), int(k.dtype == torch.bfloat16),
-                              int(q.dtype == torch.bfloat16), scale, H, R, D, S, k.stride(1), k.stride(2), nvis.data_ptr(), BLOCK,
-                              part.data_ptr(), out.data_ptr(), lse.data_ptr())
-    if rc != 0:
-        raise RuntimeError(f"native attention refused D={D}")
+    lib = load()
+    for r0 in range(0, R, rows):
+        r1 = min(R, r0 + rows)
+        qs = qf[:, r0:r1].contiguous() if (r0, r1) != (0, R) else qf
+        o = out[:, r0:r1].contiguous() if (r0, r1) != (0, R) else out
+        ls = lse[:, r0:r1].contiguous() if (r0, r1) != (0, R) else lse
+        rc = lib.triforce_attend(qs.data_ptr(), k.data_ptr(), v.data_ptr(), int(k.dtype == torch.bfloat16),
+                                 int(q.dtype == torch.bfloat16), scale, H, r1 - r0, D, S, k.stride(1),
+                                 k.stride(2), nvis[r0:r1].data_ptr(), block, part.data_ptr(),
+                                 o.data_ptr(), ls.data_ptr())
+        if rc != 0:
+            raise RuntimeError(f"native attention refused D={D}")
+        if o is not out:
+            out[:, r0:r1] = o
+            lse[:, r0:r1] = ls
     return out.reshape(1, Hq, T, D).to(out_dtype or q.dtype), lse.reshape(1, Hq, T)

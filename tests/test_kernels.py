@@ -114,7 +114,7 @@ def test_native_kernel_builds_here():
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)])
-@pytest.mark.parametrize("D", [16, 64, 80])
+@pytest.mark.parametrize("D", [16, 64, 80, 128])
 @pytest.mark.parametrize("S,T,k_pos0,G", [
     (1000, 1, 0, 3),   # decode over several blocks, a partial last block
     (513, 7, 0, 3),    # verification: 21 folded rows (the tiled score path)
@@ -151,6 +151,21 @@ def test_native_rows_are_independent():
             one, _ = native.attend(q[:, :, t:t + 1], K[:, :, :694 + t], V[:, :, :694 + t], 693 + t,
                                    out_dtype=torch.float32)
             torch.testing.assert_close(one[:, :, 0], many[:, :, t], rtol=2e-6, atol=2e-6)
+
+
+def test_native_slices_rows_and_widens_blocks(monkeypatch):
+    """A prefill chunk (many rows) runs in row slices that bound the scratch memory, and a
+    long context gets wider blocks: same results as the plain reference."""
+    g = torch.Generator().manual_seed(5)
+    K = torch.randn(1, 2, 1000, 32, generator=g)
+    V = torch.randn(1, 2, 1000, 32, generator=g)
+    q = torch.randn(1, 4, 40, 32, generator=g)  # 80 rows per KV head
+    ref, ref_lse = reference(q, K, V, 960)
+    monkeypatch.setattr(native, "SCRATCH_BYTES", 1)  # 16-row slices
+    monkeypatch.setattr(native, "MAX_BLOCKS", 2)  # 1000 keys in 2 blocks of 512
+    out, lse = native.attend(q, K, V, 960)
+    torch.testing.assert_close(out, ref, rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
 
 
 def test_native_row_that_sees_nothing():
