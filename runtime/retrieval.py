@@ -50,11 +50,16 @@ class RetrievalCache(KVCache):
         self.n_ret = 0  # slots holding retrieved tokens (all before `base`)
         self.holds_all = False  # the context fitted the budget: nothing was dropped
 
+    @staticmethod
+    def fits(length: int, budget: int, chunk: int) -> bool:
+        """Whether a context of `length` tokens fits the budget whole (nothing to select)."""
+        return length // chunk <= budget // chunk
+
     @torch.inference_mode()
     def build(self, full, qs: dict, length: int):
         """Select chunks from full.keys(layer) of the first `length` tokens with queries qs[layer]."""
         n_full = length // self.chunk
-        self.holds_all = n_full <= self.n_chunks
+        self.holds_all = self.fits(length, self.n_chunks * self.chunk, self.chunk)
         for layer in range(self.n_layers):
             K, V = full.keys(layer, length)  # [B, Hkv, S, D], maybe on the host
             if self.holds_all:

@@ -91,14 +91,14 @@ def build_levels(kind, o: SpecOptions, loaded, prompt, full, notes: list):
         if o.budget % o.chunk:
             notes.append(f"budget {o.budget} rounded down to {o.budget // o.chunk * o.chunk} "
                          f"(a multiple of chunk {o.chunk})")
-        extra = full.capacity - n + 64
-        ret = RetrievalCache(loaded.cfg, o.budget, o.chunk, extra, dtype=loaded.dtype, device=loaded.device)
-        ret.build(full, full.q, n)
-        if ret.holds_all and kind == "triforce":
+        if kind == "triforce" and RetrievalCache.fits(n, o.budget, o.chunk):
             # the middle level would run the full model over a copy of the full cache: pure cost
             notes.append(f"prompt of {n} tokens fits the budget {o.budget}: no retrieval level, "
                          f"the drafter drafts for the full cache directly (lower --budget to keep it)")
         else:
+            extra = full.capacity - n + 64
+            ret = RetrievalCache(loaded.cfg, o.budget, o.chunk, extra, dtype=loaded.dtype, device=loaded.device)
+            ret.build(full, full.q, n)
             if ret.holds_all:
                 notes.append(f"prompt of {n} tokens fits the budget: the retrieval cache holds all of it")
             mid = ModelLevel(loaded.model, ret, "retrieval")
