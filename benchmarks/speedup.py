@@ -38,6 +38,7 @@ def args_():
     ap.add_argument("--chunk", type=int, default=8)
     ap.add_argument("--gamma1", type=int, default=4)
     ap.add_argument("--gamma2", default="6")
+    ap.add_argument("--rebuild", default="never", help="retrieval cache rebuild policy (never, every:N, adaptive)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--out", default="results/speedup.jsonl")
@@ -92,7 +93,8 @@ def run_mode(mode, L, prompt, full, logits, qs, a, temp):
     if mode == "autoregressive":
         toks, dt, margins = autoregressive(L, full, logits, len(prompt), sp, a.new_tokens)
         return toks, {"decode_s": dt, "margins": margins}
-    extra = dict(budget=a.budget, chunk=a.chunk, gamma1=a.gamma1, gamma2=a.gamma2)
+    extra = dict(budget=a.budget, chunk=a.chunk, gamma1=a.gamma1, gamma2=a.gamma2,
+                 rebuild=getattr(a, "rebuild", "never"))
     opts = RunOptions(mode=mode, sampling=sp, max_new_tokens=a.new_tokens, ignore_eos=True, extra=extra)
     toks, st = speculate(mode, L, prompt, opts, full, logits)
     return toks, {"decode_s": st.decode_s, **{k: st.extra[k] for k in
