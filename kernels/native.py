@@ -9,6 +9,7 @@ stays on torch's kernels (kernels/attention.py); nothing else changes.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -117,6 +118,14 @@ def supports(q: torch.Tensor, k: torch.Tensor) -> bool:
             and k.stride(-1) == 1 and available())
 
 
+@functools.lru_cache(maxsize=16)
+def visible_keys(q_pos0: int, T: int, G: int, k_pos0: int, S: int) -> torch.Tensor:
+    """[G*T] int64: how many keys each folded query row sees. The same for every layer of a
+    forward, so it is computed once per forward, not once per layer (the kernel only reads it)."""
+    pos = torch.arange(q_pos0, q_pos0 + T).repeat(G)
+    return (pos - k_pos0 + 1).clamp(0, S).to(torch.int64).contiguous()
+
+
 def attend(q, k, v, q_pos0: int, k_pos0: int = 0, scale: float | None = None, out_dtype=None):
     """Causal attention of q [1, Hq, T, D] over k, v [1, Hkv, S, D] -> (out [1, Hq, T, D]
     in `out_dtype` (default q's), lse [1, Hq, T] float32); a query that sees no key gets
@@ -130,8 +139,7 @@ def attend(q, k, v, q_pos0: int, k_pos0: int = 0, scale: float | None = None, ou
     G = Hq // H
     scale = D ** -0.5 if scale is None else scale
     qf = q.float().reshape(H, G * T, D).contiguous()  # rows of a KV head side by side
-    pos = torch.arange(q_pos0, q_pos0 + T).repeat(G)
-    nvis = (pos - k_pos0 + 1).clamp(0, S).to(torch.int64).contiguous()
+    nvis = visible_keys(q_pos0, T, G, k_pos0, S)
     R = G * T
     block = BLOCK * max(1, -(-S // (BLOCK * MAX_BLOCKS)))  # at most MAX_BLOCKS blocks per head
     nb = max(1, -(-S // block))
