@@ -10,12 +10,14 @@
  *
  * Scores take one of two paths. Few rows (a decode, < FEW_ROWS): one key at a time, each
  * row's dot product vectorised over the head dimension and summed horizontally; this is
- * bound by reading K. More rows (a verification): up to 16 rows in the lanes of a vector,
- * a key broadcast, accumulated in head-dimension order over 8 keys in flight; with a
- * bfloat16 cache and queries on CPUs with AVX512-BF16 through vdpbf16ps (pairs of exact
- * bf16 products added in float32, twice the multiply-adds of FMA per instruction). Within
- * a path a row's result depends only on its own query and the keys it sees, never on the
- * other rows; the two paths round differently (float32 order of summation).
+ * bound by reading K. More rows (a verification, a prefill chunk): a tile of 32 keys is
+ * transposed so keys sit in the vector lanes, and tiles of 8 rows x 32 keys accumulate in
+ * head-dimension order; with a bfloat16 cache and queries on CPUs with AVX512-BF16 through
+ * vdpbf16ps (pairs of exact bf16 products added in float32, twice the multiply-adds of FMA
+ * per instruction). Both paths leave scores row by row, so the softmax and the weighted
+ * sum of values are shared. Within a path a row's result depends only on its own query
+ * and the keys it sees, never on the other rows; the two paths round differently (float32
+ * order of summation).
  * Probabilities and sums are float32 throughout.
  * Vectors are GCC/Clang vector extensions of 16 floats: the compiler maps them onto
  * whatever the CPU has (one AVX-512 register, two AVX2 ones, four NEON ones).
@@ -138,56 +140,115 @@ static inline __attribute__((always_inline)) void scores_by_key(
     }
 }
 
-#define FEW_ROWS 8 /* below: rows one by one (decode); from here: rows in vector lanes */
-#define KEYS 8 /* keys in flight: independent accumulator chains hide the FMA latency */
+#define FEW_ROWS 8 /* below: rows one by one (decode); from here: keys in vector lanes */
+#define TK 32 /* keys per transposed tile: two vectors */
+#define MR 8 /* query rows per register tile (rows are padded to a multiple) */
 
-/* st[(j - j0) * 16 + lane] = scale * q[lane] . k[j], float32 multiply-adds in d order */
-static inline __attribute__((always_inline)) void scores_f32(
-        float *restrict st, const v16 *qT, const void *k, int bf16, int64_t base, int64_t ss,
-        int64_t j0, int64_t jend, float scale, const int DV) {
-    for (int64_t j = j0; j < jend; j += KEYS) {
-        const int nk = jend - j < KEYS ? (int)(jend - j) : KEYS;
-        v16 kr[KEYS][MAXV];
-        for (int u = 0; u < KEYS; u++)
-            load_row(kr[u], k, bf16, base + (j + (u < nk ? u : 0)) * ss, DV);
-        v16 acc[KEYS];
-        for (int u = 0; u < KEYS; u++) acc[u] = (v16){0};
-        for (int i = 0; i < DV; i++)
-            for (int l = 0; l < 16; l++) {
-                const v16 a = qT[16 * i + l];
-                for (int u = 0; u < KEYS; u++) acc[u] += a * kr[u][i][l];
-            }
-        for (int u = 0; u < nk; u++) {
-            const v16 x = acc[u] * scale;
-            memcpy(st + (j + u - j0) * 16, &x, sizeof x);
+/* 16x16 transpose of 32-bit elements: x[i][e] -> x[e][i], four butterfly stages (each
+ * swaps one bit of the row index with the same bit of the column index) */
+#define SWAP_STAGE(H, ...)                                                                   \
+    for (int i = 0; i < 16; i++)                                                            \
+        if (!(i & H)) {                                                                     \
+            const u32x16 a = x[i], b = x[i + H];                                            \
+            x[i] = __builtin_shufflevector(a, b, __VA_ARGS__);                              \
+            x[i + H] = __builtin_shufflevector(a, b, SWAP_HI_##H);                          \
         }
-    }
+#define SWAP_HI_1 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31
+#define SWAP_HI_2 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31
+#define SWAP_HI_4 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31
+#define SWAP_HI_8 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+static inline void transpose16(u32x16 *x) {
+    SWAP_STAGE(1, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30)
+    SWAP_STAGE(2, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29)
+    SWAP_STAGE(4, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27)
+    SWAP_STAGE(8, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
 }
 
+/* kt[e * TK + u] = element e of key j0 + u as 32 bits, for P elements per key: bf16 pairs
+ * as they are (pairs = 1) or each element as float32 (pairs = 0). Keys past jend repeat
+ * the last one (their scores are never used). */
+static inline __attribute__((always_inline)) void transpose_keys(
+        uint32_t *restrict kt, const void *k, int bf16, int pairs, int64_t base, int64_t ss,
+        int64_t j0, int64_t jend, const int P) {
+    for (int h = 0; h < TK / 16; h++)
+        for (int c = 0; c < P / 16; c++) {
+            u32x16 x[16];
+            for (int u = 0; u < 16; u++) {
+                int64_t j = j0 + 16 * h + u;
+                j = j < jend ? j : jend - 1;
+                if (bf16 && !pairs) {
+                    u16x16 w;
+                    memcpy(&w, (const uint16_t *)k + base + j * ss + 16 * c, sizeof w);
+                    x[u] = __builtin_convertvector(w, u32x16) << 16;
+                } else if (bf16)
+                    memcpy(x + u, (const uint16_t *)k + base + j * ss + 32 * c, sizeof x[u]);
+                else
+                    memcpy(x + u, (const float *)k + base + j * ss + 16 * c, sizeof x[u]);
+            }
+            transpose16(x);
+            for (int e = 0; e < 16; e++) memcpy(kt + (16 * c + e) * TK + 16 * h, x + e, sizeof x[e]);
+        }
+}
+
+/* scores[r * block + j - j0] = q[r] . k[j] for rows 0..R-1, keys j0..jend-1 (padded to TK):
+ * keys in the vector lanes (a tile of K transposed), MR rows x TK keys of accumulators.
+ * qp holds the rows padded with zeros to a multiple of MR: bf16 pairs (dot_bf16, through
+ * vdpbf16ps: exact bf16 products, pairs added in float32) or float32 (fused multiply-adds
+ * in d order). */
+static inline __attribute__((always_inline)) void scores_by_tile(
+        float *restrict scores, const uint32_t *qp, const void *k, int bf16, int dot_bf16,
+        int64_t base, int64_t ss, int64_t j0, int64_t jend, int64_t R, int64_t block,
+        uint32_t *restrict kt, const int DV) {
+    const int P = dot_bf16 ? 8 * DV : 16 * DV; /* 32-bit elements per key */
+    for (int64_t jt = j0; jt < jend; jt += TK) {
+        transpose_keys(kt, k, bf16, dot_bf16, base, ss, jt, jend, P);
+        for (int64_t r0 = 0; r0 < R; r0 += MR) {
+            v16 acc[MR][TK / 16];
+            for (int rr = 0; rr < MR; rr++)
+                for (int h = 0; h < TK / 16; h++) acc[rr][h] = (v16){0};
+            const uint32_t *qr = qp + r0 * P;
 #if defined(__AVX512BF16__)
-/* the same with vdpbf16ps: qT2[i] holds the 16 rows' bf16 pair (2i, 2i+1) */
-static inline __attribute__((always_inline)) void scores_bf16(
-        float *restrict st, const __m512i *qT2, const uint16_t *k, int64_t base, int64_t ss,
-        int64_t j0, int64_t jend, float scale, const int DV) {
-    for (int64_t j = j0; j < jend; j += KEYS) {
-        const int nk = jend - j < KEYS ? (int)(jend - j) : KEYS;
-        const uint16_t *kp[KEYS];
-        for (int u = 0; u < KEYS; u++) kp[u] = k + base + (j + (u < nk ? u : 0)) * ss;
-        __m512 acc[KEYS];
-        for (int u = 0; u < KEYS; u++) acc[u] = _mm512_setzero_ps();
-        for (int i = 0; i < 8 * DV; i++) {
-            const __m512bh a = (__m512bh)qT2[i];
-            for (int u = 0; u < KEYS; u++) {
-                uint32_t pair;
-                memcpy(&pair, kp[u] + 2 * i, sizeof pair);
-                acc[u] = _mm512_dpbf16_ps(acc[u], a, (__m512bh)_mm512_set1_epi32((int)pair));
+            if (dot_bf16) {
+                for (int i = 0; i < P; i++) {
+                    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + i * TK);
+                    const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kt + i * TK + 16);
+                    for (int rr = 0; rr < MR; rr++) {
+                        const __m512bh a = (__m512bh)_mm512_set1_epi32((int)qr[rr * P + i]);
+                        acc[rr][0] = (v16)_mm512_dpbf16_ps((__m512)acc[rr][0], a, k0);
+                        acc[rr][1] = (v16)_mm512_dpbf16_ps((__m512)acc[rr][1], a, k1);
+                    }
+                }
+            } else
+#endif
+            {
+                for (int i = 0; i < P; i++) {
+                    v16 kv[TK / 16];
+                    memcpy(kv, kt + i * TK, sizeof kv);
+                    for (int rr = 0; rr < MR; rr++) {
+                        float a;
+                        memcpy(&a, qr + rr * P + i, sizeof a);
+                        for (int h = 0; h < TK / 16; h++) acc[rr][h] += a * kv[h];
+                    }
+                }
             }
+            for (int rr = 0; rr < MR && r0 + rr < R; rr++)
+                memcpy(scores + (r0 + rr) * block + (jt - j0), acc[rr], sizeof acc[rr]);
         }
-        for (int u = 0; u < nk; u++)
-            _mm512_storeu_ps(st + (j + u - j0) * 16, _mm512_mul_ps(acc[u], _mm512_set1_ps(scale)));
     }
 }
-#endif
+
+/* the rows of qh [R][D] (float32; bfloat16-exact when dot_bf16) as qp, padded with zero
+ * rows to a multiple of MR: bf16 pairs (D / 2 per row) or float32 bits (D per row) */
+static inline void pack_rows(uint32_t *restrict qp, const float *qh, int64_t R, int64_t D, int dot_bf16) {
+    const int64_t Rp = (R + MR - 1) / MR * MR, P = dot_bf16 ? D / 2 : D;
+    for (int64_t r = 0; r < Rp; r++)
+        for (int64_t i = 0; i < P; i++) {
+            uint32_t lo = 0, hi = 0;
+            if (r < R) memcpy(&lo, qh + r * D + (dot_bf16 ? 2 * i : i), 4);
+            if (r < R && dot_bf16) memcpy(&hi, qh + r * D + 2 * i + 1, 4);
+            qp[r * P + i] = dot_bf16 ? (lo >> 16) | (hi & 0xffff0000u) : lo;
+        }
+}
 
 /* acc rows r0 .. r0+NR-1 = sum_j p[r][j] v[j], kept in registers across the keys */
 static inline __attribute__((always_inline)) void pv_rows(
@@ -208,77 +269,30 @@ static inline __attribute__((always_inline)) void pv_rows(
 }
 
 static inline __attribute__((always_inline)) void block_item(
-        const float *qh, const void *k, const void *v, int bf16, int dot_bf16, float scale,
-        int64_t base, int64_t ss, const int64_t *nvis, int64_t R, int64_t j0, int64_t jend,
-        int64_t block, float *restrict scores, float *restrict st, v16 *restrict qT,
+        const float *qh, const uint32_t *qp, const void *k, const void *v, int bf16, int dot_bf16,
+        float scale, int64_t base, int64_t ss, const int64_t *nvis, int64_t R, int64_t j0,
+        int64_t jend, int64_t block, float *restrict scores, uint32_t *restrict kt,
         float *restrict ph, const int DV) {
     const int64_t D = 16 * DV, W = D + 2, n = jend - j0;
-    if (R < FEW_ROWS) { /* decode: one key at a time, each row's dot product and a sum */
+    if (R < FEW_ROWS) /* decode: one key at a time, each row's dot product and a sum */
         scores_by_key(scores, qh, k, bf16, base, ss, j0, jend, R, block, DV);
-        const int64_t len = (n + 15) / 16 * 16;
-        for (int64_t r = 0; r < R; r++) {
-            float *pr = ph + r * W, *s = scores + r * block, l = 0.f;
-            const int64_t nr = (nvis[r] < jend ? nvis[r] : jend) - j0;
-            for (int64_t jj = 0; jj < nr; jj++) s[jj] *= scale;
-            pr[D] = nr > 0 ? softmax_row(s, nr, len, &l) : -INFINITY;
-            if (nr <= 0) memset(s, 0, sizeof(float) * len);
-            pr[D + 1] = l;
-        }
-    } else {
-        for (int64_t c = 0; c < R; c += 16) { /* 16 rows at a time in the vector lanes */
-            const int nr = R - c < 16 ? (int)(R - c) : 16;
-            i16x16 vis;
-            for (int l = 0; l < 16; l++) vis[l] = l < nr ? (int32_t)(nvis[c + l] - j0) : 0;
-#if defined(__AVX512BF16__)
-            if (dot_bf16) {
-                uint32_t *q2 = (uint32_t *)qT; /* [D/2][16] bf16 pairs; q is bf16-exact */
-                for (int64_t i = 0; i < D / 2; i++)
-                    for (int l = 0; l < 16; l++) {
-                        uint32_t lo = 0, hi = 0;
-                        if (l < nr) {
-                            memcpy(&lo, qh + (c + l) * D + 2 * i, 4);
-                            memcpy(&hi, qh + (c + l) * D + 2 * i + 1, 4);
-                        }
-                        q2[i * 16 + l] = (lo >> 16) | (hi & 0xffff0000u);
-                    }
-                scores_bf16(st, (const __m512i *)qT, (const uint16_t *)k, base, ss, j0, jend, scale, DV);
-            } else
-#endif
-            {
-                (void)dot_bf16;
-                for (int64_t d = 0; d < D; d++)
-                    for (int l = 0; l < 16; l++) qT[d][l] = l < nr ? qh[(c + l) * D + d] : 0.f;
-                scores_f32(st, qT, k, bf16, base, ss, j0, jend, scale, DV);
-            }
-            /* softmax statistics per row (lane) over the keys it sees; unseen keys weigh 0 */
-            v16 m = {0}, l = {0};
-            m -= INFINITY;
-            v16 ninf = m;
-            for (int64_t jj = 0; jj < n; jj++) {
-                v16 x;
-                memcpy(&x, st + jj * 16, sizeof x);
-                const i16x16 ok = (i16x16){0} + (int32_t)jj < vis;
-                x = (v16)(((i16x16)x & ok) | ((i16x16)ninf & ~ok));
-                m = vmax(x, m);
-            }
-            const i16x16 any = m > ninf;
-            const v16 m0 = (v16)((i16x16)m & any); /* rows that see nothing: 0, all weights 0 */
-            for (int64_t jj = 0; jj < n; jj++) {
-                v16 x;
-                memcpy(&x, st + jj * 16, sizeof x);
-                const i16x16 ok = (i16x16){0} + (int32_t)jj < vis;
-                x = (v16)((i16x16)exp_neg16(x - m0) & ok);
-                l += x;
-                for (int r = 0; r < nr; r++) scores[(c + r) * block + jj] = x[r];
-            }
-            for (int r = 0; r < nr; r++) {
-                ph[(c + r) * W + D] = any[r] ? m[r] : -INFINITY;
-                ph[(c + r) * W + D + 1] = l[r];
-            }
-        }
+    else /* verification, prefill: a tile of keys in the lanes, a tile of rows */
+        scores_by_tile(scores, qp, k, bf16, dot_bf16, base, ss, j0, jend, R, block, kt, DV);
+    /* softmax statistics per row over the keys it sees; unseen keys weigh 0 */
+    const int64_t len = (n + 15) / 16 * 16;
+    for (int64_t r = 0; r < R; r++) {
+        float *pr = ph + r * W, *s = scores + r * block, l = 0.f;
+        const int64_t nr = (nvis[r] < jend ? nvis[r] : jend) - j0;
+        for (int64_t jj = 0; jj < nr; jj++) s[jj] *= scale;
+        pr[D] = nr > 0 ? softmax_row(s, nr, len, &l) : -INFINITY;
+        if (nr <= 0) memset(s, 0, sizeof(float) * len);
+        pr[D + 1] = l;
     }
+    /* the weighted sum of values, NR rows sharing each value row loaded */
     int64_t r0 = 0;
-    for (; r0 + 4 <= R; r0 += 4) pv_rows(ph, W, scores, v, bf16, base, ss, j0, jend, r0, block, 4, DV);
+    if (DV <= 4)
+        for (; r0 + 6 <= R; r0 += 6) pv_rows(ph, W, scores, v, bf16, base, ss, j0, jend, r0, block, 6, DV);
+    for (; r0 + 3 <= R; r0 += 3) pv_rows(ph, W, scores, v, bf16, base, ss, j0, jend, r0, block, 3, DV);
     for (; r0 < R; r0++) pv_rows(ph, W, scores, v, bf16, base, ss, j0, jend, r0, block, 1, DV);
     if (jend <= j0)
         for (int64_t r = 0; r < R; r++) memset(ph + r * W, 0, sizeof(float) * D);
@@ -296,19 +310,32 @@ static inline __attribute__((always_inline)) void block_item(
 int triforce_attend(const float *q, const void *k, const void *v, int bf16, int q_bf16, float scale,
                     int64_t H, int64_t R, int64_t D, int64_t S, int64_t hs, int64_t ss,
                     const int64_t *nvis, int64_t block, float *part, float *out, float *lse) {
-    const int dot_bf16 = bf16 && q_bf16;
+#if defined(__AVX512BF16__)
+    /* vdpbf16ps on bf16 pairs: whole 16-lane vectors of pairs per key */
+    const int dot_bf16 = bf16 && q_bf16 && D % 32 == 0;
+#else
+    const int dot_bf16 = 0;
+    (void)q_bf16;
+#endif
     if (D % 16 || D / 16 > MAXV || block < 16 || block % 16) return -1;
     const int DV = (int)(D / 16);
     const int64_t NB = (S + block - 1) / block;
     const int64_t W = D + 2;
     int64_t maxvis = 0;
     for (int64_t r = 0; r < R; r++) maxvis = nvis[r] > maxvis ? nvis[r] : maxvis;
+    /* the rows packed for the tiled scores, once per call (not per block) */
+    const int64_t Rp = (R + MR - 1) / MR * MR, P = dot_bf16 ? D / 2 : D;
+    uint32_t *qp = NULL;
+    if (R >= FEW_ROWS) {
+        qp = (uint32_t *)malloc(sizeof(uint32_t) * H * Rp * P);
+        if (!qp) return -2;
+        for (int64_t h = 0; h < H; h++) pack_rows(qp + h * Rp * P, q + h * R * D, R, D, dot_bf16);
+    }
 
 #pragma omp parallel
     {
         float *scores = (float *)malloc(sizeof(float) * (R > 0 ? R : 1) * block);
-        float *st = (float *)aligned_alloc(64, sizeof(float) * 16 * block);
-        v16 *qT = (v16 *)aligned_alloc(64, sizeof(v16) * 16 * MAXV);
+        uint32_t *kt = (uint32_t *)aligned_alloc(64, sizeof(uint32_t) * TK * 16 * MAXV);
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < H * NB; item++) {
             const int64_t h = item / NB, b = item % NB;
@@ -318,18 +345,17 @@ int triforce_attend(const float *q, const void *k, const void *v, int bf16, int 
             float *ph = part + (h * NB + b) * R * W;
             /* the common head sizes get fully unrolled code */
             if (DV == 4)
-                block_item(qh, k, v, bf16, dot_bf16, scale, h * hs, ss, nvis, R, j0, jend, block,
-                           scores, st, qT, ph, 4);
+                block_item(qh, qp + h * Rp * P, k, v, bf16, dot_bf16, scale, h * hs, ss, nvis, R,
+                           j0, jend, block, scores, kt, ph, 4);
             else if (DV == 8)
-                block_item(qh, k, v, bf16, dot_bf16, scale, h * hs, ss, nvis, R, j0, jend, block,
-                           scores, st, qT, ph, 8);
+                block_item(qh, qp + h * Rp * P, k, v, bf16, dot_bf16, scale, h * hs, ss, nvis, R,
+                           j0, jend, block, scores, kt, ph, 8);
             else
-                block_item(qh, k, v, bf16, dot_bf16, scale, h * hs, ss, nvis, R, j0, jend, block,
-                           scores, st, qT, ph, DV);
+                block_item(qh, qp + h * Rp * P, k, v, bf16, dot_bf16, scale, h * hs, ss, nvis, R,
+                           j0, jend, block, scores, kt, ph, DV);
         }
         free(scores);
-        free(st);
-        free(qT);
+        free(kt);
 
         /* merge the blocks of each (head, row) in key order */
 #pragma omp for schedule(static)
@@ -357,5 +383,6 @@ int triforce_attend(const float *q, const void *k, const void *v, int bf16, int 
             lse[hr] = m == -INFINITY ? -INFINITY : m + logf(l);
         }
     }
+    free(qp);
     return 0;
 }
