@@ -6,12 +6,14 @@ Usage:
 
 Each cell runs the same call over `--layers` distinct K/V tensors (so the cache does not
 sit in L3, as in a real forward) and reports ms per layer; all three kernels run in this
-one process on the same tensors. Rows append to results/attention_kernels.jsonl.
+one process on the same tensors (the native kernel is timed even where attention would not
+dispatch to it, see kernels/native.py). Rows append to results/attention_kernels.jsonl.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -45,7 +47,8 @@ def main():
     a = ap.parse_args()
     dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
     print(f"native kernel: {'available' if native.available() else 'unavailable: ' + native.reason()}; "
-          f"{torch.get_num_threads()} threads")
+          f"dispatch: {native.status()}; {torch.get_num_threads()} threads")
+    os.environ["TRIFORCE_OFFLOAD_NATIVE"] = "1"  # time the kernel even where dispatch would skip it
     rows = []
     supports = native.supports
     for S in a.keys:

@@ -386,3 +386,17 @@ int triforce_attend(const float *q, const void *k, const void *v, int bf16, int 
     free(qp);
     return 0;
 }
+
+/* Width in bits of the vector registers this build targets: the score tiles (8 rows x 32
+ * keys, 16 accumulators of 16 floats) are sized for 32 512-bit registers; with 256-bit
+ * registers they spill and the kernel runs slower than torch's (kernels/native.py only
+ * uses it by default on 512-bit builds). */
+int triforce_vector_bits(void) {
+#if defined(__AVX512F__)
+    return 512;
+#elif defined(__AVX2__) || defined(__AVX__)
+    return 256;
+#else
+    return 128;
+#endif
+}

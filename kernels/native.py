@@ -5,6 +5,13 @@ CPU into the cache folder (`$TRIFORCE_OFFLOAD_CACHE`, default ~/.cache/triforce-
 keyed by the source, the flags and the CPU, so a later run just loads it. No compiler, a
 failed build, or `TRIFORCE_OFFLOAD_NATIVE=0` means `available()` is False and attention
 stays on torch's kernels (kernels/attention.py); nothing else changes.
+
+Built is not the same as used: the kernel's register tiles are sized for AVX-512 (32
+registers of 16 floats). On a 256-bit (AVX2) build they spill, and on an AVX2 EPYC it
+measured 1.5-2x slower than torch's SDPA for one query token and 12-17x slower for seven
+(benchmarks/attention_kernels.py), so by default (`TRIFORCE_OFFLOAD_NATIVE` unset or
+`auto`) attention dispatches to it only when the build targets 512-bit vectors;
+`TRIFORCE_OFFLOAD_NATIVE=1` uses it anyway (the tests do, to check it everywhere).
 """
 from __future__ import annotations
 
@@ -94,6 +101,7 @@ def load():
                 f.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_int, ctypes.c_float]
                               + [ctypes.c_int64] * 6
                               + [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3)
+                lib.triforce_vector_bits.restype = ctypes.c_int
                 _lib = lib
             except (OSError, RuntimeError, AttributeError) as e:
                 _lib, _error = False, str(e)
@@ -109,13 +117,36 @@ def reason() -> str:
     return _error
 
 
+def vector_bits() -> int:
+    """Vector width the build targets (512 for AVX-512, 256 for AVX2), 0 when not built."""
+    lib = load()
+    return lib.triforce_vector_bits() if lib else 0
+
+
+def enabled() -> bool:
+    """Whether attention dispatches to the kernel: built, and either a 512-bit build
+    (`TRIFORCE_OFFLOAD_NATIVE` unset or `auto`) or forced with `TRIFORCE_OFFLOAD_NATIVE=1`."""
+    mode = os.environ.get("TRIFORCE_OFFLOAD_NATIVE", "auto").lower()
+    return available() and (mode == "1" or vector_bits() >= 512)
+
+
+def status() -> str:
+    """One phrase for `triforce-offload info`: which attention kernel runs and why."""
+    if not available():
+        return f"torch ({reason()})"
+    if enabled():
+        return f"native ({vector_bits()}-bit vectors)"
+    return (f"torch (native kernel built for {vector_bits()}-bit vectors, slower than torch "
+            "there; TRIFORCE_OFFLOAD_NATIVE=1 forces it)")
+
+
 def supports(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Shapes and dtypes the kernel takes: one sequence on the CPU, float32 or bfloat16,
-    K and V with unit stride on the head dimension and matching strides."""
+    K and V with unit stride on the head dimension and matching strides; and `enabled()`."""
     return (q.device.type == "cpu" and k.device.type == "cpu" and q.shape[0] == 1
             and k.dtype in (torch.float32, torch.bfloat16) and k.shape[-1] % 16 == 0
             and k.shape[-1] <= 256
-            and k.stride(-1) == 1 and available())
+            and k.stride(-1) == 1 and enabled())
 
 
 @functools.lru_cache(maxsize=16)

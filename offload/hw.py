@@ -63,5 +63,5 @@ def system_info() -> dict:
 def cpu_kernels() -> dict:
     """Which CPU kernels attention and float32 projections run on (kernels/)."""
     from ..kernels import linear, native
-    return {"attention": "native" if native.available() else f"torch ({native.reason()})",
+    return {"attention": native.status(),
             "float32_linear": "oneDNN" if linear.onednn_enabled() else "F.linear"}

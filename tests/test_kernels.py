@@ -177,6 +177,7 @@ def test_native_row_that_sees_nothing():
 
 
 def test_native_refuses_cleanly(monkeypatch):
+    monkeypatch.setenv("TRIFORCE_OFFLOAD_NATIVE", "1")
     q = torch.randn(1, 2, 1, 12)
     assert not native.supports(q, torch.randn(1, 2, 5, 12))  # head_dim not a multiple of 16
     assert not native.supports(q[..., :8].half(), torch.randn(1, 2, 5, 8).half())  # fp16
@@ -187,6 +188,30 @@ def test_native_refuses_cleanly(monkeypatch):
     K = torch.randn(1, 2, 50, 64)
     ref, _ = A.attention_lse(q, K, K, 47)
     torch.testing.assert_close(A.attention(q, K, K, 47), ref, rtol=1e-5, atol=1e-5)  # torch path
+
+
+def test_native_dispatch_follows_the_vector_width(monkeypatch):
+    """Built is not used: by default attention takes the kernel only on 512-bit builds;
+    TRIFORCE_OFFLOAD_NATIVE=1 forces it, =0 turns it off, and `status` says which."""
+    if not native.available():
+        pytest.skip(f"native kernel unavailable: {native.reason()}")  # covered by test_native_kernel_builds_here
+    assert native.vector_bits() in (128, 256, 512)
+    q, K = torch.randn(1, 6, 1, 64), torch.randn(1, 2, 50, 64)
+    for bits, env, used in [(512, None, True), (256, None, False), (256, "auto", False), (256, "1", True)]:
+        monkeypatch.setattr(native, "vector_bits", lambda b=bits: b)
+        if env is None:
+            monkeypatch.delenv("TRIFORCE_OFFLOAD_NATIVE", raising=False)
+        else:
+            monkeypatch.setenv("TRIFORCE_OFFLOAD_NATIVE", env)
+        assert native.supports(q, K) is used and native.status().startswith("native" if used else "torch")
+        calls = []
+        real = native.attend
+        monkeypatch.setattr(native, "attend", lambda *a, **k: calls.append(1) or real(*a, **k))
+        A.attention(q, K, K, 49)
+        monkeypatch.setattr(native, "attend", real)
+        assert bool(calls) is used
+    monkeypatch.setenv("TRIFORCE_OFFLOAD_NATIVE", "auto")  # 256-bit build, not forced: says how to force
+    assert "TRIFORCE_OFFLOAD_NATIVE=1" in native.status()
 
 
 def test_native_build_failure_is_reported(monkeypatch, tmp_path):
@@ -211,6 +236,7 @@ def test_greedy_modes_on_the_native_kernel(monkeypatch):
     equals autoregressive output, and both equal the torch-kernel run."""
     if not native.available():
         pytest.skip(f"native kernel unavailable: {native.reason()}")  # covered by test_native_kernel_builds_here
+    monkeypatch.setenv("TRIFORCE_OFFLOAD_NATIVE", "1")  # dispatch to it on any vector width
     L = tiny(scale=3.0, seed=1, dim=64, heads=4, kv=2)
     prompt = repetitive_prompt(300, L.cfg.vocab_size, seed=3)
     calls = []
