@@ -17,11 +17,9 @@ estimates. Same prefill cache file and prompt as retrieval_sweep.py.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -29,20 +27,9 @@ import retrieval_sweep  # the script's folder is on sys.path: prefill, cached
 
 
 def args_():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--context", type=int, default=32768)
-    ap.add_argument("--temperature", type=float, default=0.6)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--dtype", default="bf16")
-    ap.add_argument("--budgets", type=int, nargs="+", default=[4096, 6144, 8192])
-    ap.add_argument("--chunks", type=int, nargs="+", default=[8, 16])
-    ap.add_argument("--rebuilds", nargs="+", default=["never", "every:16", "every:64"])
+    ap = retrieval_sweep.parser(__doc__.splitlines()[0], ["never", "every:16", "every:64"], [0, 1, 2, 3, 4, 5],
+                                "results/retrieval_expected.jsonl")
     ap.add_argument("--gamma2", type=int, default=6)
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4, 5])
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    ap.add_argument("--prefill-cache", default=None, help="save/load the prefilled state here")
-    ap.add_argument("--out", default="results/retrieval_expected.jsonl")
     return ap.parse_args()
 
 
@@ -93,10 +80,7 @@ def expected(L, full, n0, toks, P, Q, sp, budget, chunk, rebuild, gamma2):
 def main():
     from triforce_offload.runtime.sampling import SamplingParams
     a = args_()
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = retrieval_sweep.speedup.start(a)
     L, prompt, full, logits, qs = retrieval_sweep.prefilled(a)
     n0, rows = len(prompt), []
     for seed in a.seeds:

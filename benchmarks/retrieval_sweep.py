@@ -21,15 +21,15 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 import speedup  # the script's folder is on sys.path: same prompt and prefill as the speedup benchmark
 
 
-def args_():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parser(description: str, rebuilds: list[str], seeds: list[int], out: str) -> argparse.ArgumentParser:
+    """The options this script and retrieval_expected.py share."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--top-p", type=float, default=1.0)
@@ -37,43 +37,25 @@ def args_():
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--budgets", type=int, nargs="+", default=[4096, 6144, 8192])
     ap.add_argument("--chunks", type=int, nargs="+", default=[8, 16])
-    ap.add_argument("--rebuilds", nargs="+", default=["never", "every:16", "every:64", "adaptive"])
-    ap.add_argument("--gamma2", default="6")
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0],
+    ap.add_argument("--rebuilds", nargs="+", default=rebuilds)
+    ap.add_argument("--seeds", type=int, nargs="+", default=seeds,
                     help="sampling seeds; at T>0 one 128-token sample per seed is noisy, average several")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--prefill-cache", default=None, help="save/load the prefilled state here")
-    ap.add_argument("--out", default="results/retrieval_sweep.jsonl")
+    ap.add_argument("--out", default=out)
+    return ap
+
+
+def args_():
+    ap = parser(__doc__.splitlines()[0], ["never", "every:16", "every:64", "adaptive"], [0],
+                "results/retrieval_sweep.jsonl")
+    ap.add_argument("--gamma2", default="6")
     return ap.parse_args()
 
 
 def prefilled(a):
-    """(L, prompt, full, logits, qs) like speedup.setup, optionally saved to / loaded from a file."""
-    p = Path(a.prefill_cache) if a.prefill_cache else None
-    if p is None or not p.exists():
-        L, prompt, full, logits, qs, _ = speedup.setup(a.context, a)
-        if p is not None:
-            n = len(prompt)
-            torch.save({"prompt": prompt, "logits": logits, "qs": qs, "new_tokens": a.new_tokens,
-                        "k": [k[:, :, :n].clone() for k in full.inner.k],
-                        "v": [v[:, :, :n].clone() for v in full.inner.v]}, p)
-        return L, prompt, full, logits, qs
-    from triforce_offload.runtime.api import load
-    from triforce_offload.runtime.cache import FullCache
-    from triforce_offload.runtime.retrieval import Recorder
-    s = torch.load(p)
-    if s["new_tokens"] != a.new_tokens:  # the prompt is cut to leave room for the new tokens
-        sys.exit(f"{p} was prefilled for --new-tokens {s['new_tokens']}, not {a.new_tokens}")
-    scale = -(-a.context // 8192)
-    L = load(None, a.dtype, "cpu", f"linear:{scale}" if scale > 1 else None)
-    prompt, n = s["prompt"], len(s["prompt"])
-    full = Recorder(FullCache(L.cfg, n + a.new_tokens + 64, dtype=L.dtype))
-    for layer in range(L.cfg.n_layers):
-        full.inner.k[layer][:, :, :n].copy_(s["k"][layer])
-        full.inner.v[layer][:, :, :n].copy_(s["v"][layer])
-    full.commit(n)
-    print(f"ctx {a.context}: prompt {n} tokens, prefill loaded from {p}", file=sys.stderr, flush=True)
-    return L, prompt, full, s["logits"], s["qs"]
+    """(L, prompt, full, logits, qs) as speedup.setup makes them (cached in `--prefill-cache`)."""
+    return speedup.setup(a.context, a)[:5]
 
 
 class Selections:
@@ -125,10 +107,7 @@ def run(L, prompt, full, logits, qs, a, budget, chunk, rebuild):
 
 def main():
     a = args_()
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = speedup.start(a)
     t0 = time.perf_counter()
     L, prompt, full, logits, qs = prefilled(a)
     print(f"ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)

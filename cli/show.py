@@ -30,8 +30,9 @@ def stats_line(d: dict) -> str:
     parts = [f"prompt {d['prompt_tokens']} tok", f"prefill {d['prefill_s']:.2f} s",
              f"decode {d['decode_ms_per_token']:.1f} ms/tok ({d['tokens_per_s']:.1f} tok/s)",
              f"{d['new_tokens']} new", f"peak {d['peak_memory_gb']:.2f} GB"]
-    for k, v in d.get("acceptance", {}).items():
-        parts.append(f"accept {k} {v:.2f}")  # no [brackets]: rich would read them as markup
+    per_token = d.get("acceptance_per_token", {})
+    for k, v in d.get("acceptance", {}).items():  # no [brackets]: rich would read them as markup
+        parts.append(f"accept {k} {v:.2f}" + (f" ({per_token[k]:.2f}/judged tok)" if k in per_token else ""))
     if "mean_accepted" in d:
         parts.append(f"mean accepted {d['mean_accepted']:.2f}")
     if d.get("rebuilds"):

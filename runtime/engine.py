@@ -25,12 +25,23 @@ class LevelStats:
     drafted: int = 0  # draft tokens it checked
     accepted: int = 0  # of which accepted
     produced: int = 0  # tokens it emitted (accepted + corrected/bonus)
+    rejected: int = 0  # verifications that rejected a draft token (k < g)
 
     def add(self, g: int, k: int):
         self.verifications += 1
         self.drafted += g
         self.accepted += k
         self.produced += k + 1
+        self.rejected += k < g
+
+    @property
+    def per_token(self) -> float:
+        """Acceptance of the draft tokens the verifier judged: a rejection ends a round, so
+        the tokens after it are drafted but never judged. Estimates the per-token rate
+        alpha of Leviathan et al.; `accepted / drafted` (TriForce's figure) also counts the
+        unjudged tail and so depends on gamma."""
+        judged = self.accepted + self.rejected
+        return self.accepted / judged if judged else 0.0
 
 
 class AutoGamma:
@@ -193,6 +204,7 @@ class Engine:
         top = self.stats[-1]
         return {
             "acceptance": acc,
+            "acceptance_per_token": {names[i]: s.per_token for i, s in enumerate(self.stats)},
             "mean_accepted": top.produced / max(top.verifications, 1),
             "level_time_s": {n: round(lv.time, 3) for n, lv in zip(names, self.levels)},
             "levels": {names[i + 1]: vars(s).copy() for i, s in enumerate(self.stats)},

@@ -54,6 +54,13 @@ def test_greedy_equals_autoregressive(arch, mode, extra):
     out, st = run(L, prompt, mode, 48, **extra)
     assert out == ref
     assert st.new_tokens == 48 and st.extra["mean_accepted"] >= 1
+    for name, lv in st.extra["levels"].items():  # both acceptance figures, from the same counts
+        lower = list(st.extra["acceptance"])[list(st.extra["levels"]).index(name)]
+        judged = lv["accepted"] + lv["rejected"]
+        assert st.extra["acceptance"][lower] == pytest.approx(lv["accepted"] / max(lv["drafted"], 1))
+        assert st.extra["acceptance_per_token"][lower] == pytest.approx(lv["accepted"] / max(judged, 1))
+        assert lv["rejected"] <= lv["verifications"] and judged <= lv["drafted"]
+        assert st.extra["acceptance_per_token"][lower] >= st.extra["acceptance"][lower]
 
 
 def test_notes_for_small_prompt_and_rounded_budget():

@@ -74,7 +74,8 @@ def test_speedup_benchmark_passes_the_policy_and_reports_rebuilds(prefilled):
     speedup = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(speedup)
     L, prompt, full, logits, qs = prefilled
-    a = argparse.Namespace(new_tokens=48, budget=32, chunk=8, gamma1=4, gamma2="4", seed=0, rebuild="every:8")
+    a = argparse.Namespace(new_tokens=48, budget=32, chunk=8, gamma1=4, gamma2="4", seed=0, rebuild="every:8",
+                           top_p=0.9)
     _, r = speedup.run_mode("retrieval", L, prompt, full, logits, qs, a, 0.6)
     assert r["rebuild"] == "every:8" and r["rebuilds"] >= 3
     a.rebuild = "never"

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from triforce_offload.runtime.drafters import NgramDrafter, check_vocab
-from triforce_offload.runtime.engine import AutoGamma, Rebuild
+from triforce_offload.runtime.engine import AutoGamma, LevelStats, Rebuild
 from triforce_offload.runtime.errors import TriforceError
 from triforce_offload.runtime.spec_modes import SpecOptions
 from triforce_offload.runtime.speculative import accept, n_accepted, one_hot, residual
@@ -25,6 +25,17 @@ def test_n_accepted_is_vectorised_prefix():
     d = torch.tensor([0, 0])
     assert n_accepted(d, q, p, torch.tensor([0.4, 0.0])) == 1  # p(0)/q(0) = 0.5 > 0.4; then p = 0
     assert n_accepted(d, q, p, torch.tensor([0.6, 0.0])) == 0
+
+
+def test_level_stats_per_token_acceptance_ignores_the_unjudged_tail():
+    st = LevelStats()
+    st.add(6, 6)  # all accepted
+    st.add(6, 2)  # third token rejected: tokens 4..6 were drafted but never judged
+    st.add(6, 0)  # first token rejected
+    assert (st.drafted, st.accepted, st.rejected, st.produced) == (18, 8, 2, 11)
+    assert st.per_token == pytest.approx(8 / 10)  # 10 tokens judged, 8 accepted
+    assert st.accepted / st.drafted == pytest.approx(8 / 18)
+    assert LevelStats().per_token == 0.0
 
 
 def test_residual():
