@@ -61,7 +61,7 @@ def setup(ctx: int, a):
     from triforce_offload.runtime.retrieval import Recorder
     scale = -(-ctx // 8192)
     L = load(None, a.dtype, "cpu", f"linear:{scale}" if scale > 1 else None)
-    path = Path(a.prefill_cache.replace("{context}", str(ctx))) if getattr(a, "prefill_cache", None) else None
+    path = Path(a.prefill_cache.replace("{context}", str(ctx))) if a.prefill_cache else None
     if path is not None and path.exists():
         return (L, *load_prefill(L, path, a), 0.0)
     want = ctx - a.new_tokens - 64
@@ -85,8 +85,8 @@ def load_prefill(L, path: Path, a):
     from triforce_offload.runtime.cache import FullCache
     from triforce_offload.runtime.retrieval import Recorder
     s = torch.load(path)
-    if (s["new_tokens"], s.get("dtype", a.dtype)) != (a.new_tokens, a.dtype):
-        sys.exit(f"{path} was prefilled for --new-tokens {s['new_tokens']} --dtype {s.get('dtype')}, "
+    if (s["new_tokens"], s["dtype"]) != (a.new_tokens, a.dtype):
+        sys.exit(f"{path} was prefilled for --new-tokens {s['new_tokens']} --dtype {s['dtype']}, "
                  f"not {a.new_tokens} / {a.dtype}")
     prompt, n = s["prompt"], len(s["prompt"])
     full = Recorder(FullCache(L.cfg, n + a.new_tokens + 64, dtype=L.dtype))
@@ -116,13 +116,18 @@ def autoregressive(L, full, logits, n0, sp, n):
     return out, time.perf_counter() - t0, margins
 
 
+def top_p(a, temp: float) -> float:
+    """Nucleus mass for a run at `temp`: `--top-p` when sampling, 1 (unused) for greedy."""
+    return a.top_p if temp > 0 else 1.0
+
+
 def run_mode(mode, L, prompt, full, logits, qs, a, temp):
     from triforce_offload.runtime.api import RunOptions
     from triforce_offload.runtime.sampling import SamplingParams
     from triforce_offload.runtime.spec_modes import speculate
     full.commit(len(prompt))
     full.q = dict(qs)
-    sp = SamplingParams(temperature=temp, top_p=a.top_p if temp > 0 else 1.0, seed=a.seed)
+    sp = SamplingParams(temperature=temp, top_p=top_p(a, temp), seed=a.seed)
     if mode == "autoregressive":
         toks, dt, margins = autoregressive(L, full, logits, len(prompt), sp, a.new_tokens)
         return toks, {"decode_s": dt, "margins": margins}
@@ -150,7 +155,7 @@ def bench_context(ctx, a, out: Path) -> list[dict]:
         for mode in a.modes:
             toks, r = run_mode(mode, L, prompt, full, logits, qs, a, temp)
             row = {"context": ctx, "prompt_tokens": len(prompt), "dtype": a.dtype, "temperature": temp,
-                   "top_p": a.top_p if temp > 0 else 1.0,
+                   "top_p": top_p(a, temp),
                    "mode": mode, "new_tokens": len(toks), "prefill_s": round(pre_s, 2),
                    "ms_per_token": round(1000 * r.pop("decode_s") / len(toks), 2), **r}
             if mode == "autoregressive":

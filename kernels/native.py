@@ -38,6 +38,7 @@ SCRATCH_BYTES = 32 << 20  # per-block partial results of one call
 
 _lib = None  # ctypes handle, False once a build failed
 _error = ""  # why the kernel is unavailable
+_bits = 0  # vector width the loaded build targets (asked once: supports() runs on every attention call)
 
 
 def cache_dir() -> Path:
@@ -89,7 +90,7 @@ def build() -> Path:
 
 def load():
     """The ctypes library, or None (with the reason in `reason()`)."""
-    global _lib, _error
+    global _lib, _error, _bits
     if _lib is None:
         if os.environ.get("TRIFORCE_OFFLOAD_NATIVE", "1") == "0":
             _lib, _error = False, "disabled by TRIFORCE_OFFLOAD_NATIVE=0"
@@ -102,6 +103,7 @@ def load():
                               + [ctypes.c_int64] * 6
                               + [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3)
                 lib.triforce_vector_bits.restype = ctypes.c_int
+                _bits = lib.triforce_vector_bits()
                 _lib = lib
             except (OSError, RuntimeError, AttributeError) as e:
                 _lib, _error = False, str(e)
@@ -119,8 +121,7 @@ def reason() -> str:
 
 def vector_bits() -> int:
     """Vector width the build targets (512 for AVX-512, 256 for AVX2), 0 when not built."""
-    lib = load()
-    return lib.triforce_vector_bits() if lib else 0
+    return _bits if load() else 0
 
 
 def enabled() -> bool:

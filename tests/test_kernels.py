@@ -192,7 +192,8 @@ def test_native_refuses_cleanly(monkeypatch):
 
 def test_native_dispatch_follows_the_vector_width(monkeypatch):
     """Built is not used: by default attention takes the kernel only on 512-bit builds;
-    TRIFORCE_OFFLOAD_NATIVE=1 forces it, =0 turns it off, and `status` says which."""
+    TRIFORCE_OFFLOAD_NATIVE=1 forces it (=0 is test_native_refuses_cleanly), and `status`
+    says which."""
     if not native.available():
         pytest.skip(f"native kernel unavailable: {native.reason()}")  # covered by test_native_kernel_builds_here
     assert native.vector_bits() in (128, 256, 512)
