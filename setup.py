@@ -29,7 +29,7 @@ setup(
         "gpu": ["flash-attn", "nvidia-ml-py"],
         "bench": ["matplotlib", "llama-cpp-python"],
         "deepspeed": ["deepspeed"],
-        "test": ["pytest", "scipy", "matplotlib"],
+        "test": ["pytest", "scipy", "matplotlib", "triton; platform_system == 'Linux'"],
     },
     entry_points={"console_scripts": ["triforce-offload=triforce_offload.cli.app:main"]},
 )

@@ -1,0 +1,283 @@
+"""Triton decode/verify attention: split-K flash-decoding over a fixed-capacity KV buffer.
+
+Shapes never change from step to step (what CUDA graphs need): K and V are the whole
+[B, Hkv, S_cap, D] buffers and the number of valid keys is a device tensor, read by the
+kernel. Two launches per call:
+
+1. `_split_kernel`, grid (B*Hkv, splits, row blocks): the G query heads of a KV head times
+   the T new tokens form the rows of one tile (grouped-query attention folded, K and V read
+   once per tile, never repeated); each program walks its share of the valid keys in blocks
+   and writes a partial max, sum of exponentials and unnormalised output (fp32) to scratch.
+   The share is cut from the device-side length inside the kernel, so the grid is static
+   and a short context in a long buffer still spreads over every split; programs whose
+   share is empty write max -inf, sum 0.
+2. `_merge_kernel`, one program per (batch, KV head, row): log-sum-exp merge of the splits.
+
+Keys past the length are never loaded (masked loads), so the buffer's tail may hold
+anything. The number of splits is a static function of the buffer capacity, the batch and
+head counts and the device. Scores run in base 2 (scale * log2 e folded in); the returned
+lse is natural-log.
+
+The module imports without triton; `available()` and `reason()` say whether it can run.
+Kernels are built on first use, so `TRITON_INTERPRET=1` (CPU tensors, tests) takes effect
+whenever it is set before the first call.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    _IMPORT_ERROR = ""
+except Exception as e:  # noqa: BLE001 - any failure to import means "not available"
+    triton = tl = None
+    _IMPORT_ERROR = f"{type(e).__name__}: {e}"
+
+LOG2E = 1.4426950408889634
+MAX_ROWS = 128  # rows (G*T) per tile; more rows take a second row block
+MAX_SPLITS = 64
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def available() -> bool:
+    """Triton imports and there is something to run it on (a CUDA device or the interpreter)."""
+    return triton is not None and (torch.cuda.is_available() or _interpret())
+
+
+def reason() -> str:
+    """Why the kernel can or cannot run, in words."""
+    if triton is None:
+        return f"triton is not importable ({_IMPORT_ERROR})"
+    if _interpret():
+        return f"triton {triton.__version__} under TRITON_INTERPRET=1 (CPU tensors)"
+    if torch.cuda.is_available():
+        return f"triton {triton.__version__} on CUDA"
+    return f"triton {triton.__version__} is installed but there is no CUDA device"
+
+
+# --------------------------------------------------------------------------- kernels
+
+def _split_body(Q, K, V, Lens, QPos, qpos_val, Acc, Mx, Sm,
+                sqb, sqh, sqt, skb, skh, skn, svb, svh, svn, sl, sqp,
+                n_kv, G, T, R, D, splits, qk_scale,
+                QPOS_MODE: tl.constexpr, CAUSAL: tl.constexpr, DOT_F32: tl.constexpr,
+                PRECISION: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    bh = tl.program_id(0)
+    s = tl.program_id(1)
+    mb = tl.program_id(2)
+    b = bh // n_kv
+    kvh = bh % n_kv
+    length = tl.load(Lens + b * sl).to(tl.int32)
+    if QPOS_MODE == 0:  # the queries are the last T tokens
+        qpos0 = length - T
+    elif QPOS_MODE == 1:
+        qpos0 = tl.load(QPos + b * sqp).to(tl.int32)
+    else:
+        qpos0 = qpos_val
+    if CAUSAL:  # no query sees past its own position
+        kv_end = tl.maximum(tl.minimum(length, qpos0 + T), 0)
+    else:
+        kv_end = length
+    per = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), splits) * BLOCK_N  # keys per split
+    lo = s * per
+    hi = tl.minimum(lo + per, kv_end)
+
+    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # row = g * T + t
+    g = rows // T
+    t = rows % T
+    row_ok = rows < R
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    head = (kvh * G + g).to(tl.int64)
+    q_ptr = Q + b.to(tl.int64) * sqb + head[:, None] * sqh + t[:, None] * sqt + d[None, :]
+    q = tl.load(q_ptr, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if DOT_F32:  # fp32 operands (fp32 caches; bf16 under the interpreter, whose bf16 dot is broken)
+        q = q.to(tl.float32)
+    else:
+        q = q.to(K.dtype.element_ty)
+    last = qpos0 + t  # [BLOCK_M] last key each row sees (causal)
+    k_base = K + b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
+    v_base = V + b.to(tl.int64) * svb + kvh.to(tl.int64) * svh
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = n < hi
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + n[:, None].to(tl.int64) * skn + d[None, :], mask=kv_mask, other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [M, N], log2 units
+        vis = n_ok[None, :]
+        if CAUSAL:
+            vis = vis & (n[None, :] <= last[:, None])
+        qk = tl.where(vis, qk, float("-inf"))
+        m_new = tl.maximum(m, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
+        alpha = tl.exp2(m - m_safe)
+        p = tl.exp2(qk - m_safe[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + n[:, None].to(tl.int64) * svn + d[None, :], mask=kv_mask, other=0.0)
+        if DOT_F32:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)  # fp32 acc
+        m = m_new
+
+    part = bh * splits + s  # scratch: [B*Hkv, splits, R(, D)]
+    tl.store(Acc + (part * R + rows[:, None]) * D + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(Mx + part * R + rows, m, mask=row_ok)
+    tl.store(Sm + part * R + rows, l, mask=row_ok)
+
+
+def _merge_body(Acc, Mx, Sm, Out, Lse, sob, soh, sot, n_kv, G, T, R, D, splits,
+                SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)  # (batch, KV head, row)
+    bh = pid // R
+    r = pid % R
+    sp = tl.arange(0, SPLITS)
+    sp_ok = sp < splits
+    part = bh * splits + sp
+    m = tl.load(Mx + part * R + r, mask=sp_ok, other=float("-inf"))
+    l = tl.load(Sm + part * R + r, mask=sp_ok, other=0.0)
+    mx = tl.max(m, 0)
+    mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
+    w = tl.exp2(m - mx_safe)  # 0 for empty splits
+    total = tl.sum(w * l, 0)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    a = tl.load(Acc + (part[:, None] * R + r) * D + d[None, :], mask=sp_ok[:, None] & d_ok[None, :], other=0.0)
+    o = tl.sum(a * w[:, None], 0)
+    seen = total > 0.0
+    o = tl.where(seen, o / tl.where(seen, total, 1.0), 0.0)
+    lse = tl.where(seen, (mx_safe + tl.log2(tl.where(seen, total, 1.0))) * 0.6931471805599453,
+                   float("-inf"))
+    b = bh // n_kv
+    head = (bh % n_kv) * G + r // T
+    t = r % T
+    base = b.to(tl.int64) * sob + head.to(tl.int64) * soh + t * sot
+    tl.store(Out + base + d, o.to(Out.dtype.element_ty), mask=d_ok)
+    tl.store(Lse + (b * n_kv * G + head) * T + t, lse)
+
+
+_KERNELS: dict[bool, tuple] = {}
+
+
+def _kernels():
+    """(split, merge) jitted for the current mode; built on first use so that
+    TRITON_INTERPRET set after this module was imported still counts."""
+    mode = _interpret()
+    if mode not in _KERNELS:
+        _KERNELS[mode] = (triton.jit(_split_body, do_not_specialize=["qpos_val"]),
+                          triton.jit(_merge_body))
+    return _KERNELS[mode]
+
+
+# --------------------------------------------------------------------------- launch
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: a few splits, so tests exercise the merge
+
+
+def default_splits(batch_heads: int, row_blocks: int, s_cap: int, block_n: int,
+                   device: torch.device) -> int:
+    """Enough splits for about two programs per SM; a static function of the shapes."""
+    want = triton.cdiv(2 * _sm_count(device), batch_heads * row_blocks)
+    return max(1, min(want, triton.cdiv(s_cap, block_n), MAX_SPLITS))
+
+
+def _as_index(x, B: int, device, name: str) -> tuple[torch.Tensor, int]:
+    """A [B] or [1] integer device tensor and its stride (0 for a shared value)."""
+    if not torch.is_tensor(x):
+        x = torch.tensor([int(x)], dtype=torch.int32, device=device)
+    if x.dim() == 0:
+        x = x.reshape(1)
+    if x.dim() != 1 or x.numel() not in (1, B):
+        raise ValueError(f"{name} must have shape [B] or [1], got {tuple(x.shape)}")
+    if x.device != device:
+        raise ValueError(f"{name} is on {x.device}, the cache on {device}")
+    return x, (0 if x.numel() == 1 else x.stride(0))
+
+
+def decode_attention_lse(q, k, v, length, q_pos0=None, scale=None, block_n=None, splits=None,
+                         causal: bool = True, out_dtype=None):
+    """Attention of the last T query tokens over a fixed-capacity KV buffer.
+
+    q [B, Hq, T, D]; k, v [B, Hkv, S_cap, D] (any strides, head_dim contiguous);
+    `length` [B] or [1] int device tensor: keys [0, length) are valid. Causal: query t sits
+    at position q_pos0 + t (q_pos0 defaults to length - T, a tensor, an int or omitted) and
+    sees keys j <= q_pos0 + t. Non-causal (`causal=False`): every query sees [0, length).
+    Returns out [B, Hq, T, D] (q's dtype, or `out_dtype`) and lse [B, Hq, T] fp32 (natural
+    log of the sum of exp of the scaled scores; -inf with out 0 for a row that sees no key).
+    """
+    if not available():
+        raise RuntimeError(f"triton decode attention unavailable: {reason()}")
+    B, Hq, T, D = q.shape
+    Bk, n_kv, s_cap, Dk = k.shape
+    if v.shape != k.shape or Bk != B or Dk != D or Hq % n_kv:
+        raise ValueError(f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("k and v need a contiguous head_dim (stride 1)")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    G, R = Hq // n_kv, (Hq // n_kv) * T
+    lens, sl = _as_index(length, B, k.device, "length")
+    if q_pos0 is None:
+        qpos_mode, qpos, sqp, qpos_val = 0, lens, 0, 0
+    elif torch.is_tensor(q_pos0):
+        qpos, sqp = _as_index(q_pos0, B, k.device, "q_pos0")
+        qpos_mode, qpos_val = 1, 0
+    else:
+        qpos_mode, qpos, sqp, qpos_val = 2, lens, 0, int(q_pos0)
+    scale = D ** -0.5 if scale is None else float(scale)
+
+    block_m = min(MAX_ROWS, max(16, triton.next_power_of_2(R)))  # tl.dot needs >= 16 rows
+    row_blocks = triton.cdiv(R, block_m)
+    block_d = max(16, triton.next_power_of_2(D))
+    block_n = block_n or 64
+    splits = splits or default_splits(B * n_kv, row_blocks, s_cap, block_n, k.device)
+    # tl.dot: fp32 operands in full precision (not tf32); 16-bit operands on the tensor cores
+    # with fp32 accumulation. The interpreter multiplies bf16 bit patterns (triton issue
+    # #11584, unsupported upstream), so there bf16 tiles are widened to fp32 first.
+    dot_f32 = k.dtype == torch.float32 or (_interpret() and k.dtype == torch.bfloat16)
+    big = block_m * block_d >= 128 * 128
+
+    f32 = dict(dtype=torch.float32, device=k.device)
+    acc = torch.empty(B * n_kv, splits, R, D, **f32)
+    mx = torch.empty(B * n_kv, splits, R, **f32)
+    sm = torch.empty(B * n_kv, splits, R, **f32)
+    out = torch.empty(B, Hq, T, D, dtype=out_dtype or q.dtype, device=q.device)
+    lse = torch.empty(B, Hq, T, **f32)
+
+    split_k, merge_k = _kernels()
+    split_k[(B * n_kv, splits, row_blocks)](
+        q, k, v, lens, qpos, qpos_val, acc, mx, sm,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), sl, sqp,
+        n_kv, G, T, R, D, splits, scale * LOG2E,
+        QPOS_MODE=qpos_mode, CAUSAL=bool(causal), DOT_F32=dot_f32,
+        PRECISION="ieee" if dot_f32 else None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        num_warps=8 if big else 4, num_stages=2 if k.dtype == torch.float32 else 3)
+    merge_k[(B * n_kv * R,)](
+        acc, mx, sm, out, lse, out.stride(0), out.stride(1), out.stride(2),
+        n_kv, G, T, R, D, splits,
+        SPLITS=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4)
+    return out, lse
+
+
+def decode_attention(q, k, v, length, q_pos0=None, scale=None, block_n=None, splits=None,
+                     causal: bool = True):
+    """`decode_attention_lse` without the lse: out [B, Hq, T, D] in q's dtype."""
+    return decode_attention_lse(q, k, v, length, q_pos0, scale, block_n, splits, causal)[0]
