@@ -24,7 +24,7 @@ whenever it is set before the first call.
 """
 from __future__ import annotations
 
-import math
+import functools
 import os
 
 import torch
@@ -155,7 +155,8 @@ def _merge_body(Acc, Mx, Sm, Out, Lse, sob, soh, sot, n_kv, G, T, R, D, splits,
     total = tl.sum(w * l, 0)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
-    a = tl.load(Acc + (part[:, None] * R + r) * D + d[None, :], mask=sp_ok[:, None] & d_ok[None, :], other=0.0)
+    a = tl.load(Acc + (part[:, None] * R + r) * D + d[None, :],
+                mask=sp_ok[:, None] & d_ok[None, :], other=0.0)  # [SPLITS, BLOCK_D]
     o = tl.sum(a * w[:, None], 0)
     seen = total > 0.0
     o = tl.where(seen, o / tl.where(seen, total, 1.0), 0.0)
@@ -184,6 +185,7 @@ def _kernels():
 
 # --------------------------------------------------------------------------- launch
 
+@functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -210,6 +212,16 @@ def _as_index(x, B: int, device, name: str) -> tuple[torch.Tensor, int]:
     return x, (0 if x.numel() == 1 else x.stride(0))
 
 
+def _qpos_args(q_pos0, lens, B: int):
+    """(mode, pointer, stride, int) for the kernel: 0 derived from the length, 1 a device
+    tensor, 2 a Python int (baked into a captured graph, so keep it fixed there)."""
+    if q_pos0 is None:
+        return 0, lens, 0, 0
+    if torch.is_tensor(q_pos0):
+        return (1, *_as_index(q_pos0, B, lens.device, "q_pos0"), 0)
+    return 2, lens, 0, int(q_pos0)
+
+
 def decode_attention_lse(q, k, v, length, q_pos0=None, scale=None, block_n=None, splits=None,
                          causal: bool = True, out_dtype=None):
     """Attention of the last T query tokens over a fixed-capacity KV buffer.
@@ -233,19 +245,13 @@ def decode_attention_lse(q, k, v, length, q_pos0=None, scale=None, block_n=None,
         q = q.contiguous()
     G, R = Hq // n_kv, (Hq // n_kv) * T
     lens, sl = _as_index(length, B, k.device, "length")
-    if q_pos0 is None:
-        qpos_mode, qpos, sqp, qpos_val = 0, lens, 0, 0
-    elif torch.is_tensor(q_pos0):
-        qpos, sqp = _as_index(q_pos0, B, k.device, "q_pos0")
-        qpos_mode, qpos_val = 1, 0
-    else:
-        qpos_mode, qpos, sqp, qpos_val = 2, lens, 0, int(q_pos0)
+    qpos_mode, qpos, sqp, qpos_val = _qpos_args(q_pos0, lens, B)
     scale = D ** -0.5 if scale is None else float(scale)
 
     block_m = min(MAX_ROWS, max(16, triton.next_power_of_2(R)))  # tl.dot needs >= 16 rows
     row_blocks = triton.cdiv(R, block_m)
     block_d = max(16, triton.next_power_of_2(D))
-    block_n = block_n or 64
+    block_n = block_n or (32 if k.dtype == torch.float32 else 64)  # fp32 tiles: half the keys
     splits = splits or default_splits(B * n_kv, row_blocks, s_cap, block_n, k.device)
     # tl.dot: fp32 operands in full precision (not tf32); 16-bit operands on the tensor cores
     # with fp32 accumulation. The interpreter multiplies bf16 bit patterns (triton issue

@@ -33,6 +33,8 @@ CASES = {
     # which cannot multiply bf16 tiles (see triton_attention.decode_attention_lse)
     "fp16_d80_g8_t2": (1, 8, 1, 2, 80, 333, [301], torch.float16, INF, {}),
     "fp16_d128_g3_t16": (1, 3, 1, 16, 128, 250, [222], torch.float16, NAN, {}),
+    # G*T = 144 rows: two row blocks of 128
+    "rows_2blocks": (1, 16, 1, 9, 64, 150, [140], torch.float32, NAN, {}),
     # streamed chunks of an offloaded cache: every query sees [0, length)
     "noncausal_fp32": (2, 8, 2, 7, 80, 256, [177, 5], torch.float32, NAN, dict(causal=False, splits=3)),
     "noncausal_bf16": (2, 8, 2, 7, 80, 256, [177, 5], torch.bfloat16, NAN, dict(causal=False, splits=3)),
@@ -150,10 +152,10 @@ def test_cuda_matches_reference(name):
     check(name, *run(name, "cuda"))
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or ta.triton is None, reason="needs triton and a GPU")
 def test_cuda_graph_replay_follows_the_device_length():
     """Captured once, replayed after the length tensor changed: shapes never change."""
-    if not torch.cuda.is_available() or ta.triton is None:
-        pytest.skip("needs triton and a GPU")
     q, k, v, length, kw = make("d128_g4_t7_b2", "cuda")
     ta.decode_attention_lse(q, k, v, length, **kw)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
