@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .errors import TriforceError
+from .offloaded import prefill_layer_major
 from .sampling import SamplingParams, probs, sample
 
 
@@ -81,6 +82,8 @@ def prefill(model, cache, ids: torch.Tensor, start: int = 0, chunk: int = 512, p
     T = ids.shape[1]
     if chunk < 1:
         raise TriforceError(f"--prefill-chunk {chunk}: must be >= 1")
+    if hasattr(cache, "hold"):  # an offloaded cache: layer-major, nothing re-streamed
+        return prefill_layer_major(model, cache, ids, start, chunk, progress)
     logits = None
     for s in range(0, T, chunk):
         e = min(s + chunk, T)

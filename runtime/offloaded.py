@@ -6,10 +6,14 @@ store and streams through staging slots in `transfer_chunk`-token chunks while c
 runs. Attention over such a layer runs chunk by chunk as chunks land and merges the
 partial results by log-sum-exp, then adds the forward's own tokens, which are on the
 device already. New K/V are written back to the host right after each layer's attention
-(asynchronously), so prefill fills the store layer by layer and several forwards may add
-pending tokens in a row: positions at or above the committed length are scratch that the
-next commit either keeps or forgets, and only positions below a forward's start are
-streamed.
+(asynchronously), and several forwards may add pending tokens in a row: positions at or
+above the committed length are scratch that the next commit either keeps or forgets, and
+only positions below a forward's start are streamed.
+
+Prefill never re-streams: `prefill_layer_major` runs every prompt chunk through layer l
+before layer l+1, and the cache holds that one layer's prompt KV on the device meanwhile
+(`hold`), so each chunk attends to its predecessors there and is written back once.
+Host->device bytes of a prefill are at most one pass over the KV committed before it.
 
 `ZeroInferenceCache` is the DeepSpeed ZeRO-Inference strategy: all KV in host memory and
 attention computed on the host (queries go over, outputs come back).
@@ -89,16 +93,17 @@ class OffloadedCache(KVCache):
         self.wb = {}  # layer -> Signal of its latest write-back
         self.forwards = []  # per-forward timing summaries
         self.trace = None  # Chrome trace of the last multi-layer forward
+        self.held = None  # (layer, K, V [B, Hkv, S, D]) on the device during a layer-major prefill
         self._t0 = None
 
     def _check(self, spec: StoreSpec, stage_layers: int, slots: int | None):
         per_layer = spec.bytes_per_token() * spec.capacity
         cb = self.chunk * spec.bytes_per_token()
         if not spec.layers:
-            slots = 0
+            slots = per_layer = 0
         slots = slots if slots is not None else staging_slots(
             spec.capacity, self.chunk, stage_layers, cb, self.device)
-        dev = self.on_chip * per_layer + slots * cb
+        dev = (self.on_chip + 1) * per_layer + slots * cb  # + the layer a prefill holds
         check_memory(spec.nbytes(), dev, self.device, HOST_HINT, DEVICE_HINT)
 
     def attend(self, layer, q, k, v, start):
@@ -118,6 +123,8 @@ class OffloadedCache(KVCache):
         return o
 
     def _attend_offloaded(self, layer, q, k, v, start):
+        if self.held is not None and self.held[0] == layer:
+            return self._attend_held(layer, q, k, v, start)
         outs, lses = [], []
         with Span(self.timeline, "compute", f"attention L{layer}", tokens=q.shape[2]):
             for c0, kc, vc in self.sched.stream(layer, start):
@@ -126,12 +133,48 @@ class OffloadedCache(KVCache):
                 lses.append(lse)
             o, lse = attention_lse(q, k, v, start, start)  # the forward's own tokens, causal
             out = merge(outs + [o], lses + [lse])[0]  # one log-sum-exp merge over all blocks
+        self._write_back(layer, k, v, start)
+        return out.to(q.dtype)
+
+    def _attend_held(self, layer, q, k, v, start):
+        """Prefill: the layer's earlier KV is on the device already (`hold`), nothing streams."""
+        _, K, V = self.held
+        end = start + q.shape[2]
+        if end > K.shape[2]:
+            raise RuntimeError(f"attend up to {end} past the held prefill end {K.shape[2]}")
+        K[:, :, start:end] = k
+        V[:, :, start:end] = v
+        with Span(self.timeline, "compute", f"attention L{layer}", tokens=q.shape[2]):
+            out = attention(q, K[:, :, :end], V[:, :, :end], start)
+        self._write_back(layer, k, v, start)
+        return out
+
+    def _write_back(self, layer, k, v, start):
+        """Copy the forward's new K, V [B, Hkv, T, D] to the store asynchronously."""
         kh = k.permute(2, 0, 1, 3).contiguous()  # [T, B, Hkv, D], the store layout
         vh = v.permute(2, 0, 1, 3).contiguous()
-        end = start + q.shape[2]
+        end = start + k.shape[2]
         dst = (self.store.k[layer][start:end], self.store.v[layer][start:end])
         self.wb[layer] = self.copier.write_back(dst, (kh, vh), (layer, start, "wb"))
-        return out.to(q.dtype)
+
+    def hold(self, layer: int | None, end: int = 0):
+        """Keep offloaded `layer`'s KV of positions [0, end) on the device until the next
+        `hold` (None releases it): a layer-major prefill runs all its chunks through that
+        layer. The committed prefix [0, length) is streamed in once; new KV is written
+        into the held buffer and back to the host as usual. A no-op for on-chip layers."""
+        if layer is None or layer < self.on_chip:
+            self.held = None
+            return
+        _, K, V = self.held or (None, None, None)
+        if K is None or K.shape[2] < end:
+            shape = (self.batch, self.n_kv_heads, end, self.head_dim)  # [B, Hkv, S, D]
+            dtype = self.store.spec.dtype
+            K, V = (torch.empty(shape, dtype=dtype, device=self.device) for _ in range(2))
+        if self.length:  # a continued prefill: the committed prefix streams in once
+            for c0, kc, vc in self.sched.stream(layer, self.length):
+                K[:, :, c0: c0 + kc.shape[2]] = kc
+                V[:, :, c0: c0 + vc.shape[2]] = vc
+        self.held = (layer, K, V)
 
     def _forward_done(self, tokens: int):
         t1 = time.perf_counter()
@@ -211,6 +254,29 @@ class ZeroInferenceCache(KVCache):
 
     def stats(self) -> dict:
         return {"host_attention_s": self.host_s}
+
+
+@torch.inference_mode()
+def prefill_layer_major(model, cache, ids: torch.Tensor, start: int, chunk: int, progress=None):
+    """Prefill ids [B, T] at positions start.. layer by layer: every chunk of `chunk` tokens
+    through layer l, then layer l+1, while the cache holds layer l's KV on the device. Same
+    arithmetic per chunk as the model's forward; holds the prompt's hidden states [B, T, H]
+    (against the KV of one layer, 2 * Hkv * D / H of that per layer). Commits start+T;
+    returns the last logits [B, V]."""
+    T, body = ids.shape[1], model.model
+    x = body.embed_tokens(ids)  # [B, T, H]
+    cos, sin = model.rotary(torch.arange(start, start + T, device=ids.device), x.dtype)
+    spans = [(s, min(s + chunk, T)) for s in range(0, T, chunk)]
+    n = len(body.layers)
+    for i, block in enumerate(body.layers):
+        cache.hold(i, start + T)
+        for s, e in spans:
+            x[:, s:e] = block(x[:, s:e], cos[s:e], sin[s:e], start + s, cache)
+        if progress:
+            progress(T * (i + 1) // n, T)
+    cache.hold(None)
+    cache.commit(start + T)
+    return model.lm_head(body.norm(x[:, -1:]))[:, -1]
 
 
 def use_offload(o: OffloadOptions, cfg, capacity: int, dtype, device) -> bool:

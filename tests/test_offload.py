@@ -17,7 +17,7 @@ from triforce_offload.runtime.api import RunOptions
 from triforce_offload.runtime.cache import FullCache
 from triforce_offload.runtime.config import ModelConfig
 from triforce_offload.runtime.errors import TriforceError
-from triforce_offload.runtime.generate import autoregressive
+from triforce_offload.runtime.generate import autoregressive, prefill
 from triforce_offload.runtime.model import Transformer
 from triforce_offload.runtime.offloaded import (OffloadedCache, ZeroInferenceCache, finish_stats,
                                                 make_full_cache)
@@ -227,3 +227,32 @@ def test_tune_helpers(tmp_path, monkeypatch):
     p = tune.save_profile("cpu", rows, tune.best_chunk(rows), {"context": 1})
     assert p.parent == tmp_path / "profiles" and tune.profile_chunk("cpu") == 256
     assert tune.link_throughput(64, 1000, 768, "cpu", repeats=1) > 0
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_prefill_never_restreams(model, overlap):
+    """A multi-chunk prefill streams nothing for a fresh prompt (chunk-major forwards
+    would stream the growing prefix on every chunk); a continued prefill streams the
+    committed prefix once. Logits and the decode after it equal the resident cache's."""
+    ids = torch.randint(0, CFG.vocab_size, (1, 80), generator=torch.Generator().manual_seed(5))
+    full = FullCache(CFG, CAP)
+    off = OffloadedCache(CFG, CAP, chunk=5, on_chip=1, overlap=overlap)
+    one_pass = lambda n: (CFG.n_layers - 1) * n * off.store.spec.bytes_per_token()
+    with torch.inference_mode():
+        want = [prefill(model, full, ids[:, :60], chunk=8), prefill(model, full, ids[:, 60:75], 60, 4)]
+        got = [prefill(model, off, ids[:, :60], chunk=8)]
+        off.copier.flush()
+        first = off.copier.bytes
+        got.append(prefill(model, off, ids[:, 60:75], 60, 4))
+        off.copier.flush()
+        second = off.copier.bytes - first
+        want.append(model(ids[:, 75:76], 75, full))
+        got.append(model(ids[:, 75:76], 75, off))
+    # with overlap, each commit also starts the next forward's prefetch (at most one pass)
+    assert first <= (one_pass(60) if overlap else 0)
+    assert second <= one_pass(60) + (one_pass(75) if overlap else 0)
+    if not overlap:
+        assert second == one_pass(60)  # the committed prefix, once
+    assert off.held is None
+    check_same(got, want)
+    off.close()
