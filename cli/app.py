@@ -18,15 +18,32 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
 
 
 def read_prompt(prompt: Optional[str], prompt_file: Optional[Path]) -> Optional[str]:
+    """The prompt text, None for the built-in one; refuses binary files and empty prompts."""
     if prompt is not None and prompt_file is not None:
         raise TriforceError("give --prompt or --prompt-file, not both")
     if prompt == "-" or (prompt_file is not None and str(prompt_file) == "-"):
-        return sys.stdin.read()
+        return _nonempty(_utf8(sys.stdin.buffer.read(), "stdin"), "stdin")
     if prompt_file is not None:
         if not prompt_file.is_file():
             raise TriforceError(f"--prompt-file {str(prompt_file)!r} does not exist")
-        return prompt_file.read_text(encoding="utf-8")
-    return prompt
+        where = f"--prompt-file {str(prompt_file)!r}"
+        return _nonempty(_utf8(prompt_file.read_bytes(), where), where)
+    return None if prompt is None else _nonempty(prompt, "--prompt")
+
+
+def _utf8(data: bytes, where: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise TriforceError(f"{where} is not UTF-8 text (byte {e.start}: "
+                            f"{data[e.start:e.start + 1]!r})") from None
+
+
+def _nonempty(text: str, where: str) -> str:
+    """Whitespace alone would run on the chat template alone: a mistake, not a prompt."""
+    if not text.strip():
+        raise TriforceError(f"{where} is empty; give some prompt text")
+    return text
 
 
 @app.command()
@@ -58,10 +75,23 @@ def main():
     except KeyboardInterrupt:
         err.print("interrupted")
         sys.exit(130)
+    except SystemExit as e:
+        if _interrupted(e):  # typer turned Ctrl-C into a silent exit 130
+            err.print("interrupted")
+        raise
     except MemoryError:
         err.print("[bold red]error:[/] out of host memory; lower --max-context or --budget, "
                   "or use --offload", highlight=False)
         sys.exit(2)
+
+
+def _interrupted(e: BaseException) -> bool:
+    """Whether a KeyboardInterrupt is among the exceptions that led to `e`."""
+    while e is not None:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
+import math
 import shlex
+from types import SimpleNamespace
 from typing import Optional
 
 import typer
@@ -10,6 +12,7 @@ from rich.table import Table
 
 from ..offload import costmodel as cm
 from ..offload import plan as pl
+from ..runtime.config import parse_rope_scaling
 from ..runtime.errors import TriforceError
 from .app import app
 from .show import err, out
@@ -28,7 +31,10 @@ def plan(
     gpus: str = typer.Option("2x4090", help="[N x]GPU: 4090, 2x4090, a100-80g ..."),
     model: str = typer.Option("llama2-7b-128k", help=f"Preset ({', '.join(cm.MODELS)}) "
                               "or a HF model folder / config.json."),
-    context: str = typer.Option("128k", help="Context in tokens: 131072, 128k, 1M."),
+    context: str = typer.Option("128k", help="Context in tokens: 131072, 128k, 1M (at most "
+                                "the model's, unless --rope-scaling stretches it)."),
+    rope_scaling: Optional[str] = typer.Option(None, help="Stretch the model's context, e.g. "
+                                               "linear:8 (passed on to the printed command)."),
     gpu_mem: Optional[float] = typer.Option(None, help="GiB per GPU [default: the card's]."),
     host_mem: Optional[float] = typer.Option(None, help="GiB of host RAM [default: 256]."),
     alpha0: float = typer.Option(0.6, help="Acceptance of L0 drafts by L1 (measured by bench)."),
@@ -46,23 +52,44 @@ def plan(
     hw = _value(pl.parse_gpus, gpus)
     spec = _value(pl.parse_model, model)
     ctx = _value(pl.parse_context, context)
+    check_context(spec, ctx, rope_scaling)
     for a, flag in ((alpha0, "--alpha0"), (alpha1, "--alpha1")):
         if not 0 <= a <= 1:
             raise TriforceError(f"{flag} {a}: must be in [0, 1]")
     p = _value(lambda: pl.search_plan(hw, spec, ctx, gpu_mem, host_mem, alpha0, alpha1,
                                       draft=cm.LLAMA_68M if draft_model else None))
-    cmd = run_command(p, model_path or model, draft_path if draft_model else None)
+    cmd = run_command(p, model_path or model, draft_path if draft_model else None, rope_scaling)
     if as_json:
-        print(json.dumps({**plan_dict(p), "command": cmd}))
+        print(json.dumps({**plan_dict(p), "rope_scaling": rope_scaling, "command": cmd}))
         return
     out.print(plan_table(p))
     out.print(cmd, highlight=False, soft_wrap=True)
 
 
-def run_command(p: pl.Plan, model_path: str, draft_path: str | None) -> str:
+def check_context(spec, ctx: int, rope_scaling: str | None) -> None:
+    """Refuse a context beyond the model's (times the --rope-scaling factor), naming the
+    factor that would stretch it. A model folder without max_position_embeddings is not checked."""
+    if not spec.max_context:
+        return
+    limit = SimpleNamespace(max_position_embeddings=spec.max_context)
+    factor = parse_rope_scaling(rope_scaling, limit)["factor"] if rope_scaling else 1
+    if ctx <= spec.max_context * factor:
+        return
+    kind = rope_scaling.partition(":")[0] if rope_scaling else "linear"
+    what = f"{spec.name}'s {spec.max_context} tokens"
+    if rope_scaling:
+        what += f" stretched by --rope-scaling {rope_scaling}"
+    raise TriforceError(f"context {ctx} exceeds {what}; --rope-scaling "
+                        f"{kind}:{math.ceil(ctx / spec.max_context)} would stretch it")
+
+
+def run_command(p: pl.Plan, model_path: str, draft_path: str | None,
+                rope_scaling: str | None = None) -> str:
     """The `run` invocation: triforce with the L0 draft model, else retrieval (L1 drafts)."""
     s = p.settings
     head = f"triforce-offload run --model {shlex.quote(str(model_path))} "
+    if rope_scaling:
+        head += f"--rope-scaling {shlex.quote(rope_scaling)} "
     mode = (f"--mode triforce --draft {shlex.quote(draft_path)} --gamma1 {s.gamma1} "
             if draft_path else "--mode retrieval ")
     return (head + mode + f"--budget {s.budget} --chunk {s.chunk} --gamma2 {s.gamma2} "

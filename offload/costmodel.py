@@ -135,6 +135,7 @@ class ModelSpec:
     head_dim: int = 0  # per-head width; 0 means hidden // heads
     dtype_bytes: int = 2  # bytes per weight and per KV element (fp16/bf16)
     tied: bool = False  # lm_head shares the embedding matrix
+    max_context: int = 0  # tokens the model attends over (max_position_embeddings); 0: unknown
 
     def __post_init__(self):
         for f in ("layers", "heads", "kv_heads", "hidden", "intermediate", "vocab"):
@@ -157,7 +158,8 @@ class ModelSpec:
                 hidden=int(cfg["hidden_size"]), intermediate=int(cfg["intermediate_size"]),
                 vocab=int(cfg["vocab_size"]), head_dim=int(cfg.get("head_dim") or 0),
                 dtype_bytes=4 if cfg.get("torch_dtype") == "float32" else 2,
-                tied=bool(cfg.get("tie_word_embeddings", False)))
+                tied=bool(cfg.get("tie_word_embeddings", False)),
+                max_context=int(cfg.get("max_position_embeddings") or 0))
         except KeyError as e:
             raise ValueError(f"config.json lacks {e.args[0]!r}") from None
 
@@ -196,10 +198,11 @@ class ModelSpec:
 
 
 # Architectures from the models' config.json files.
-LLAMA2_7B_128K = ModelSpec("llama2-7b-128k", 32, 32, 32, 4096, 11008, 32000)
-LLAMA2_13B_128K = ModelSpec("llama2-13b-128k", 40, 40, 40, 5120, 13824, 32000)
-LLAMA31_8B = ModelSpec("llama-3.1-8b", 32, 32, 8, 4096, 14336, 128256)
-LLAMA_68M = ModelSpec("llama-68m", 2, 12, 12, 768, 3072, 32000)  # JackFram/llama-68m
+LLAMA2_7B_128K = ModelSpec("llama2-7b-128k", 32, 32, 32, 4096, 11008, 32000, max_context=131072)
+LLAMA2_13B_128K = ModelSpec("llama2-13b-128k", 40, 40, 40, 5120, 13824, 32000, max_context=131072)
+LLAMA31_8B = ModelSpec("llama-3.1-8b", 32, 32, 8, 4096, 14336, 128256, max_context=131072)
+LLAMA_68M = ModelSpec("llama-68m", 2, 12, 12, 768, 3072, 32000,
+                      max_context=2048)  # JackFram/llama-68m
 MODELS = {m.name: m for m in (LLAMA2_7B_128K, LLAMA2_13B_128K, LLAMA31_8B, LLAMA_68M)}
 
 # RTX 4090: 24 GB GDDR6X at 1008 GB/s and 82.6 TFLOP/s fp16 tensor with fp32 accumulate

@@ -10,10 +10,13 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
+import struct
 from pathlib import Path
 
 import torch
 
+from . import gguf_check
 from .config import ModelConfig, apply_rope_override
 from .errors import TriforceError
 from .model import Rotary, Transformer
@@ -57,34 +60,86 @@ def file_key(path: Path, block: int = 1 << 24) -> str:
     return f"{path.stem}-{size}-{h.hexdigest()[:16]}"
 
 
-def resolve(path: str | os.PathLike | None, progress=None) -> Path:
-    """Return an HF-style directory for `path`, converting a GGUF file once if needed."""
+def model_path(path: str | os.PathLike | None) -> Path:
+    """Check that `path` (None: the bundled model) is a GGUF file or a model directory."""
     p = default_model_path() if path is None else Path(path).expanduser()
     if not p.exists():
         raise TriforceError(f"model path {str(p)!r} does not exist")
-    if p.is_file():
-        if p.suffix != ".gguf":
-            raise TriforceError(f"model file {str(p)!r} is not a .gguf file; pass a GGUF file "
-                                "or a directory with config.json and safetensors")
-        return gguf_to_dir(p, progress)
-    if not (p / "config.json").exists():
+    if p.is_file() and p.suffix != ".gguf":
+        raise TriforceError(f"model file {str(p)!r} is not a .gguf file; pass a GGUF file "
+                            "or a directory with config.json and safetensors")
+    if p.is_dir() and not (p / "config.json").exists():
         raise TriforceError(f"{str(p)!r} is not a model directory: no config.json in it")
     return p
 
 
+def resolve(path: str | os.PathLike | None, progress=None) -> Path:
+    """Return an HF-style directory for `path`, converting a GGUF file once if needed."""
+    p = model_path(path)
+    return gguf_to_dir(p, progress) if p.is_file() else p
+
+
+def peek_tokenizer(path: str | os.PathLike | None):
+    """The tokenizer of a model without loading or dequantizing its weights (a draft model is
+    checked against the target this way before its conversion prints progress bars)."""
+    p = model_path(path)
+    done = cache_root() / file_key(p) if p.is_file() else p
+    if p.is_dir() or (done / "done").exists():
+        return load_tokenizer(done)
+    check_gguf(p)
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
+    except GGUF_ERRORS as e:
+        raise TriforceError(not_gguf(p, e)) from None
+
+
+# what transformers' GGUF reader raises on a damaged file (struct.error: metadata cut short)
+GGUF_ERRORS = (ValueError, KeyError, RuntimeError, IndexError, EOFError, OSError, struct.error)
+
+
+def not_gguf(gguf: Path, e: BaseException) -> str:
+    why = (str(e).splitlines() or [""])[0] or type(e).__name__
+    return f"model file {str(gguf)!r} is not a readable GGUF: {why}"
+
+
+def check_gguf(gguf: Path) -> None:
+    """Walk the header and tensor table (no weights read): a truncated or corrupt file fails
+    here, before anything is dequantized or written to the cache."""
+    try:
+        gguf_check.check(gguf)
+    except (ValueError, OSError) as e:
+        raise TriforceError(not_gguf(gguf, e)) from None
+
+
 def gguf_to_dir(gguf: Path, progress=None) -> Path:
+    """Dequantize once into the cache; written to a side folder and renamed when complete, so
+    a failed or interrupted conversion leaves nothing behind."""
     out = cache_root() / file_key(gguf)
     if (out / "done").exists():
         return out
+    check_gguf(gguf)
     if progress:
         progress(f"dequantizing {gguf.name} once into {out} (cached for next time)")
+    tmp = out.with_name(f"{out.name}.partial-{os.getpid()}")
+    try:
+        _dequantize(gguf, tmp)
+        if out.exists():
+            shutil.rmtree(out)  # an older conversion that never finished
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _dequantize(gguf: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     try:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                   dtype=torch.float32)
-    except (ValueError, KeyError, RuntimeError) as e:
-        raise TriforceError(f"cannot read GGUF {str(gguf)!r}: {str(e).splitlines()[0]}")
+    except GGUF_ERRORS as e:
+        raise TriforceError(not_gguf(gguf, e)) from None
     from safetensors.torch import save_file
     out.mkdir(parents=True, exist_ok=True)
     state = {k: v.contiguous() for k, v in hf.state_dict().items()}
@@ -97,7 +152,6 @@ def gguf_to_dir(gguf: Path, progress=None) -> Path:
     (out / "config.json").write_text(json.dumps(conf, indent=2))
     tok.save_pretrained(out)
     (out / "done").write_text(str(gguf))
-    return out
 
 
 def read_config(d: Path, rope_scaling: str | None = None) -> ModelConfig:

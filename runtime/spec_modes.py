@@ -82,6 +82,14 @@ def make_drafter(o: SpecOptions, loaded, prompt, full):
     return lv
 
 
+def check_draft(o: SpecOptions, loaded):
+    """Compare a draft model's tokenizer with the target's before its weights load (a GGUF
+    draft's first conversion prints progress bars: a mismatch stays one line)."""
+    if o.draft not in ("ngram", "self"):
+        from .loader import peek_tokenizer
+        check_vocab(loaded.tokenizer, peek_tokenizer(o.draft))
+
+
 def build_levels(kind, o: SpecOptions, loaded, prompt, full, notes: list):
     n = len(prompt)
     top = ModelLevel(loaded.model, full, "full")
@@ -113,7 +121,8 @@ def build_levels(kind, o: SpecOptions, loaded, prompt, full, notes: list):
 
 def run_speculative(kind: str, loaded, prompt, opts, on_token=None, progress=None):
     """Prefill the full cache (recording the last prompt token's queries), then speculate."""
-    SpecOptions.from_extra(opts.extra)  # bad options fail before the long prefill
+    check_draft(SpecOptions.from_extra(opts.extra), loaded)  # bad options and a draft model
+    # with another tokenizer fail before the long prefill
     cap, max_new = capacity(loaded, len(prompt), opts)
     full = Recorder(make_full_cache(loaded, cap, opts))  # in memory, or offloaded with --offload
     t0 = time.perf_counter()
