@@ -274,6 +274,14 @@ static inline __attribute__((always_inline)) void block_item(
         int64_t jend, int64_t block, float *restrict scores, uint32_t *restrict kt,
         float *restrict ph, const int DV) {
     const int64_t D = 16 * DV, W = D + 2, n = jend - j0;
+    if (n <= 0) { /* the block starts past every row's last visible key: it adds nothing */
+        for (int64_t r = 0; r < R; r++) {
+            memset(ph + r * W, 0, sizeof(float) * D);
+            ph[r * W + D] = -INFINITY;
+            ph[r * W + D + 1] = 0.f;
+        }
+        return;
+    }
     if (R < FEW_ROWS) /* decode: one key at a time, each row's dot product and a sum */
         scores_by_key(scores, qh, k, bf16, base, ss, j0, jend, R, block, DV);
     else /* verification, prefill: a tile of keys in the lanes, a tile of rows */
@@ -294,8 +302,6 @@ static inline __attribute__((always_inline)) void block_item(
         for (; r0 + 6 <= R; r0 += 6) pv_rows(ph, W, scores, v, bf16, base, ss, j0, jend, r0, block, 6, DV);
     for (; r0 + 3 <= R; r0 += 3) pv_rows(ph, W, scores, v, bf16, base, ss, j0, jend, r0, block, 3, DV);
     for (; r0 < R; r0++) pv_rows(ph, W, scores, v, bf16, base, ss, j0, jend, r0, block, 1, DV);
-    if (jend <= j0)
-        for (int64_t r = 0; r < R; r++) memset(ph + r * W, 0, sizeof(float) * D);
 }
 
 /*
@@ -305,7 +311,8 @@ static inline __attribute__((always_inline)) void block_item(
  * nvis  [R] keys each row sees (a prefix 0 .. nvis[r]-1 of the S keys)
  * part  [H, NB, R, D + 2] float32 scratch, NB = ceil(S / block)
  * out   [H, R, D] float32;  lse [H, R] float32 (natural log, of the scaled scores)
- * Returns 0, or -1 when D is not a multiple of 16 up to 256.
+ * Returns 0; -1 when D is not a multiple of 16 up to 256 or `block` not a multiple of TK;
+ * -2 when scratch memory could not be allocated.
  */
 int triforce_attend(const float *q, const void *k, const void *v, int bf16, int q_bf16, float scale,
                     int64_t H, int64_t R, int64_t D, int64_t S, int64_t hs, int64_t ss,
@@ -317,7 +324,8 @@ int triforce_attend(const float *q, const void *k, const void *v, int bf16, int 
     const int dot_bf16 = 0;
     (void)q_bf16;
 #endif
-    if (D % 16 || D / 16 > MAXV || block < 16 || block % 16) return -1;
+    /* the tiled scores write whole tiles of TK keys into a row of `block` floats */
+    if (D % 16 || D / 16 > MAXV || block < TK || block % TK) return -1;
     const int DV = (int)(D / 16);
     const int64_t NB = (S + block - 1) / block;
     const int64_t W = D + 2;
@@ -332,32 +340,41 @@ int triforce_attend(const float *q, const void *k, const void *v, int bf16, int 
         for (int64_t h = 0; h < H; h++) pack_rows(qp + h * Rp * P, q + h * R * D, R, D, dot_bf16);
     }
 
+    int failed = 0; /* a thread's scratch allocation failed: the call returns -2 */
 #pragma omp parallel
     {
         float *scores = (float *)malloc(sizeof(float) * (R > 0 ? R : 1) * block);
         uint32_t *kt = (uint32_t *)aligned_alloc(64, sizeof(uint32_t) * TK * 16 * MAXV);
+        if (!scores || !kt) {
+#pragma omp atomic write
+            failed = 1;
+        }
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < H * NB; item++) {
+            if (!scores || !kt) continue; /* this thread has no scratch: its items are lost */
             const int64_t h = item / NB, b = item % NB;
             const int64_t j0 = b * block, j1 = j0 + block < S ? j0 + block : S;
             const int64_t jend = j1 < maxvis ? j1 : maxvis; /* keys past every row's view */
             const float *qh = q + h * R * D;
+            const uint32_t *qph = qp ? qp + h * Rp * P : NULL; /* packed rows: tiled path only */
             float *ph = part + (h * NB + b) * R * W;
             /* the common head sizes get fully unrolled code */
             if (DV == 4)
-                block_item(qh, qp + h * Rp * P, k, v, bf16, dot_bf16, scale, h * hs, ss, nvis, R,
+                block_item(qh, qph, k, v, bf16, dot_bf16, scale, h * hs, ss, nvis, R,
                            j0, jend, block, scores, kt, ph, 4);
             else if (DV == 8)
-                block_item(qh, qp + h * Rp * P, k, v, bf16, dot_bf16, scale, h * hs, ss, nvis, R,
+                block_item(qh, qph, k, v, bf16, dot_bf16, scale, h * hs, ss, nvis, R,
                            j0, jend, block, scores, kt, ph, 8);
             else
-                block_item(qh, qp + h * Rp * P, k, v, bf16, dot_bf16, scale, h * hs, ss, nvis, R,
+                block_item(qh, qph, k, v, bf16, dot_bf16, scale, h * hs, ss, nvis, R,
                            j0, jend, block, scores, kt, ph, DV);
         }
         free(scores);
         free(kt);
 
-        /* merge the blocks of each (head, row) in key order */
+        /* merge the blocks of each (head, row) in key order (the barrier at the end of
+         * the loop above makes `failed` the same for every thread) */
+        if (!failed)
 #pragma omp for schedule(static)
         for (int64_t hr = 0; hr < H * R; hr++) {
             const int64_t h = hr / R, r = hr % R;
@@ -384,7 +401,7 @@ int triforce_attend(const float *q, const void *k, const void *v, int bf16, int 
         }
     }
     free(qp);
-    return 0;
+    return failed ? -2 : 0;
 }
 
 /* Width in bits of the vector registers this build targets: the score tiles (8 rows x 32

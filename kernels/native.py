@@ -61,13 +61,20 @@ def compiler() -> str | None:
     return None
 
 
+def flags() -> list[str]:
+    """FLAGS plus `$TRIFORCE_OFFLOAD_NATIVE_CFLAGS` (e.g. `-fsanitize=address,undefined` or
+    `-D_FORTIFY_SOURCE=3`: the tests build a checked kernel this way)."""
+    return FLAGS + os.environ.get("TRIFORCE_OFFLOAD_NATIVE_CFLAGS", "").split()
+
+
 def build() -> Path:
     """Compile (or find the cached build of) the kernel; raises RuntimeError with the reason."""
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
     src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join([cc] + FLAGS).encode() + _cpu_id().encode()).hexdigest()[:16]
+    all_flags = flags()
+    key = hashlib.sha256(src + " ".join([cc] + all_flags).encode() + _cpu_id().encode()).hexdigest()[:16]
     out = cache_dir() / f"cpu_attention-{key}.so"
     if out.exists():
         return out
@@ -76,8 +83,8 @@ def build() -> Path:
         tmp_so = Path(tmp) / out.name
         first = None
         for drop in FALLBACK_DROPS:  # a compiler without -march=native or OpenMP still builds
-            flags = [f for f in FLAGS if f not in drop]
-            r = subprocess.run([cc, *flags, str(SOURCE), "-o", str(tmp_so), "-lm"],
+            use = [f for f in all_flags if f not in drop]
+            r = subprocess.run([cc, *use, str(SOURCE), "-o", str(tmp_so), "-lm"],
                                capture_output=True, text=True)
             if r.returncode == 0:
                 os.replace(tmp_so, out)  # atomic: concurrent builders do not see half a file
@@ -191,8 +198,10 @@ def attend(q, k, v, q_pos0: int, k_pos0: int = 0, scale: float | None = None, ou
                                  int(q.dtype == torch.bfloat16), scale, H, r1 - r0, D, S, k.stride(1),
                                  k.stride(2), nvis[r0:r1].data_ptr(), block, part.data_ptr(),
                                  o.data_ptr(), ls.data_ptr())
+        if rc == -2:
+            raise MemoryError("native attention: no memory for its scratch buffers")
         if rc != 0:
-            raise RuntimeError(f"native attention refused D={D}")
+            raise RuntimeError(f"native attention refused D={D}, block={block}")
         if o is not out:
             out[:, r0:r1] = o
             lse[:, r0:r1] = ls

@@ -1,0 +1,89 @@
+"""Reference sweep of the native CPU attention kernel, run as a script by
+test_native_checked.py inside a kernel built with a sanitizer or _FORTIFY_SOURCE, so an
+out-of-bounds access aborts the process instead of passing by luck.
+
+Covers what once wrote out of bounds (a row slice whose rows all stop before later key
+blocks: issue 12) and its neighbours: decode and tiled row counts, row slicing, several
+blocks, queries that see only the first keys, keys far beyond the last visible position,
+prefill chunks over prompt lengths around the block and tile sizes, fp32 and bf16, head
+sizes 16-128, grouped-query ratios 1 and 3, and no keys at all.
+Exits 1 naming the first case whose output differs from plain float64 attention.
+"""
+import itertools
+import sys
+
+import torch
+
+from triforce_offload.kernels import native
+
+
+def reference(q, k, v, q_pos0, k_pos0=0):
+    """Plain float64 causal attention: out [B,Hq,T,D], lse [B,Hq,T]."""
+    B, Hq, T, D = q.shape
+    G = Hq // k.shape[1]
+    kk = k.double().repeat_interleave(G, dim=1)
+    vv = v.double().repeat_interleave(G, dim=1)
+    s = q.double() @ kk.transpose(-1, -2) * D ** -0.5
+    qp = torch.arange(q_pos0, q_pos0 + T)[:, None]
+    kp = torch.arange(k_pos0, k_pos0 + k.shape[2])[None, :]
+    s = s.masked_fill(kp > qp, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - torch.nan_to_num(lse, neginf=0.0)[..., None])
+    return (p @ vv).float(), lse.float()
+
+
+def check(name, q, K, V, q_pos0, k_pos0=0):
+    out, lse = native.attend(q, K, V, q_pos0, k_pos0, out_dtype=torch.float32)
+    ref, ref_lse = reference(q, K, V, q_pos0, k_pos0)
+    tol = 2e-6 if K.dtype == torch.float32 else 1e-2
+    try:
+        torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    except AssertionError as e:
+        print(f"FAIL {name}: {str(e).splitlines()[0]}", file=sys.stderr)
+        sys.exit(1)
+
+
+def tensors(g, Hkv, G, T, S, D, dtype, cap_extra=7):
+    """q [1, Hkv*G, T, D] and K, V views of a larger preallocated cache (as the caches pass them)."""
+    K = torch.randn(1, Hkv, S + cap_extra, D, generator=g).to(dtype)[:, :, :S]
+    V = torch.randn(1, Hkv, S + cap_extra, D, generator=g).to(dtype)[:, :, :S]
+    return torch.randn(1, Hkv * G, T, D, generator=g).to(dtype), K, V
+
+
+def main():
+    assert native.available(), native.reason()
+    g = torch.Generator().manual_seed(0)
+    n = 0
+    for dtype, D, G in itertools.product((torch.float32, torch.bfloat16), (16, 64, 80, 128), (1, 3)):
+        # the issue's reproducer class: few rows at the very start of a long cache
+        q, K, V = tensors(g, 3, G, 1, 2100, D, dtype)
+        check(f"decode at 0 over 2100 keys {dtype} D={D} G={G}", q, K, V, 0)
+        # queries that see only the first keys, tiled path (>= 8 rows)
+        q, K, V = tensors(g, 2, G, 9, 1500, D, dtype)
+        check(f"9 rows at 0 over 1500 keys {dtype} D={D} G={G}", q, K, V, 0)
+        # keys far beyond the last visible position, keys starting past 0
+        q, K, V = tensors(g, 2, G, 3, 900, D, dtype)
+        check(f"keys beyond view {dtype} D={D} G={G}", q, K, V, 140, 40)
+        n += 3
+    # prefill chunks over prompt lengths (row slicing forced by a small scratch, several blocks)
+    native.SCRATCH_BYTES, native.MAX_BLOCKS = 64 << 10, 4
+    for dtype in (torch.float32, torch.bfloat16):
+        for L, chunk in itertools.product((1, 15, 17, 255, 257, 700), (1, 7, 64, 512)):
+            q, K, V = tensors(g, 3, 3, L, L, 64, dtype)
+            for s in range(0, L, chunk):
+                e = min(L, s + chunk)
+                check(f"prefill L={L} chunk={chunk} [{s}:{e}] {dtype}",
+                      q[:, :, s:e], K[:, :, :e], V[:, :, :e], s)
+                n += 1
+    # no keys at all, and one key
+    for S in (0, 1):
+        q, K, V = tensors(g, 2, 3, 1, S, 32, torch.float32)
+        out, lse = native.attend(q, K, V, 0, 0, out_dtype=torch.float32)
+        assert (S == 0) == bool(torch.isinf(lse).all()), f"S={S}: lse {lse}"
+        n += 1
+    print(f"{n} native attention cases match float64 attention")
+
+
+if __name__ == "__main__":
+    main()
