@@ -94,6 +94,7 @@ class OffloadedCache(KVCache):
         self.forwards = []  # per-forward timing summaries
         self.trace = None  # Chrome trace of the last multi-layer forward
         self.held = None  # (layer, K, V [B, Hkv, S, D]) on the device during a layer-major prefill
+        self.fresh = {}  # layer -> (start, k, v [B, Hkv, T, D]): the latest forward's device KV
         self._t0 = None
 
     def _check(self, spec: StoreSpec, stage_layers: int, slots: int | None):
@@ -150,7 +151,9 @@ class OffloadedCache(KVCache):
         return out
 
     def _write_back(self, layer, k, v, start):
-        """Copy the forward's new K, V [B, Hkv, T, D] to the store asynchronously."""
+        """Copy the forward's new K, V [B, Hkv, T, D] to the store asynchronously (and keep
+        them for `recent`)."""
+        self.fresh[layer] = (start, k, v)
         kh = k.permute(2, 0, 1, 3).contiguous()  # [T, B, Hkv, D], the store layout
         vh = v.permute(2, 0, 1, 3).contiguous()
         end = start + k.shape[2]
@@ -206,6 +209,17 @@ class OffloadedCache(KVCache):
         if layer in self.wb:
             self.wb[layer].synchronize()
         return self.store.view(layer, end)
+
+    def recent(self, layer: int, lo: int, hi: int):
+        """K, V [B, Hkv, hi-lo, D] of positions lo..hi-1 on the device: from the latest
+        forward's own tensors when it wrote all of them (the verified tokens the retrieval
+        cache absorbs), so no host synchronisation; otherwise from `keys`."""
+        f = self.fresh.get(layer)
+        if f is not None and f[0] <= lo and hi <= f[0] + f[1].shape[2]:
+            a, b = lo - f[0], hi - f[0]
+            return f[1][:, :, a:b], f[2][:, :, a:b]
+        K, V = self.keys(layer, hi)
+        return K[:, :, lo:hi], V[:, :, lo:hi]
 
     def nbytes(self) -> int:
         on = self.chip.nbytes() if self.chip else 0

@@ -8,7 +8,9 @@ selected chunks need no re-rotation; every selected token precedes `base` (the l
 build time) and every appended token follows it, which is all causal masking needs.
 
 Verified tokens are absorbed from the full cache (`absorb`): the retrieval cache then
-holds the target's exact KV for them rather than its own approximation.
+holds the target's exact KV for them rather than its own approximation. An offloaded full
+cache hands them over from the verification forward's device tensors (`recent`), so the
+update never waits for a write-back to the host.
 """
 from __future__ import annotations
 
@@ -101,9 +103,9 @@ class RetrievalCache(KVCache):
         if hi > lo:
             s = self._slot(lo)
             for layer in range(self.n_layers):
-                K, V = full.keys(layer, hi)
-                self.k[layer][:, :, s: s + hi - lo].copy_(K[:, :, lo:hi])
-                self.v[layer][:, :, s: s + hi - lo].copy_(V[:, :, lo:hi])
+                k, v = _exact_kv(full, layer, lo, hi)
+                self.k[layer][:, :, s: s + hi - lo].copy_(k)
+                self.v[layer][:, :, s: s + hi - lo].copy_(v)
         self.commit(hi)
 
     def commit(self, n: int):
@@ -113,3 +115,11 @@ class RetrievalCache(KVCache):
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+def _exact_kv(full, layer: int, lo: int, hi: int):
+    """The full cache's K, V [B, Hkv, hi-lo, D] of positions lo..hi-1."""
+    if hasattr(full, "recent"):  # offloaded: from the device, not the host store
+        return full.recent(layer, lo, hi)
+    K, V = full.keys(layer, hi)
+    return K[:, :, lo:hi], V[:, :, lo:hi]

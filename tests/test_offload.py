@@ -7,8 +7,9 @@ import time
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from triforce_offload.offload.copier import ChunkCopier
+from triforce_offload.offload.copier import ChunkCopier, Signal
 from triforce_offload.offload.errors import OffloadError
 from triforce_offload.offload.store import HostKVStore, StoreSpec
 from triforce_offload.offload.timeline import Timeline
@@ -21,6 +22,7 @@ from triforce_offload.runtime.generate import autoregressive, prefill
 from triforce_offload.runtime.model import Transformer
 from triforce_offload.runtime.offloaded import (OffloadedCache, ZeroInferenceCache, finish_stats,
                                                 make_full_cache)
+from triforce_offload.runtime.retrieval import Recorder, RetrievalCache
 from triforce_offload.runtime.sampling import SamplingParams
 
 CFG = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, n_layers=4, n_heads=6,
@@ -255,4 +257,45 @@ def test_prefill_never_restreams(model, overlap):
         assert second == one_pass(60)  # the committed prefix, once
     assert off.held is None
     check_same(got, want)
+    off.close()
+
+
+class HostSyncs(TorchDispatchMode):
+    """Counts device->host scalar reads (`.item()`, `bool(t)`) dispatched inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_retrieval_absorbs_verified_kv_without_host_sync(model, monkeypatch):
+    """The retrieval cache takes verified tokens' KV from the verification forward's device
+    tensors: no wait on a write-back signal, no host scalar read; the KV is the target's."""
+    ids = torch.randint(0, CFG.vocab_size, (1, 70), generator=torch.Generator().manual_seed(7))
+    off = Recorder(OffloadedCache(CFG, CAP, chunk=8, on_chip=1))
+    with torch.inference_mode():
+        prefill(model, off, ids[:, :50], chunk=16)
+        ret = RetrievalCache(CFG, budget=16, chunk=4, extra=30)
+        ret.build(off, off.q, 50)
+        model(ids[:, 50:55], 50, off)  # a verification of 5 tokens; 3 accepted
+        off.commit(53)
+        waits = []
+        monkeypatch.setattr(Signal, "wait", lambda s: waits.append(s))
+        monkeypatch.setattr(Signal, "synchronize", lambda s: waits.append(s))
+        with HostSyncs() as hs:
+            ret.absorb(off, 50, 53)
+        monkeypatch.undo()
+        assert waits == [] and hs.n == 0
+        model(ids[:, 53:57], 53, off)  # two pending forwards: absorb spans both, from the host
+        model(ids[:, 57:60], 57, off)
+        off.commit(59)
+        ret.absorb(off, 53, 59)
+    for layer in range(CFG.n_layers):
+        for got, want in zip((ret.k[layer], ret.v[layer]), off.keys(layer, 59)):
+            torch.testing.assert_close(got[:, :, ret._slot(50): ret._slot(59)], want[:, :, 50:59])
+    assert ret.length == 59
     off.close()
