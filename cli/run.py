@@ -64,6 +64,8 @@ def run(
     plan: Optional[str] = typer.Option(None, "--plan", help="auto: choose --budget, --gamma2, "
                                        "--on-chip, --transfer-chunk with the cost model for this "
                                        "GPU (overrides them; on a CPU the defaults stay)."),
+    graphs: bool = typer.Option(True, "--graphs/--no-graphs", help="Replay fixed-shape decode and "
+                                "verification steps as CUDA graphs (GPU only; prefill stays eager)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text + figures) last."),
 ):
     """Generate from a prompt; ends with a stats line (or a JSON object with --json)."""
@@ -78,7 +80,7 @@ def run(
     ids = (long_prompt(loaded.tokenizer, prompt_tokens, chat=chat) if text is None
            else encode_prompt(loaded.tokenizer, text, chat))
     opts = api.RunOptions(mode=mode, max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk,
-                          max_context=max_context,
+                          max_context=max_context, graphs=graphs,
                           sampling=SamplingParams(temperature, top_p, top_k, seed))
     opts.extra.update(offload=offload, on_chip=on_chip, transfer_chunk=transfer_chunk,
                       profile=str(profile) if profile else None)

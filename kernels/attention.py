@@ -6,6 +6,10 @@ position: a query at position p sees keys at positions <= p.
 """
 from __future__ import annotations
 
+import functools
+import importlib.util
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -49,6 +53,109 @@ def cpu_splits(batch_heads: int, free_keys: int, threads: int | None = None) -> 
     return s
 
 
+# ---- GPU: which kernel attention runs on ----
+#
+# SDPA picks the cuDNN backend on Hopper, and cuDNN builds a new plan for every key count:
+# 57-79 ms per call while a cache grows by one token a step (gpu/README.md). So on CUDA
+# SDPA is restricted to its flash / memory-efficient backends, and the fixed-capacity
+# (CUDA-graph) path below uses flash-attn's kvcache kernel or our Triton kernel.
+
+STATIC_PATHS = ("flash-attn", "triton", "sdpa")
+_NO_CUDNN = None  # backends SDPA may use on CUDA (built on first use)
+
+
+def _sdpa_backends():
+    global _NO_CUDNN
+    if _NO_CUDNN is None:
+        from torch.nn.attention import SDPBackend
+        _NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return _NO_CUDNN
+
+
+def sdpa(q, k, v, **kw):
+    """F.scaled_dot_product_attention; on CUDA never the cuDNN backend (re-plans per shape)."""
+    if q.device.type != "cuda":
+        return F.scaled_dot_product_attention(q, k, v, **kw)
+    from torch.nn.attention import sdpa_kernel
+    with sdpa_kernel(_sdpa_backends()):
+        return F.scaled_dot_product_attention(q, k, v, **kw)
+
+
+@functools.lru_cache(maxsize=None)
+def _flash_attn_reason() -> str:
+    """'' when flash-attn's kvcache kernel can run here, else why not."""
+    if importlib.util.find_spec("flash_attn") is None:
+        return "flash-attn not installed (pip install '.[gpu]')"
+    try:
+        from flash_attn import flash_attn_with_kvcache  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - a broken build is "not available"
+        return f"flash-attn does not import ({type(e).__name__})"
+    return ""
+
+
+def static_path(device) -> tuple[str, str]:
+    """(kernel, why) of the fixed-capacity attention path on `device`.
+
+    `TRIFORCE_OFFLOAD_ATTENTION=flash-attn|triton|sdpa` forces one (tests force `sdpa` or
+    `triton` on CPU tensors); by default CUDA takes flash-attn when installed, else the
+    Triton kernel, else SDPA over the whole buffer with a length mask (flash/efficient
+    backends, never cuDNN); the CPU takes the masked SDPA."""
+    return _static_path(os.environ.get("TRIFORCE_OFFLOAD_ATTENTION", "auto"), torch.device(device).type)
+
+
+@functools.lru_cache(maxsize=None)
+def _static_path(forced: str, device_type: str) -> tuple[str, str]:
+    if forced in STATIC_PATHS:
+        return forced, "forced by TRIFORCE_OFFLOAD_ATTENTION"
+    if device_type != "cuda":
+        return "sdpa", "CPU: length-masked SDPA (the graph path's reference)"
+    from . import triton_attention  # imports triton: only where CUDA is
+    why = _flash_attn_reason()
+    if not why:
+        return "flash-attn", "flash_attn_with_kvcache (cache_seqlens on the device)"
+    if triton_attention.available():
+        return "triton", f"package Triton split-K kernel ({why})"
+    return "sdpa", f"length-masked SDPA, flash/efficient backends ({why}; {triton_attention.reason()})"
+
+
+def status(device) -> str:
+    """One phrase for `info`: what attention runs on `device` and why."""
+    if torch.device(device).type != "cuda":
+        return native.status()
+    path, why = static_path(device)
+    return f"decode/verify (graphs): {path}: {why}; other shapes: SDPA without cuDNN"
+
+
+def static_attention(q, k, v, length: torch.Tensor):
+    """Causal attention of the last T of `length` tokens over whole fixed-capacity buffers.
+
+    q [B, Hq, T, D] at positions length-T .. length-1; k, v [B, Hkv, cap, D] hold keys at
+    positions 0 .. cap-1, valid below `length` (int64 device tensor [B]). Shapes do not
+    depend on the length, so a step replays as a CUDA graph; nothing reads `length` on the
+    host. Returns [B, Hq, T, D]."""
+    path = static_path(q.device)[0]
+    if path == "flash-attn":
+        from flash_attn import flash_attn_with_kvcache
+        o = flash_attn_with_kvcache(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                    cache_seqlens=length.to(torch.int32), causal=True)  # [B, T, Hq, D]
+        return o.transpose(1, 2)
+    if path == "triton":
+        from .triton_attention import decode_attention
+        return decode_attention(q, k, v, length)
+    return _masked_attention(q, k, v, length)
+
+
+def _masked_attention(q, k, v, length):
+    """The reference of `static_attention`: SDPA over every slot with a [B, G*T, cap] mask
+    built on the device from `length` (slots past it must hold finite values: zeros)."""
+    B, Hq, T, D = q.shape
+    n_kv, cap = k.shape[1], k.shape[2]
+    qpos = length.view(B, 1) - T + torch.arange(T, device=q.device)  # [B, T]
+    visible = torch.arange(cap, device=q.device) <= qpos[:, :, None]  # [B, T, cap]
+    mask = visible.repeat(1, Hq // n_kv, 1)[:, None]  # [B, 1, G*T, cap]: rows g*T + t
+    return _unfold(sdpa(_fold(q, n_kv), k, v, attn_mask=mask), Hq)
+
+
 def attention(q, k, v, q_pos0: int, k_pos0: int = 0, scale: float | None = None):
     """Softmax attention of q [B, Hq, T, D] over k, v [B, Hkv, S, D] -> [B, Hq, T, D].
 
@@ -64,7 +171,7 @@ def attention(q, k, v, q_pos0: int, k_pos0: int = 0, scale: float | None = None)
         if splits > 1:
             return _split_attention(q, k, v, q_pos0, k_pos0, scale, splits, free)
     mask = causal_mask(q_pos0, T, k_pos0, k.shape[2], Hq // n_kv, q.device)
-    o = F.scaled_dot_product_attention(_fold(q, n_kv), k, v, attn_mask=mask, scale=scale)
+    o = sdpa(_fold(q, n_kv), k, v, attn_mask=mask, scale=scale)
     return _unfold(o, Hq)
 
 

@@ -45,6 +45,7 @@ class RunOptions:
     prefill_chunk: int = 512  # tokens per prefill forward
     max_context: int | None = None  # cache capacity; default prompt + max_new_tokens
     ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks)
+    graphs: bool = True  # replay fixed-shape steps as CUDA graphs (CUDA only; --no-graphs)
     extra: dict = field(default_factory=dict)  # mode-specific options (budget, gamma, ...)
 
 
@@ -90,7 +91,8 @@ def run_zero_inference(loaded: Loaded, prompt, opts: RunOptions, on_token=None, 
 
 def _run_with(cache, loaded, prompt, opts, max_new, on_token, progress):
     toks, st = autoregressive(loaded.model, cache, prompt, opts.sampling, max_new,
-                              stop_ids(loaded, opts), on_token, opts.prefill_chunk, progress)
+                              stop_ids(loaded, opts), on_token, opts.prefill_chunk, progress,
+                              opts.graphs)
     finish_stats(cache, st, opts)  # overlap, streamed GB, --profile trace
     return toks, st
 

@@ -11,18 +11,24 @@ Protocol every cache follows (the model calls `attend`, the engine calls `commit
   length rolls back (where the cache still holds those tokens).
 - `length`: committed tokens.
 - `prefetch()`: optional hint that a forward over this cache comes next.
+
+Caches with `static = True` also take `start` as an int64 device tensor [1]: they then
+write and attend with shapes that do not depend on its value and never read it on the
+host, so the forward can be captured and replayed as a CUDA graph (runtime/graphs.py).
 """
 from __future__ import annotations
 
 import torch
 
-from ..kernels.attention import attention
+from ..kernels.attention import attention, static_attention
 from .config import ModelConfig
 from .errors import TriforceError
 
 
 class KVCache:
     """Base class: shapes and the commit bookkeeping shared by every cache."""
+
+    static = False  # takes a device-tensor `start` (fixed shapes, CUDA graphs)
 
     def __init__(self, cfg: ModelConfig, batch: int = 1):
         self.n_layers, self.n_kv_heads, self.head_dim = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
@@ -37,7 +43,10 @@ class KVCache:
 
     def end_of(self, q, start: int) -> int:
         """Position after the new tokens; refuses to write past a preallocated capacity."""
-        end = start + q.shape[2]
+        return self.check_end(start + q.shape[2])
+
+    def check_end(self, end: int) -> int:
+        """`end` if the cache has room for tokens up to it, else a TriforceError."""
         if end > getattr(self, "capacity", end):
             raise TriforceError(f"context of {end} tokens exceeds the cache capacity "
                                 f"{self.capacity}; raise --max-context")
@@ -55,19 +64,34 @@ class FullCache(KVCache):
     """Every token's K and V, preallocated to `capacity` tokens (no growth by copying)."""
 
     def __init__(self, cfg: ModelConfig, capacity: int, batch: int = 1,
-                 dtype=torch.float32, device="cpu"):
+                 dtype=torch.float32, device="cpu", static: bool | None = None):
         super().__init__(cfg, batch)
         self.capacity = capacity
+        # the static path (default on CUDA) reads whole buffers through the length-masked
+        # reference where no kernel skips the tail: slots must then hold finite values
+        self.static = torch.device(device).type == "cuda" if static is None else static
+        alloc = torch.zeros if self.static else torch.empty
         shape = (batch, cfg.n_kv_heads, capacity, cfg.head_dim)  # [B, Hkv, S, D]
-        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
-        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
+        self.k = [alloc(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
+        self.v = [alloc(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
 
     def attend(self, layer, q, k, v, start):
+        if isinstance(start, torch.Tensor):
+            return self._attend_static(layer, q, k, v, start)
         end = self.end_of(q, start)
         K, V = self.k[layer], self.v[layer]
         K[:, :, start:end] = k
         V[:, :, start:end] = v
         return attention(q, K[:, :, :end], V[:, :, :end], start)
+
+    def _attend_static(self, layer, q, k, v, start: torch.Tensor):
+        """The same with `start` on the device: write at start + [0, T), attend over the
+        whole buffer up to start + T (the caller checked the capacity on the host)."""
+        pos = start + torch.arange(q.shape[2], device=q.device, dtype=start.dtype)
+        K, V = self.k[layer], self.v[layer]
+        K.index_copy_(2, pos, k)
+        V.index_copy_(2, pos, v)
+        return static_attention(q, K, V, start + q.shape[2])
 
     def keys(self, layer: int, end: int | None = None):
         """Committed (or up to `end`) K and V of a layer: [B, Hkv, S, D] views."""

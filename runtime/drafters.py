@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from .errors import TriforceError
+from .graphs import Step
 from .sampling import probs, sample
 from .speculative import one_hot
 
@@ -21,9 +22,10 @@ from .speculative import one_hot
 class ModelLevel:
     """A model over one cache: the target over full/retrieval caches, or a draft model."""
 
-    def __init__(self, model, cache, name: str):
+    def __init__(self, model, cache, name: str, graphs: bool = False):
         self.model, self.cache, self.name = model, cache, name
         self.device = next(model.parameters()).device
+        self.step = Step(model, cache, graphs)  # CUDA graphs over a static cache
         self.fed = 0  # leading positions of seq held by the cache
         self.time = 0.0  # seconds spent in forwards
 
@@ -32,7 +34,7 @@ class ModelLevel:
         """Feed seq[fed:]; fp32 logits of the last `rows` positions [rows, V]."""
         t0 = time.perf_counter()
         ids = torch.tensor([seq[self.fed:]], device=self.device)
-        out = self.model(ids, self.fed, self.cache, last_only=rows == 1)[0, -rows:].float()
+        out = self.step(ids, self.fed, last_only=rows == 1)[0, -rows:].float()
         self.fed = len(seq)
         self.time += time.perf_counter() - t0
         return out

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .errors import TriforceError
+from .graphs import Step
 from .offloaded import prefill_layer_major
 from .sampling import SamplingParams, probs, sample
 
@@ -96,10 +97,12 @@ def prefill(model, cache, ids: torch.Tensor, start: int = 0, chunk: int = 512, p
 
 @torch.inference_mode()
 def decode(model, cache, first_logits, start: int, sp: SamplingParams, max_new: int,
-           eos: set[int], on_token=None, gen=None):
-    """Autoregressive decoding from the logits of the last prompt token; returns new token ids."""
+           eos: set[int], on_token=None, gen=None, step=None):
+    """Autoregressive decoding from the logits of the last prompt token; returns new token ids.
+    `step` (a graphs.Step over model and cache) runs the one-token forwards; default eager."""
     out, logits, pos = [], first_logits, start
     gen = gen or sp.generator(first_logits.device)
+    step = step or Step(model, cache, graphs=False)
     for _ in range(max_new):
         tok = sample(probs(logits, sp), gen)  # [B]
         t = int(tok[0])
@@ -108,21 +111,25 @@ def decode(model, cache, first_logits, start: int, sp: SamplingParams, max_new: 
             on_token(t)
         if t in eos or len(out) == max_new:
             break
-        logits = model(tok[:, None], pos, cache)[:, -1]
+        logits = step(tok[:, None], pos)[:, -1]
         pos += 1
         cache.commit(pos)
     return out
 
 
 def autoregressive(model, cache, prompt: list[int], sp: SamplingParams, max_new: int,
-                   eos: set[int], on_token=None, prefill_chunk: int = 512, progress=None):
-    """Prefill then decode one token at a time. Returns (new token ids, Stats)."""
+                   eos: set[int], on_token=None, prefill_chunk: int = 512, progress=None,
+                   graphs: bool = True):
+    """Prefill (eager) then decode one token at a time (CUDA graphs where the cache allows).
+    Returns (new token ids, Stats)."""
     dev = next(model.parameters()).device
     ids = torch.tensor([prompt], device=dev)
     t0 = time.perf_counter()
     logits = prefill(model, cache, ids, chunk=prefill_chunk, progress=progress)
     t1 = time.perf_counter()
-    toks = decode(model, cache, logits, len(prompt), sp, max_new, eos, on_token)
+    step = Step(model, cache, graphs)
+    toks = decode(model, cache, logits, len(prompt), sp, max_new, eos, on_token, step=step)
     t2 = time.perf_counter()
     st = Stats(len(prompt), len(toks), t1 - t0, t2 - t1, peak_memory_gb(dev))
+    st.extra.update(step.figures())
     return toks, st

@@ -114,10 +114,16 @@ class Transformer(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, ids: torch.Tensor, start: int, cache, last_only: bool = False):
-        """ids [B, T] at positions start..start+T-1 -> logits [B, T, V] (or [B, 1, V])."""
+    def forward(self, ids: torch.Tensor, start, cache, last_only: bool = False):
+        """ids [B, T] at positions start..start+T-1 -> logits [B, T, V] (or [B, 1, V]).
+
+        `start` is an int, or an int64 device tensor [1] (a fixed-shape step for a CUDA
+        graph: nothing then depends on its value on the host; the cache gets the tensor)."""
         x = self.model.embed_tokens(ids)
-        pos = torch.arange(start, start + ids.shape[1], device=ids.device)
+        if isinstance(start, torch.Tensor):
+            pos = start + torch.arange(ids.shape[1], device=ids.device, dtype=start.dtype)
+        else:
+            pos = torch.arange(start, start + ids.shape[1], device=ids.device)
         cos, sin = self.rotary(pos, x.dtype)
         for block in self.model.layers:
             x = block(x, cos, sin, start, cache)

@@ -28,9 +28,17 @@ class Recorder:
     def __init__(self, cache):
         self.inner = cache
         self.q = {}  # layer -> [B, Hq, D] query of the last token of the last forward
+        self._static_q = {}  # layer -> the buffer graphed forwards write that query to
 
     def attend(self, layer, q, k, v, start):
-        self.q[layer] = q[:, :, -1]
+        if isinstance(start, torch.Tensor):  # a graphed step: a buffer its replays update
+            buf = self._static_q.get(layer)
+            if buf is None:
+                buf = self._static_q[layer] = torch.empty_like(q[:, :, -1])
+            buf.copy_(q[:, :, -1])
+            self.q[layer] = buf
+        else:
+            self.q[layer] = q[:, :, -1]
         return self.inner.attend(layer, q, k, v, start)
 
     def __getattr__(self, name):

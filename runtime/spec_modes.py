@@ -90,9 +90,9 @@ def check_draft(o: SpecOptions, loaded):
         check_vocab(loaded.tokenizer, peek_tokenizer(o.draft))
 
 
-def build_levels(kind, o: SpecOptions, loaded, prompt, full, notes: list):
+def build_levels(kind, o: SpecOptions, loaded, prompt, full, notes: list, graphs: bool = True):
     n = len(prompt)
-    top = ModelLevel(loaded.model, full, "full")
+    top = ModelLevel(loaded.model, full, "full", graphs)
     top.fed = n
     levels, gammas = [top], []
     if kind in ("triforce", "retrieval"):
@@ -109,7 +109,7 @@ def build_levels(kind, o: SpecOptions, loaded, prompt, full, notes: list):
             ret.build(full, full.q, n)
             if ret.holds_all:
                 notes.append(f"prompt of {n} tokens fits the budget: the retrieval cache holds all of it")
-            mid = ModelLevel(loaded.model, ret, "retrieval")
+            mid = ModelLevel(loaded.model, ret, "retrieval", graphs)
             mid.fed = n
             levels.insert(0, mid)
             gammas.insert(0, o.g2)
@@ -144,7 +144,7 @@ def speculate(kind: str, loaded, prompt, opts, full, logits, on_token=None):
     o = SpecOptions.from_extra(opts.extra)
     t0 = time.perf_counter()
     notes = []
-    levels, gammas = build_levels(kind, o, loaded, prompt, full, notes)
+    levels, gammas = build_levels(kind, o, loaded, prompt, full, notes, opts.graphs)
     sp = opts.sampling
     gen = sp.generator(loaded.device)
     auto = AutoGamma(o.g2) if o.gamma2 == "auto" and kind != "draft" else None  # adapts gamma2
@@ -155,7 +155,10 @@ def speculate(kind: str, loaded, prompt, opts, full, logits, on_token=None):
         toks = eng.run(seq, opts.max_new_tokens, stop_ids(loaded, opts), on_token)
     t2 = time.perf_counter()
     st = Stats(len(prompt), len(toks), t1 - t0, t2 - t1, peak_memory_gb(loaded.device))
-    st.extra.update(eng.figures(), build_s=round(t1 - t0, 3), notes=notes)
+    steps = [lv.step.figures() for lv in levels if hasattr(lv, "step")]
+    notes += [n for f in steps for n in f.get("notes", [])]
+    st.extra.update(eng.figures(), build_s=round(t1 - t0, 3), notes=notes,
+                    graphs=any(f["graphs"] for f in steps))
     return toks, st
 
 

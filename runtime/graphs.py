@@ -1,0 +1,83 @@
+"""Model steps over a static cache as CUDA graphs: capture once per shape, replay after.
+
+A *step* is one forward of T tokens over one cache. Over a cache with `static = True` the
+forward takes its start position as a device tensor, so its kernels, shapes and addresses
+are the same at every position (tests/test_graphs.py checks this on the CPU). `Step`
+captures one graph per (T, last_only) the first time that shape runs, with the token ids
+and start in static buffers, and afterwards only copies new ids and the start in and
+replays. Prefill (long, varying chunks) stays eager; so does everything on the CPU, over
+a cache that is not static (offloaded, streaming), or with graphs turned off (`--no-graphs`).
+If a capture fails the step falls back to eager for that shape and says so once (in
+`notes`, shown on the stats line).
+
+gpt-fast's `generate.py` does the same with `torch.compile(mode="reduce-overhead")`; a
+hand-made `torch.cuda.CUDAGraph` keeps the dependency surface to torch itself.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class _Graph:
+    graph: object  # torch.cuda.CUDAGraph
+    ids: torch.Tensor  # [B, T] static token ids
+    out: torch.Tensor  # logits written by every replay
+
+
+class Step:
+    """`step(ids, start, last_only)` = `model(ids, start, cache, last_only)`, graphed where it can be."""
+
+    def __init__(self, model, cache, graphs: bool = True):
+        self.model, self.cache = model, cache
+        self.device = next(model.parameters()).device
+        self.graphed = bool(graphs and getattr(cache, "static", False) and self.device.type == "cuda")
+        self.start = torch.zeros(1, dtype=torch.int64, device=self.device)  # static start
+        self.graphs: dict[tuple, _Graph | None] = {}  # None: capture failed, run eager
+        self.pool = None  # one memory pool shared by this step's graphs
+        self.notes: list[str] = []  # one line per capture failure
+        self.replays = 0
+
+    def figures(self) -> dict:
+        """For Stats.extra: whether steps replayed as graphs, and capture failures."""
+        d = {"graphs": self.replays > 0}
+        if self.notes:
+            d["notes"] = list(self.notes)
+        return d
+
+    def __call__(self, ids: torch.Tensor, start: int, last_only: bool = False) -> torch.Tensor:
+        if not self.graphed:
+            return self.model(ids, start, self.cache, last_only)
+        self.cache.check_end(start + ids.shape[1])  # on the host: the graph cannot check
+        self.start.fill_(start)
+        key = (tuple(ids.shape), last_only)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(ids, last_only)
+        g = self.graphs[key]
+        if g is None:
+            return self.model(ids, self.start, self.cache, last_only)
+        g.ids.copy_(ids, non_blocking=True)
+        g.graph.replay()
+        self.replays += 1
+        return g.out.clone()  # the next replay overwrites g.out
+
+    def _capture(self, ids, last_only) -> _Graph | None:
+        static_ids = ids.clone()
+        run = lambda: self.model(static_ids, self.start, self.cache, last_only)  # noqa: E731
+        try:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # warm-up: kernels compile, workspaces allocate
+                run()  # (writes the same KV at the same positions as the replay will)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = run()
+            self.pool = graph.pool()
+            return _Graph(graph, static_ids, out)
+        except Exception as e:  # noqa: BLE001 - any capture failure: eager for this shape
+            self.notes.append(f"CUDA graph capture failed for {ids.shape[1]} tokens "
+                              f"({type(e).__name__}: {str(e).splitlines()[0][:120]}); running eager")
+            return None

@@ -1,0 +1,155 @@
+"""The fixed-shape (CUDA graph) step, checked on the CPU.
+
+A step over a static cache takes its start position as a device tensor. These tests run
+that path on CPU tensors (the length-masked SDPA reference of `static_attention`) and
+check what graph capture and replay rely on: the same result as the eager forward, the
+same aten ops with the same shapes, strides and dtypes at every position, and no host
+synchronisation (`aten::_local_scalar_dense`, what `.item()`/`int()` dispatch) inside a
+forward. GPU-only checks (replay against eager, each kernel) are marked `cuda`.
+"""
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from helpers_spec import tiny
+from triforce_offload.kernels import attention as A
+from triforce_offload.runtime.cache import FullCache
+from triforce_offload.runtime.graphs import Step
+
+
+class OpLog(TorchDispatchMode):
+    """Records (op, shapes, strides, dtypes) of every aten op dispatched."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        sig = tuple((tuple(a.shape), a.stride(), a.dtype) for a in args if isinstance(a, torch.Tensor))
+        self.ops.append((str(func), sig))
+        return func(*args, **(kwargs or {}))
+
+
+def _prefilled(L, n, static):
+    cache = FullCache(L.cfg, 256, static=static)
+    ids = torch.randint(0, L.cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        L.model(ids, 0, cache)
+    cache.commit(n)
+    return cache
+
+
+@pytest.mark.parametrize("arch,heads,kv", [("llama", 4, 2), ("qwen2", 6, 2), ("llama", 3, 3)])
+def test_static_step_equals_eager(arch, heads, kv):
+    L = tiny(arch=arch, heads=heads, kv=kv, dim=48 if heads in (3, 6) else 32)
+    eager, static = _prefilled(L, 40, False), _prefilled(L, 40, True)
+    g = torch.Generator().manual_seed(2)
+    pos = 40
+    with torch.inference_mode():
+        for T in (1, 1, 4, 1, 7):  # decode steps and verifications of several widths
+            ids = torch.randint(0, L.cfg.vocab_size, (1, T), generator=g)
+            ref = L.model(ids, pos, eager)
+            out = L.model(ids, torch.tensor([pos]), static)
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+            pos += T
+            eager.commit(pos)
+            static.commit(pos)
+
+
+def _ops_of_step(L, cache, ids, pos):
+    with torch.inference_mode(), OpLog() as log:
+        L.model(ids, torch.tensor([pos]), cache)
+    return log.ops
+
+
+@pytest.mark.parametrize("T", [1, 5])
+def test_consecutive_steps_dispatch_identical_ops(T):
+    """Two decode steps (T=1), two verifications of the same gamma (T=5) at different
+    positions: identical op sequences, shapes, strides and dtypes (what graph replay needs;
+    the eager path fails this: its key count grows)."""
+    L = tiny()
+    cache = _prefilled(L, 30, True)
+    g = torch.Generator().manual_seed(3)
+    a = _ops_of_step(L, cache, torch.randint(0, 64, (1, T), generator=g), 30)
+    b = _ops_of_step(L, cache, torch.randint(0, 64, (1, T), generator=g), 30 + T + 3)
+    assert len(a) > 20 and a == b
+    eager = _prefilled(L, 30, False)
+    with torch.inference_mode(), OpLog() as l1:
+        L.model(torch.zeros(1, T, dtype=torch.long), 30, eager)
+    with torch.inference_mode(), OpLog() as l2:
+        L.model(torch.zeros(1, T, dtype=torch.long), 31, eager)
+    assert l1.ops != l2.ops  # the check can fail: the dynamic path's shapes change
+
+
+def test_no_host_sync_inside_a_forward():
+    """No aten::_local_scalar_dense in a forward over the static or the eager full cache."""
+    L = tiny()
+    for static, start in ((True, torch.tensor([30])), (False, 30)):
+        cache = _prefilled(L, 30, static)
+        with torch.inference_mode(), OpLog() as log:
+            L.model(torch.zeros(1, 3, dtype=torch.long), start, cache)
+        names = [op for op, _ in log.ops]
+        assert names and not any("_local_scalar_dense" in n for n in names), static
+    with OpLog() as log:  # and the check sees one when there is one
+        torch.ones(2).sum().item()
+    assert any("_local_scalar_dense" in op for op, _ in log.ops)
+
+
+def test_step_is_eager_on_the_cpu_and_checks_capacity():
+    L = tiny()
+    cache = _prefilled(L, 30, True)
+    step = Step(L.model, cache, graphs=True)
+    assert not step.graphed  # graphs are a CUDA feature: the CPU runs the plain forward
+    with torch.inference_mode():
+        out = step(torch.zeros(1, 1, dtype=torch.long), 30)
+    assert out.shape == (1, 1, 64)
+
+
+def test_static_path_choice_is_reported(monkeypatch):
+    assert A.static_path("cpu")[0] == "sdpa"
+    monkeypatch.setenv("TRIFORCE_OFFLOAD_ATTENTION", "triton")
+    assert A.static_path("cpu") == ("triton", "forced by TRIFORCE_OFFLOAD_ATTENTION")
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graph_replay_equals_eager(dtype):
+    L = tiny()
+    L.model.to("cuda", dtype)
+    eager = FullCache(L.cfg, 256, dtype=dtype, device="cuda", static=False)
+    static = FullCache(L.cfg, 256, dtype=dtype, device="cuda")
+    ids = torch.randint(0, 64, (1, 40), device="cuda")
+    with torch.inference_mode():
+        L.model(ids, 0, eager)
+        L.model(ids, 0, static)
+        step = Step(L.model, static)
+        assert step.graphed
+        pos = 40
+        for T in (1, 1, 1, 5, 5, 1):
+            x = torch.randint(0, 64, (1, T), device="cuda")
+            ref = L.model(x, pos, eager)
+            out = step(x, pos)
+            tol = 1e-4 if dtype == torch.float32 else 3e-2
+            torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+            pos += T
+    assert not step.notes and step.replays == 6 and len(step.graphs) == 2
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("path", ["sdpa", "triton", "flash-attn"])
+def test_cuda_static_attention_paths_match_reference(monkeypatch, path):
+    if path == "flash-attn" and A._flash_attn_reason():
+        pytest.skip(A._flash_attn_reason())
+    monkeypatch.setenv("TRIFORCE_OFFLOAD_ATTENTION", path)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(1, 8, 5, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+    k = torch.randn(1, 2, 512, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+    v = torch.randn(1, 2, 512, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+    length = torch.tensor([300], device="cuda")
+    ref = A.attention(q, k[:, :, :300], v[:, :, :300], 295)
+    torch.testing.assert_close(A.static_attention(q, k, v, length).float(), ref.float(), rtol=3e-2, atol=3e-2)
