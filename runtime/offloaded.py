@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from ..kernels.attention import attention, attention_lse, merge
-from ..kernels.chunked import block_attention_lse
+from ..kernels.attention import attention
+from ..kernels.chunked import StreamedAttention
 from ..offload.copier import ChunkCopier
 from ..offload.scheduler import PipelineScheduler, staging_slots
 from ..offload.store import HostKVStore, StoreSpec, check_memory, device_available
@@ -126,16 +126,14 @@ class OffloadedCache(KVCache):
     def _attend_offloaded(self, layer, q, k, v, start):
         if self.held is not None and self.held[0] == layer:
             return self._attend_held(layer, q, k, v, start)
-        outs, lses = [], []
+        acc = StreamedAttention(q, k.shape[1])
         with Span(self.timeline, "compute", f"attention L{layer}", tokens=q.shape[2]):
-            for c0, kc, vc in self.sched.stream(layer, start):
-                o, lse = block_attention_lse(q, kc, vc, start, c0)  # all keys < start: no mask
-                outs.append(o)
-                lses.append(lse)
-            o, lse = attention_lse(q, k, v, start, start)  # the forward's own tokens, causal
-            out = merge(outs + [o], lses + [lse])[0]  # one log-sum-exp merge over all blocks
+            for _, kc, vc in self.sched.stream(layer, start):
+                acc.add(kc, vc)  # all keys < start: no mask
+            acc.add_causal(k, v, start, start)  # the forward's own tokens
+            out = acc.result(q.dtype)
         self._write_back(layer, k, v, start)
-        return out.to(q.dtype)
+        return out
 
     def _attend_held(self, layer, q, k, v, start):
         """Prefill: the layer's earlier KV is on the device already (`hold`), nothing streams."""
