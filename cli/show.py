@@ -18,6 +18,7 @@ def show_info(d: dict):
     t.add_row("ram", f"{d['ram_available_gb']:.1f} GB available of {d['ram_total_gb']:.1f} GB")
     for k, v in d.get("cpu_kernels", {}).items():
         t.add_row(f"cpu {k.replace('_', ' ')}", v)
+    t.add_row("gpu attention", d["gpu_attention"])
     for g in d["gpus"] or [{"name": "none"}]:
         link = (f"PCIe gen {g['pcie_gen']} x{g['pcie_width']}" if "pcie_gen" in g
                 else g.get("pcie", ""))

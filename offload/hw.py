@@ -57,7 +57,16 @@ def system_info() -> dict:
         "pinned_memory": pinned_available(),
         "gpus": gpus(),
         "cpu_kernels": cpu_kernels(),
+        "gpu_attention": gpu_attention(),
     }
+
+
+def gpu_attention() -> str:
+    """Which kernel decode/verify attention runs on the first GPU, and why (kernels/attention.py)."""
+    if not torch.cuda.is_available():
+        return "none (no CUDA device)"
+    from ..kernels.attention import status
+    return status("cuda")
 
 
 def cpu_kernels() -> dict:

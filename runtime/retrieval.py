@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.attention import attention
+from ..kernels.attention import attention, static_attention
 from ..kernels.retrieval import chunk_means, chunk_scores, gather_chunks, top_chunks
 from .cache import KVCache
 from .errors import TriforceError
@@ -46,7 +46,13 @@ class Recorder:
 
 
 class RetrievalCache(KVCache):
-    """`budget` tokens of selected chunks per layer and KV head + room for `extra` new tokens."""
+    """`budget` tokens of selected chunks per layer and KV head + room for `extra` new tokens.
+
+    Static (CUDA graphs): with `start` a device tensor, the slot of a position is
+    `start + offset`, `offset` (= n_ret - base) a device tensor that `build` updates in
+    place, so a graph captured before a rebuild stays right after it."""
+
+    static = True
 
     def __init__(self, cfg, budget: int, chunk: int, extra: int, batch: int = 1,
                  dtype=torch.float32, device="cpu"):
@@ -59,6 +65,7 @@ class RetrievalCache(KVCache):
         self.base = 0  # absolute position of the first appended token
         self.n_ret = 0  # slots holding retrieved tokens (all before `base`)
         self.holds_all = False  # the context fitted the budget: nothing was dropped
+        self.offset = torch.zeros(1, dtype=torch.int64, device=device)  # n_ret - base, on the device
 
     @staticmethod
     def fits(length: int, budget: int, chunk: int) -> bool:
@@ -80,6 +87,7 @@ class RetrievalCache(KVCache):
             self.k[layer][:, :, : self.n_ret].copy_(k)
             self.v[layer][:, :, : self.n_ret].copy_(v)
         self.base = self.length = length
+        self.offset.fill_(self.n_ret - self.base)
 
     def _select(self, K, V, q, end):
         idx = top_chunks(chunk_scores(q.to(K.device), chunk_means(K, self.chunk)), self.n_chunks)
@@ -94,7 +102,19 @@ class RetrievalCache(KVCache):
         """Tokens that can still be appended after the committed length."""
         return self.slots - self._slot(self.length)
 
+    def check_end(self, end: int) -> int:
+        if self._slot(end) > self.slots:
+            raise TriforceError(f"retrieval cache: position {end - 1} is past its last slot "
+                                f"({self.base + self.slots - self.n_ret - 1})")
+        return end
+
     def attend(self, layer, q, k, v, start):
+        if isinstance(start, torch.Tensor):  # slots as positions: the same causal order
+            s = start + self.offset
+            pos = s + torch.arange(q.shape[2], device=q.device, dtype=s.dtype)
+            self.k[layer].index_copy_(2, pos, k)
+            self.v[layer].index_copy_(2, pos, v)
+            return static_attention(q, self.k[layer], self.v[layer], s + q.shape[2])
         s, T = self._slot(start), q.shape[2]
         if start < self.base or s + T > self.slots:
             raise TriforceError(f"retrieval cache: positions {start}..{start + T - 1} are outside "

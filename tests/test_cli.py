@@ -78,3 +78,5 @@ def test_info_json():
     k = d["cpu_kernels"]
     assert k["attention"].startswith(("native (", "torch ("))
     assert k["float32_linear"] in ("oneDNN", "F.linear")
+    gpu = d["gpu_attention"]  # which decode/verify kernel runs on the GPU, and why
+    assert gpu.startswith("decode/verify (graphs): ") if d["cuda_available"] else gpu.startswith("none (")

@@ -153,3 +153,50 @@ def test_cuda_static_attention_paths_match_reference(monkeypatch, path):
     length = torch.tensor([300], device="cuda")
     ref = A.attention(q, k[:, :, :300], v[:, :, :300], 295)
     torch.testing.assert_close(A.static_attention(q, k, v, length).float(), ref.float(), rtol=3e-2, atol=3e-2)
+
+
+def test_retrieval_static_step_equals_eager_across_a_rebuild():
+    """The middle level's cache on the fixed-shape path: same logits as its eager path,
+    also after a rebuild moves its slots (the device-side offset a graph reads)."""
+    from triforce_offload.runtime.retrieval import Recorder, RetrievalCache
+    L = tiny()
+    full = Recorder(_prefilled(L, 120, False))
+    with torch.inference_mode():
+        L.model(torch.zeros(1, 1, dtype=torch.long), 120, full)  # queries for scoring
+    full.commit(120)
+    caches = [RetrievalCache(L.cfg, 32, 8, 40) for _ in range(2)]
+    g = torch.Generator().manual_seed(4)
+    n = 120
+    for _ in range(2):  # build, then rebuild later in the sequence
+        for c in caches:
+            c.build(full, full.q, n)
+        pos = n
+        with torch.inference_mode():
+            for T in (1, 6, 1):
+                ids = torch.randint(0, 64, (1, T), generator=g)
+                ref = L.model(ids, pos, caches[0])
+                out = L.model(ids, torch.tensor([pos]), caches[1])
+                torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+                L.model(ids, pos, full)  # the full cache grows along
+                pos += T
+                for c in caches + [full]:
+                    c.commit(pos)
+        n = pos
+    assert caches[1].offset.item() == caches[1].n_ret - caches[1].base
+    with pytest.raises(Exception, match="past its last slot"):
+        caches[1].check_end(caches[1].base + caches[1].slots)
+
+
+def test_retrieval_steps_dispatch_identical_ops():
+    from triforce_offload.runtime.retrieval import RetrievalCache
+    L = tiny()
+    full = _prefilled(L, 100, False)
+    ret = RetrievalCache(L.cfg, 32, 8, 40)
+    ret.build(full, {i: torch.randn(1, 4, 8) for i in range(2)}, 100)
+    ops = []
+    for pos in (100, 107):
+        with torch.inference_mode(), OpLog() as log:
+            L.model(torch.zeros(1, 7, dtype=torch.long), torch.tensor([pos]), ret)
+        ops.append(log.ops)
+    assert len(ops[0]) > 20 and ops[0] == ops[1]
+    assert not any("_local_scalar_dense" in op for op, _ in ops[0])
