@@ -18,6 +18,8 @@ host, so the forward can be captured and replayed as a CUDA graph (runtime/graph
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..kernels.attention import attention, static_attention
@@ -67,9 +69,11 @@ class FullCache(KVCache):
                  dtype=torch.float32, device="cpu", static: bool | None = None):
         super().__init__(cfg, batch)
         self.capacity = capacity
-        # the static path (default on CUDA) reads whole buffers through the length-masked
-        # reference where no kernel skips the tail: slots must then hold finite values
-        self.static = torch.device(device).type == "cuda" if static is None else static
+        # the static path (default on CUDA; TRIFORCE_OFFLOAD_STATIC=1 anywhere) reads whole
+        # buffers through the length-masked reference: slots must then hold finite values
+        if static is None:
+            static = torch.device(device).type == "cuda" or os.environ.get("TRIFORCE_OFFLOAD_STATIC") == "1"
+        self.static = static
         alloc = torch.zeros if self.static else torch.empty
         shape = (batch, cfg.n_kv_heads, capacity, cfg.head_dim)  # [B, Hkv, S, D]
         self.k = [alloc(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]

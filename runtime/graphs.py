@@ -8,13 +8,16 @@ and start in static buffers, and afterwards only copies new ids and the start in
 replays. Prefill (long, varying chunks) stays eager; so does everything on the CPU, over
 a cache that is not static (offloaded, streaming), or with graphs turned off (`--no-graphs`).
 If a capture fails the step falls back to eager for that shape and says so once (in
-`notes`, shown on the stats line).
+`notes`, shown on the stats line). `TRIFORCE_OFFLOAD_STATIC=1` runs the fixed-shape
+forward without graphs wherever the cache allows it, the CPU included: the tests check
+the graph path's arithmetic end to end that way.
 
 gpt-fast's `generate.py` does the same with `torch.compile(mode="reduce-overhead")`; a
 hand-made `torch.cuda.CUDAGraph` keeps the dependency surface to torch itself.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +36,9 @@ class Step:
     def __init__(self, model, cache, graphs: bool = True):
         self.model, self.cache = model, cache
         self.device = next(model.parameters()).device
-        self.graphed = bool(graphs and getattr(cache, "static", False) and self.device.type == "cuda")
+        static = getattr(cache, "static", False)
+        self.graphed = bool(graphs and static and self.device.type == "cuda")
+        self.static = self.graphed or (static and os.environ.get("TRIFORCE_OFFLOAD_STATIC") == "1")
         self.start = torch.zeros(1, dtype=torch.int64, device=self.device)  # static start
         self.graphs: dict[tuple, _Graph | None] = {}  # None: capture failed, run eager
         self.pool = None  # one memory pool shared by this step's graphs
@@ -48,10 +53,12 @@ class Step:
         return d
 
     def __call__(self, ids: torch.Tensor, start: int, last_only: bool = False) -> torch.Tensor:
-        if not self.graphed:
+        if not self.static:
             return self.model(ids, start, self.cache, last_only)
         self.cache.check_end(start + ids.shape[1])  # on the host: the graph cannot check
         self.start.fill_(start)
+        if not self.graphed:
+            return self.model(ids, self.start, self.cache, last_only)
         key = (tuple(ids.shape), last_only)
         if key not in self.graphs:
             self.graphs[key] = self._capture(ids, last_only)

@@ -200,3 +200,47 @@ def test_retrieval_steps_dispatch_identical_ops():
         ops.append(log.ops)
     assert len(ops[0]) > 20 and ops[0] == ops[1]
     assert not any("_local_scalar_dense" in op for op, _ in ops[0])
+
+
+@pytest.mark.parametrize("mode,extra", [
+    ("triforce", {"budget": 64}),
+    ("triforce", {"budget": 48, "rebuild": "every:7", "gamma2": "auto"}),
+    ("retrieval", {"budget": 64}),
+    ("draft", {}),
+])
+def test_greedy_on_the_fixed_shape_path_equals_autoregressive(monkeypatch, mode, extra):
+    """Every level's forward through the graph path's code (device-tensor start, whole
+    buffers, length masks), without graphs: the target's greedy tokens, token for token."""
+    from helpers_spec import repetitive_prompt, run
+    L = tiny(scale=3.0, seed=1)
+    prompt = repetitive_prompt(300, L.cfg.vocab_size, seed=3)
+    ref, _ = run(L, prompt, "autoregressive", 40)
+    monkeypatch.setenv("TRIFORCE_OFFLOAD_STATIC", "1")
+    calls = []
+    real = FullCache._attend_static
+    monkeypatch.setattr(FullCache, "_attend_static", lambda *a: calls.append(1) or real(*a))
+    out, st = run(L, prompt, mode, 40, **extra)
+    assert out == ref and calls  # the fixed-shape path ran
+    static_ref, _ = run(L, prompt, "autoregressive", 40)
+    assert static_ref == ref
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("mode,extra", [
+    ("autoregressive", {}), ("triforce", {"budget": 64}), ("retrieval", {"budget": 64}),
+    ("draft", {}), ("triforce", {"budget": 64, "draft": "self", "draft_window": 16}),
+])
+def test_cuda_greedy_every_mode_fp32(mode, extra):
+    """On the GPU, graphed, fp32: every mode gives the autoregressive (eager) tokens."""
+    from helpers_spec import repetitive_prompt, run
+    from triforce_offload.runtime.api import Loaded, RunOptions, generate
+    from triforce_offload.runtime.sampling import SamplingParams
+    L = tiny(scale=3.0, seed=1)
+    L = Loaded(L.model.to("cuda"), L.cfg, L.tokenizer, torch.device("cuda"), torch.float32)
+    prompt = repetitive_prompt(300, L.cfg.vocab_size, seed=3)
+    eager = RunOptions(mode="autoregressive", max_new_tokens=40, graphs=False, sampling=SamplingParams())
+    ref, _ = generate(L, prompt, eager)
+    out, st = generate(L, prompt, RunOptions(mode=mode, max_new_tokens=40, extra=dict(extra),
+                                             sampling=SamplingParams()))
+    assert out == ref and st.extra["graphs"]
