@@ -1,0 +1,483 @@
+"""Decode speed against the hardware floor: eager and graphed autoregressive, triforce, transformers.
+
+Usage:
+    python benchmarks/gpu_decode.py --geometry llama2-7b              # 4K/16K/32K (+128K where it fits), bf16
+    python benchmarks/gpu_decode.py --geometry smollm2 --contexts 32768
+    python benchmarks/gpu_decode.py --model PATH --prompt-text essays --contexts 32768
+    python benchmarks/gpu_decode.py --device cpu --geometry smollm2 --layers 2 --contexts 256 --new-tokens 4
+
+The model is a checkpoint (`--model PATH`: an HF directory or a .gguf; `bundled` is the
+bundled SmolLM2) or a random-weight model built in device memory with a known geometry
+(`--geometry llama2-7b|llama3-8b|smollm2`, `--layers N` to shrink it): decode speed does
+not depend on weight values, acceptance does. Geometries are stretched (RoPE) to cover
+128K positions. A context counts prompt + new tokens; the prompt is random token ids, or
+the bundled essays (`--prompt-text essays`, real models only: the n-gram drafter rarely
+matches random ids, so triforce's acceptance means something only on text).
+
+Per context, in this one process and on the same prompt, each run prefills once and then
+decodes `--new-tokens` tokens (end-of-sequence ignored), the full KV cache resident on the
+device (`offload off`):
+  autoregressive eager    `graphs=False`
+  autoregressive graphed  `graphs=True` (on the CPU the same code path; `graphs` in the row
+                          says whether CUDA graphs actually replayed)
+  triforce                n-gram drafter -> target + retrieval cache (`--budget`) -> target
+                          + full cache, graphed; acceptance from the engine
+  transformers            `generate` on the same weights (a real `--model` only)
+ms/token = decode seconds / (new tokens - 1), graph captures included (what a user sees);
+`steady ms/token` leaves out the first forward (or speculative round) and its captures.
+
+The floor: a token must read every weight it uses (the embedding table only when it is tied
+to the LM head) and the KV of the whole context. `copy GB/s` is measured in the same run (a
+device-to-device `copy_` of a 1 GiB buffer on CUDA, timed with CUDA events; a 256 MiB tensor
+copy on the CPU; read + write counted), floor ms = bytes / copy bandwidth, and `x floor` =
+measured / floor: how far from the hardware a mode is. Triforce rows use the same bytes (an
+autoregressive token's), so a ratio under 1 means beating the autoregressive floor. A
+context whose weights + KV exceed 90% of the free device memory is skipped, with the reason.
+Rows append to results/gpu_decode.jsonl; the table goes to stdout, progress to stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+MODES = ("eager", "graphed", "triforce", "hf")
+LABEL = {"eager": "autoregressive eager", "graphed": "autoregressive graphed",
+         "triforce": "triforce", "hf": "transformers generate"}
+# name -> (ModelConfig fields, RoPE stretch kind); max_position_embeddings is the pre-stretch length
+GEOMETRIES = {
+    "llama2-7b": (dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, n_layers=32,
+                       n_heads=32, n_kv_heads=32, max_position_embeddings=4096,
+                       rope_theta=10000.0, rms_norm_eps=1e-5), "linear"),
+    "llama3-8b": (dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, n_layers=32,
+                       n_heads=32, n_kv_heads=8, max_position_embeddings=8192,
+                       rope_theta=500000.0, rms_norm_eps=1e-5), "llama3"),
+    "smollm2": (dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, n_layers=30,
+                     n_heads=9, n_kv_heads=3, max_position_embeddings=8192, rope_theta=100000.0,
+                     rms_norm_eps=1e-5, tie_word_embeddings=True), "linear"),
+}
+STRETCH_TO = 131072  # geometries support this many positions (more if a context asks)
+SLACK = 64  # cache capacity past prompt + new tokens (generate.capacity)
+
+
+def contexts_arg(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def args_(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="HF directory, .gguf file, or 'bundled' (the bundled SmolLM2)")
+    src.add_argument("--geometry", choices=sorted(GEOMETRIES), help="random weights, this geometry")
+    ap.add_argument("--layers", type=int, default=0, help="override the geometry's layer count (tests)")
+    ap.add_argument("--device", default="auto", help="auto, cpu, cuda[:N]")
+    ap.add_argument("--dtype", default=None, help="default: bf16 on CUDA, fp32 on the CPU")
+    ap.add_argument("--contexts", type=contexts_arg, nargs="+",
+                    default=[[4096, 16384, 32768, 131072]],
+                    help="prompt + new tokens, comma- or space-separated (131072 skipped where "
+                         "it does not fit)")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    ap.add_argument("--prompt-text", choices=("random", "essays"), default="random")
+    ap.add_argument("--rope-scaling", default=None,
+                    help="for --model: e.g. linear:4 (default: linear stretch when a context "
+                         "exceeds the model's)")
+    ap.add_argument("--budget", type=int, default=4096, help="triforce retrieval budget")
+    ap.add_argument("--gamma2", default="6", help="triforce tokens per verification")
+    ap.add_argument("--repeats", type=int, default=1, help="timed runs per mode; the median is kept")
+    ap.add_argument("--copy-mib", type=int, default=0,
+                    help="copy-bandwidth buffer (default 1024 on CUDA, 256 on the CPU)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--out", default="results/gpu_decode.jsonl")
+    a = ap.parse_args(argv)
+    a.contexts = [c for group in a.contexts for c in group]
+    if a.new_tokens < 3:
+        ap.error("--new-tokens must be at least 3")
+    bad = [c for c in a.contexts if c <= a.new_tokens]
+    if bad:
+        ap.error(f"--contexts {bad}: a context counts prompt + new tokens, so it must exceed "
+                 f"--new-tokens {a.new_tokens}")
+    if a.prompt_text == "essays" and a.geometry:
+        ap.error("--prompt-text essays needs a real --model (a geometry has no tokenizer)")
+    return a
+
+
+def log(msg: str):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def sync(device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# --------------------------------------------------------------------------- the model
+
+def geometry_config(name: str, layers: int, max_context: int):
+    """ModelConfig of a geometry, RoPE stretched to cover max(128K, max_context) positions."""
+    from triforce_offload.runtime.config import ModelConfig, apply_rope_override
+    fields, kind = GEOMETRIES[name]
+    cfg = ModelConfig(arch="llama", **fields)
+    if layers:
+        cfg.n_layers = layers
+    factor = math.ceil(max(STRETCH_TO, max_context) / cfg.max_position_embeddings)
+    return apply_rope_override(cfg, f"{kind}:{factor}") if factor > 1 else cfg
+
+
+def random_model(cfg, dtype: torch.dtype, device: torch.device, seed: int):
+    """Transformer(cfg) with small random weights, allocated on `device` directly (built on
+    the meta device, then `to_empty`: nothing is materialised on the CPU first)."""
+    from triforce_offload.runtime.model import Rotary, Transformer
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model = model.to(dtype).to_empty(device=device)
+    with torch.device(device):
+        model.rotary = Rotary(cfg)  # computed buffer: to_empty left it uninitialised
+    model.tie_weights()  # after to_empty, which unties
+    gen = torch.Generator(device).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # tied weights come once
+            if name.endswith("norm.weight"):  # RMSNorm scales: ones, as a checkpoint starts
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    return model.eval().requires_grad_(False)
+
+
+def load(a, device: torch.device, dtype_name: str):
+    """(api.Loaded, label). A geometry is built in memory; a checkpoint goes through api.load."""
+    from triforce_offload.runtime import api
+    from triforce_offload.runtime.loader import parse_dtype, read_config, resolve
+    dtype = parse_dtype(dtype_name)
+    if a.geometry:
+        cfg = geometry_config(a.geometry, a.layers, max(a.contexts))
+        need = sum(p_bytes(cfg, dtype))
+        free = device_free(device)
+        if free is not None and need > 0.9 * free:
+            sys.exit(f"{a.geometry}: weights of {need / 2**30:.1f} GiB exceed 90% of the free "
+                     f"{free / 2**30:.1f} GiB on {device}")
+        model = random_model(cfg, dtype, device, a.seed)
+        tok = SimpleNamespace(eos_token_id=None)
+        label = a.geometry + (f" ({a.layers} layers)" if a.layers else "") + ", random weights"
+        return api.Loaded(model, cfg, tok, device, dtype), label
+    path = None if a.model == "bundled" else a.model
+    rope = a.rope_scaling
+    if rope is None:
+        limit = read_config(resolve(path)).max_position_embeddings
+        if max(a.contexts) > limit:
+            rope = f"linear:{math.ceil(max(a.contexts) / limit)}"
+            log(f"contexts beyond the model's {limit}: --rope-scaling {rope}")
+    L = api.load(path, dtype_name, str(device), rope)
+    return L, a.model + (f" (rope {rope})" if rope else "")
+
+
+def p_bytes(cfg, dtype: torch.dtype):
+    """Parameter bytes of Transformer(cfg) in `dtype` (for the fit check before building)."""
+    from triforce_offload.runtime.model import Transformer
+    with torch.device("meta"):
+        m = Transformer(cfg)
+    m.tie_weights()
+    return [p.numel() * torch.empty(0, dtype=dtype).element_size() for p in m.parameters()]
+
+
+def token_weight_bytes(model) -> int:
+    """Bytes of the weights one decode step reads: every parameter, except an embedding table
+    that is not tied to the LM head (a step reads one row of it)."""
+    emb = model.model.embed_tokens.weight
+    tied = model.lm_head.weight is emb
+    return sum(p.numel() * p.element_size() for p in model.parameters() if tied or p is not emb)
+
+
+def all_weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+# --------------------------------------------------------------------------- the hardware
+
+def device_free(device: torch.device) -> int | None:
+    """Free bytes where the model and its KV live: CUDA memory (with what torch's caching
+    allocator holds but does not use), or available host memory on the CPU."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        import psutil
+        return psutil.virtual_memory().available
+    except ImportError:
+        return None
+
+
+def copy_bandwidth(device: torch.device, mib: int, reps: int = 10) -> float:
+    """Bytes/s of a large copy_ on the device, read + write counted (best of `reps`)."""
+    n = mib * 2**20
+    src = torch.ones(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up: pages touched, kernel loaded
+    best = float("inf")
+    for _ in range(reps):
+        if device.type == "cuda":
+            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(device)
+            t0.record()
+            dst.copy_(src)
+            t1.record()
+            torch.cuda.synchronize(device)
+            best = min(best, t0.elapsed_time(t1) / 1000)
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - t0)
+    del src, dst
+    return 2 * n / best
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu {platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+
+
+def commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, cwd=Path(__file__).parent, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+# --------------------------------------------------------------------------- the runs
+
+def make_prompt(L, a, n: int) -> list[int]:
+    """`n` prompt token ids: random ids (seeded), or the essays with a summary request."""
+    if a.prompt_text == "random":
+        g = torch.Generator().manual_seed(a.seed + n)
+        return torch.randint(0, L.cfg.vocab_size, (n,), generator=g).tolist()
+    from triforce_offload.runtime.data import long_prompt
+    prompt = long_prompt(L.tokenizer, n)
+    prompt = long_prompt(L.tokenizer, n - (len(prompt) - n))  # chat template overhead
+    return prompt[-n:] if len(prompt) > n else prompt
+
+
+def options(mode: str, a, n: int):
+    from triforce_offload.runtime import api
+    if mode == "triforce":
+        return api.RunOptions(mode="triforce", max_new_tokens=n, ignore_eos=True, graphs=True,
+                              extra={"budget": a.budget, "gamma2": a.gamma2, "offload": "off"})
+    return api.RunOptions(mode="autoregressive", max_new_tokens=n, ignore_eos=True,
+                          graphs=mode == "graphed", extra={"offload": "off"})
+
+
+def steady_ms(marks: list[float]) -> float | None:
+    """ms/token after the first forward (or speculative round) and the tokens it emitted
+    together: graph captures and first-call costs left out."""
+    j = 1
+    while j + 1 < len(marks) and marks[j + 1] - marks[j] < 1e-4:  # same burst
+        j += 1
+    n = len(marks) - 1 - j
+    return 1000 * (marks[-1] - marks[j]) / n if n > 0 else None
+
+
+def run_ours(L, mode: str, prompt: list[int], a, n: int) -> dict:
+    from triforce_offload.runtime import api
+    marks = []
+    sync(L.device)
+    toks, st = api.generate(L, prompt, options(mode, a, n),
+                            on_token=lambda t: marks.append(time.perf_counter()))
+    sync(L.device)
+    first = 1000 * (marks[1] - marks[0]) if len(marks) > 1 else None
+    row = {"ms_per_token": 1000 * st.decode_s / max(len(toks) - 1, 1),
+           "steady_ms_per_token": steady_ms(marks), "first_step_ms": first,
+           "prefill_s": round(st.prefill_s, 3),
+           "new_tokens": len(toks), "graphs": st.extra.get("graphs")}
+    for k in ("acceptance", "mean_accepted", "notes"):
+        if st.extra.get(k) not in (None, [], {}):
+            row[k] = st.extra[k]
+    return row
+
+
+def run_hf(hf, prompt: list[int], a, n: int, device: torch.device) -> dict:
+    from triforce_offload.runtime import peers
+    sync(device)
+    r = peers.hf_generate(hf, prompt, n, 0.0, a.seed, device=device)
+    sync(device)
+    return {"ms_per_token": r.ms_per_token, "new_tokens": len(r.tokens)}
+
+
+def median_run(fn, repeats: int) -> dict:
+    rows = [fn() for _ in range(repeats)]
+    ms = statistics.median(r["ms_per_token"] for r in rows)
+    row = min(rows, key=lambda r: abs(r["ms_per_token"] - ms))
+    return {**row, "ms_per_token": ms} if repeats > 1 else row
+
+
+def fit(L, ctx: int, a, device: torch.device, weights: int) -> str | None:
+    """Why `ctx` does not fit (weights + KV over 90% of the free device memory), or None."""
+    free = device_free(device)
+    if free is None:
+        return None
+    elem = torch.empty(0, dtype=L.dtype).element_size()
+    kv = L.cfg.kv_bytes_per_token(elem) * (ctx + SLACK)
+    if "triforce" in a.modes:
+        kv += L.cfg.kv_bytes_per_token(elem) * a.budget  # the retrieval cache
+    avail = free + weights  # the weights are resident already
+    if weights + kv <= 0.9 * avail:
+        return None
+    return (f"weights {weights / 2**30:.1f} GiB + KV {kv / 2**30:.1f} GiB = "
+            f"{(weights + kv) / 2**30:.1f} GiB > 90% of {avail / 2**30:.1f} GiB free on {device}")
+
+
+def figures(row: dict, bytes_tok: int, copy_bps: float) -> dict:
+    """GB/s achieved, the floor and the measured/floor ratio for a timed row."""
+    s = row["ms_per_token"] / 1000
+    floor = bytes_tok / copy_bps
+    return {"gb_per_s": bytes_tok / s / 1e9, "floor_ms": 1000 * floor,
+            "floor_ratio": s / floor}
+
+
+def warm_up(L, a, device):
+    """One short run per mode: kernels load, allocator and oneDNN/Triton paths warm up."""
+    n = max(16, min(256, min(a.contexts) - a.new_tokens))
+    g = torch.Generator().manual_seed(a.seed)
+    prompt = torch.randint(0, L.cfg.vocab_size, (n,), generator=g).tolist()
+    for mode in a.modes:
+        if mode != "hf":
+            run_ours(L, mode, prompt, a, 4)
+    sync(device)
+
+
+def main(argv=None):
+    a = args_(argv)
+    from triforce_offload.runtime import api
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    torch.manual_seed(a.seed)
+    device = api.resolve_device(a.device)
+    dtype_name = a.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    mib = a.copy_mib or (1024 if device.type == "cuda" else 256)
+    copy_bps = copy_bandwidth(device, mib)  # before the model: the buffers leave room after
+    log(f"copy bandwidth on {device_name(device)}: {copy_bps / 1e9:.1f} GB/s "
+        f"({mib} MiB copy_, read + write)")
+    L, label = load(a, device, dtype_name)
+    weights = token_weight_bytes(L.model)
+    resident = all_weight_bytes(L.model)
+    elem = torch.empty(0, dtype=L.dtype).element_size()
+    base = {"bench": "gpu_decode", "time": time.time(), "commit": commit(), "model": label,
+            "device": device_name(device), "dtype": str(L.dtype).replace("torch.", ""),
+            "torch": torch.__version__, "copy_gb_per_s": copy_bps / 1e9,
+            "weights_bytes": weights, "budget": a.budget, "gamma2": a.gamma2,
+            "prompt_text": a.prompt_text}
+    log(f"{label}: {resident / 2**30:.2f} GiB of weights ({weights / 2**30:.2f} GiB read per "
+        f"token), KV {L.cfg.kv_bytes_per_token(elem) / 2**10:.1f} KiB per token, {dtype_name}")
+    warm_up(L, a, device)
+
+    rows, prompts = [], {}
+
+    def emit(row):
+        row = {**base, **row}
+        rows.append(row)
+        log(json.dumps({k: v for k, v in row.items() if k not in base}))
+        with out.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    for ctx in a.contexts:
+        why = fit(L, ctx, a, device, resident)
+        if why:
+            log(f"context {ctx} skipped: {why}")
+            emit({"context": ctx, "mode": "all", "skipped": why})
+            continue
+        prompt = prompts[ctx] = make_prompt(L, a, ctx - a.new_tokens)
+        kv = L.cfg.kv_bytes_per_token(elem) * ctx
+        for mode in a.modes:
+            if mode == "hf":
+                continue
+            r = median_run(lambda: run_ours(L, mode, prompt, a, a.new_tokens), a.repeats)
+            emit({"context": ctx, "prompt_tokens": len(prompt), "mode": LABEL[mode], **r,
+                  "kv_bytes": kv, "bytes_per_token": weights + kv,
+                  **figures(r, weights + kv, copy_bps)})
+    if "hf" in a.modes:
+        hf_rows(L, a, device, prompts, emit, weights, copy_bps, elem)
+    print(table(rows, copy_bps))
+
+
+def hf_rows(L, a, device, prompts, emit, weights, copy_bps, elem):
+    """transformers `generate` on the same checkpoint, after our model leaves the device."""
+    if a.geometry:
+        for ctx in a.contexts:
+            emit({"context": ctx, "mode": LABEL["hf"],
+                  "skipped": "random-weight geometry: no checkpoint for transformers to load"})
+        return
+    from triforce_offload.runtime import peers
+    from triforce_offload.runtime.loader import resolve
+    resident = all_weight_bytes(L.model)
+    L.model = None  # one copy of the weights on the device at a time
+    hf = peers.load_hf(resolve(None if a.model == "bundled" else a.model), L.dtype).to(device)
+    n = max(16, min(256, min(a.contexts) - a.new_tokens))
+    run_hf(hf, prompts.get(min(a.contexts), list(range(n)))[:n], a, 4, device)  # warm-up
+    for ctx in a.contexts:
+        if ctx not in prompts:
+            emit({"context": ctx, "mode": LABEL["hf"], "skipped": "did not fit (see above)"})
+            continue
+        why = fit(L, ctx, a, device, resident)
+        if why:
+            emit({"context": ctx, "mode": LABEL["hf"], "skipped": why})
+            continue
+        kv = L.cfg.kv_bytes_per_token(elem) * ctx
+        r = median_run(lambda: run_hf(hf, prompts[ctx], a, a.new_tokens, device), a.repeats)
+        emit({"context": ctx, "prompt_tokens": len(prompts[ctx]), "mode": LABEL["hf"], **r,
+              "kv_bytes": kv, "bytes_per_token": weights + kv,
+              **figures(r, weights + kv, copy_bps),
+              "note": "transformers with the checkpoint's own RoPE (speed does not depend on it)"})
+
+
+def table(rows: list[dict], copy_bps: float) -> str:
+    graphed = {r["context"]: r["ms_per_token"] for r in rows
+               if r.get("mode") == LABEL["graphed"] and "ms_per_token" in r}
+    head = rows[0] if rows else {}
+    lines = [f"{head.get('model', '')} on {head.get('device', '')}, {head.get('dtype', '')}; "
+             f"copy bandwidth {copy_bps / 1e9:.1f} GB/s (read + write); weights read per token "
+             f"{head.get('weights_bytes', 0) / 1e9:.3f} GB + the context's KV; "
+             "floor = bytes per token / copy bandwidth", "",
+             "| context | mode | ms/token | steady ms/token | GB/token | GB/s | floor ms | x floor "
+             "| vs AR graphed | graphs | acceptance | mean accepted |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "skipped" in r:
+            lines.append(f"| {r['context']} | {r['mode']} | skipped: {r['skipped']} "
+                         "| | | | | | | | | |")
+            continue
+        g = graphed.get(r["context"])
+        acc = ", ".join(f"{k} {v:.2f}" for k, v in r.get("acceptance", {}).items())
+        ma = f"{r['mean_accepted']:.2f}" if "mean_accepted" in r else ""
+        steady = f"{r['steady_ms_per_token']:.2f}" if r.get("steady_ms_per_token") else ""
+        vs = f"{g / r['ms_per_token']:.2f}x" if g else ""
+        lines.append(
+            f"| {r['context']} | {r['mode']} | {r['ms_per_token']:.2f} | {steady} "
+            f"| {r['bytes_per_token'] / 1e9:.3f} | {r['gb_per_s']:.1f} | {r['floor_ms']:.2f} "
+            f"| {r['floor_ratio']:.2f}x | {vs} "
+            f"| {'' if r.get('graphs') is None else ('yes' if r['graphs'] else 'no')} "
+            f"| {acc} | {ma} |")
+    tri = [(r["context"], graphed[r["context"]] / r["ms_per_token"]) for r in rows
+           if r.get("mode") == "triforce" and "ms_per_token" in r and r["context"] in graphed]
+    if tri:
+        lines.append("")
+        lines += [f"triforce vs graphed autoregressive at {c}: {x:.2f}x" for c, x in tri]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

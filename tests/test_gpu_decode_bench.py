@@ -1,0 +1,68 @@
+"""benchmarks/gpu_decode.py on the CPU: a shrunk geometry, and a tiny checkpoint with transformers."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "gpu_decode.py"
+OURS = ["autoregressive eager", "autoregressive graphed", "triforce"]
+HF = "transformers generate"
+
+
+def bench(out, *args):
+    cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--contexts", "256", "--new-tokens", "4",
+           "--copy-mib", "64", "--threads", "1", "--out", str(out), *map(str, args)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout, [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def check_timed(row):
+    assert row["context"] == 256 and row["prompt_tokens"] == 252 and row["new_tokens"] == 4
+    assert row["ms_per_token"] > 0 and row["bytes_per_token"] > row["kv_bytes"] > 0
+    assert row["gb_per_s"] > 0 and row["copy_gb_per_s"] > 0
+    assert row["floor_ms"] > 0 and row["floor_ratio"] > 0
+    assert abs(row["floor_ratio"] - row["ms_per_token"] / row["floor_ms"]) < 1e-6 * row["floor_ratio"]
+
+
+def test_geometry_rows_and_table(tmp_path):
+    out = tmp_path / "gd.jsonl"
+    stdout, rows = bench(out, "--geometry", "smollm2", "--layers", "2")
+    by = {r["mode"]: r for r in rows}
+    assert set(by) == set(OURS) | {HF}
+    for m in OURS:
+        check_timed(by[m])
+    # SmolLM2 geometry, 2 layers, fp32: tied embedding read once (49152x576) + 2 blocks + norm
+    blk = (576 * 576 * 2 + 576 * 192 * 2 + 3 * 576 * 1536 + 2 * 576) * 4  # q,o k,v mlp norms
+    assert by[OURS[0]]["weights_bytes"] == 49152 * 576 * 4 + 2 * blk + 576 * 4
+    assert by[OURS[0]]["kv_bytes"] == 2 * 2 * 3 * 64 * 4 * 256
+    assert by["autoregressive eager"]["graphs"] is False  # no CUDA: nothing replays
+    assert by["autoregressive graphed"]["graphs"] is False
+    assert "acceptance" in by["triforce"] and "mean_accepted" in by["triforce"]
+    assert "random-weight" in by[HF]["skipped"]
+    assert "| context | mode | ms/token |" in stdout
+    for m in OURS + [HF]:
+        assert f"| 256 | {m} |" in stdout
+    assert "triforce vs graphed autoregressive at 256:" in stdout
+
+
+def test_checkpoint_with_transformers_and_essays(tmp_path, tiny_model_dir):
+    out = tmp_path / "gd.jsonl"
+    stdout, rows = bench(out, "--model", tiny_model_dir, "--prompt-text", "essays")
+    by = {r["mode"]: r for r in rows}
+    assert set(by) == set(OURS) | {HF}
+    for m in OURS + [HF]:
+        check_timed(by[m])
+    assert f"| 256 | {HF} |" in stdout
+
+
+def test_oversized_context_is_skipped_with_the_reason(tmp_path):
+    out = tmp_path / "gd.jsonl"
+    # 100M tokens of one SmolLM2 layer's fp32 KV (150 GB) fit no test machine's memory
+    stdout, rows = bench(out, "--geometry", "smollm2", "--layers", "1", "--contexts", "256",
+                         "100000000", "--modes", "eager")
+    skipped = [r for r in rows if r.get("skipped")]
+    assert [r["context"] for r in skipped] == [100000000]
+    assert "90%" in skipped[0]["skipped"] and "skipped" in stdout
+    assert [r["mode"] for r in rows if not r.get("skipped")] == ["autoregressive eager"]
