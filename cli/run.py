@@ -58,7 +58,7 @@ def run(
                                 "stream it (auto: on when it does not fit the device; off on CPU)."),
     on_chip: int = typer.Option(0, help="With --offload: the first N layers keep their KV on the device."),
     transfer_chunk: Optional[int] = typer.Option(None, help="Tokens per host->device copy "
-                                                 "[default: from `triforce-offload tune`, else 1024]."),
+                                                 "[default: from `triforce-offload tune`, else >= 4 MB per copy]."),
     profile: Optional[Path] = typer.Option(None, help="With --offload: write a Chrome trace JSON "
                                            "of the last verification (copy/compute/wait per layer)."),
     plan: Optional[str] = typer.Option(None, "--plan", help="auto: choose --budget, --gamma2, "

@@ -18,8 +18,10 @@ Assumptions (all stated, none fitted to the paper table):
    cudaMemcpyAsync launch + DMA setup), so small transfer chunks waste link time. K and V
    are separate copies. All links together are capped by host DRAM bandwidth.
 3. Transfers overlap compute, but the link can run ahead of compute only by the staging
-   buffers (2 x ``transfer_chunk`` tokens of one layer): compute of the on-chip layers
-   beyond what fills the staging buffers is not overlapped. A pass costs
+   ring (``staging_bytes``: STAGE_DEPTH slots of ``transfer_chunk`` tokens of one layer,
+   exactly what the runtime allocates): compute of the on-chip layers beyond what fills
+   the ring is not overlapped. A prefill holds one offloaded layer's KV on the device
+   (layer-major, so nothing is re-streamed): counted in GPU memory. A pass costs
    max(transfer + unhidden compute, compute) + the tail (last layer after the last byte)
    + a fixed per-forward overhead (launches, sampling, host sync, all-reduces).
 4. Drafting leaves the link idle, so the staging buffers are prefetched then.
@@ -48,6 +50,21 @@ GPU_RESERVE_GIB = 1.5  # CUDA context + activations + allocator slack (assumptio
 GPU_RESERVE_FRAC = 0.05  # ... or this fraction of the card, whichever is larger
 HOST_RESERVE_FRAC = 0.1  # OS, page cache, the process itself (assumption)
 MODES = ("autoregressive", "deepspeed", "triforce")
+STAGE_DEPTH = 2  # staging ring slots of one transfer chunk each (2: double-buffered)
+MIN_COPY_BYTES = 4 * 2 ** 20  # pinned copies reach the link's speed from ~4 MB (gpu/README.md)
+
+
+def staging_bytes(transfer_chunk: int, kv_layer_bytes: float, depth: int = STAGE_DEPTH) -> float:
+    """Device bytes of the staging ring: `depth` slots, each the K and V of `transfer_chunk`
+    tokens of one layer (kv_layer_bytes: one GPU's K+V bytes of a token in one layer).
+    The runtime allocates exactly this; `plan`, `--plan auto` and the predictions count it."""
+    return depth * transfer_chunk * kv_layer_bytes
+
+
+def default_transfer_chunk(kv_layer_bytes: float) -> int:
+    """Tokens per copy when none is given or tuned: one copy (the K or the V of one layer's
+    chunk) moves at least MIN_COPY_BYTES, where the link reaches its speed."""
+    return max(1, math.ceil(MIN_COPY_BYTES / (kv_layer_bytes / 2)))
 
 
 @dataclass(frozen=True)
@@ -284,7 +301,8 @@ def _gpu_parts(m: ModelSpec, s: Settings, mode: str, tp: int, on_chip: int) -> d
         return parts
     parts["on_chip_kv"] = on_chip * s.context * m.kv_layer_bytes / tp
     if on_chip < m.layers:
-        parts["staging"] = 2 * s.transfer_chunk * m.kv_layer_bytes / tp
+        parts["staging"] = staging_bytes(s.transfer_chunk, m.kv_layer_bytes / tp)
+        parts["prefill_layer"] = s.context * m.kv_layer_bytes / tp
     if mode == "triforce":
         parts["retrieval"] = s.budget * m.kv_token_bytes / tp
         if s.draft is not None:  # replicated on every GPU
@@ -388,7 +406,7 @@ def _full_pass(hw, m, s, tp, n, on_chip, wstream, idle_ms=0.0) -> _Pass:
     off = m.layers - on_chip
     link = link_gbps(hw, _copy_bytes(m, s, tp), tp)
     xfer = _ms(off * s.context * m.kv_layer_bytes / tp + wstream, link)
-    stage = _ms(2 * s.transfer_chunk * m.kv_layer_bytes / tp, link) if off else 0.0
+    stage = _ms(staging_bytes(s.transfer_chunk, m.kv_layer_bytes / tp), link) if off else 0.0
     pre = min(idle_ms, stage, xfer)
     dense = _dense(hw, m, tp, n)
     c_on = dense * on_chip / m.layers + _attn(hw, m, tp, n, s.context, on_chip)

@@ -1,11 +1,12 @@
 """Pipeline scheduler: which chunk of which layer streams into which staging slot, when.
 
 A *pass* streams the committed prefix [0, end) of every offloaded layer, layer after
-layer, chunk after chunk, through a ring of staging slots. The ring holds `stage_layers`
-layers' worth of chunks (double-buffered by default): while layer i is computed chunk by
-chunk, layer i+1 is already streaming. A slot is refilled with the next chunk of the pass
-as soon as the attention that read it has been issued, so the copier never waits on
-compute and compute waits only for chunks that have not landed yet.
+layer, chunk after chunk, through a ring of `depth` staging slots of one transfer chunk
+each (double-buffered by default: `costmodel.staging_bytes`, the size `plan` counts), not
+whole layers: the pass runs on across layer boundaries, so the next layer's first chunks
+stream while this layer's last ones are computed. A slot is refilled with the next chunk
+of the pass as soon as the attention that read it has been issued, so the copier never
+waits on compute and compute waits only for chunks that have not landed yet.
 
 A pass can start early (`start`): on a `prefetch()` hint, or right after a commit, so the
 first offloaded layers of the next verification stream while the draft levels run. A
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .copier import ChunkCopier
+from .costmodel import STAGE_DEPTH
 from .errors import OffloadError
 from .store import HostKVStore
 from .timeline import Span, Timeline
@@ -45,16 +47,16 @@ class Pass:
 
 class PipelineScheduler:
     def __init__(self, store: HostKVStore, copier: ChunkCopier, chunk: int, device,
-                 stage_layers: int = 2, overlap: bool = True, timeline: Timeline | None = None,
-                 slots: int | None = None):
+                 depth: int = STAGE_DEPTH, overlap: bool = True, timeline: Timeline | None = None):
         if chunk < 1:
             raise OffloadError(f"--transfer-chunk {chunk}: must be >= 1 token")
+        if depth < 1:
+            raise OffloadError(f"staging depth {depth}: must be >= 1 slot")
         self.store, self.copier, self.chunk = store, copier, chunk
         self.layers = list(store.spec.layers)
         self.overlap, self.timeline = overlap, timeline
         s = store.spec
-        self.n_slots = slots or staging_slots(store.capacity, chunk, stage_layers,
-                                              chunk * s.bytes_per_token(), torch.device(device))
+        self.n_slots = depth
         shape = (self.n_slots, chunk, s.batch, s.n_kv_heads, s.head_dim)  # [N, C, B, Hkv, D]
         self.k = torch.empty(shape, dtype=s.dtype, device=device)
         self.v = torch.empty(shape, dtype=s.dtype, device=device)
@@ -62,6 +64,7 @@ class PipelineScheduler:
         self.pass_ = None
 
     def nbytes(self) -> int:
+        """Device bytes of the ring: `costmodel.staging_bytes(chunk, bytes per token, depth)`."""
         return 2 * self.k.numel() * self.k.element_size()
 
     def start(self, end: int, first_layer: int | None = None):
@@ -139,18 +142,4 @@ class PipelineScheduler:
         with Span(self.timeline, "wait", "wait group"):
             for _, sig in p.inflight.values():
                 sig.wait()
-
-
-CPU_STAGING_BYTES = 16 * 2 ** 20  # CPU staging ring: stays in the last-level cache
-
-
-def staging_slots(capacity: int, chunk: int, stage_layers: int, chunk_bytes: int = 0,
-                  device=torch.device("cuda")) -> int:
-    """Slots for `stage_layers` whole layers at full capacity (at least 2). On the CPU the
-    ring is also capped to CPU_STAGING_BYTES: the copier's memcpy then leaves each chunk
-    in cache for the attention that reads it next, where a bigger ring would evict it."""
-    n = max(2, stage_layers * -(-capacity // chunk))
-    if torch.device(device).type == "cpu" and chunk_bytes:
-        n = max(2, min(n, CPU_STAGING_BYTES // chunk_bytes))
-    return n
 

@@ -63,7 +63,7 @@ def make_cache(loaded, context: int, tokens: int, chunk: int, overlap: bool = Tr
                on_chip: int = 0, copier_cls=ChunkCopier, slots: int | None = None) -> OffloadedCache:
     cache = OffloadedCache(loaded.cfg, context + tokens, dtype=loaded.dtype, device=loaded.device,
                            on_chip=on_chip, chunk=chunk, overlap=overlap, copier_cls=copier_cls,
-                           slots=slots)
+                           **({"depth": slots} if slots else {}))
     fill_random(cache, context)
     if copier_cls is NoCopy:  # touch the slots: never-written pages all read one zero page
         cache.sched.k.normal_()

@@ -34,14 +34,14 @@ import torch
 from ..kernels.attention import attention
 from ..kernels.chunked import StreamedAttention
 from ..offload.copier import ChunkCopier
-from ..offload.scheduler import PipelineScheduler, staging_slots
+from ..offload.costmodel import STAGE_DEPTH, default_transfer_chunk, staging_bytes
+from ..offload.scheduler import PipelineScheduler
 from ..offload.store import HostKVStore, StoreSpec, check_memory, device_available
 from ..offload.timeline import Span, Timeline
 from ..offload.tune import profile_chunk
 from .cache import FullCache, KVCache
 from .errors import TriforceError
 
-DEFAULT_CHUNK = 1024  # transfer chunk when neither --transfer-chunk nor a tuned profile is given
 OFFLOAD_CHOICES = ("auto", "on", "off")
 HOST_HINT = "lower --max-context or --max-new-tokens (or shorten the prompt)"
 DEVICE_HINT = "lower --on-chip or --transfer-chunk"
@@ -51,8 +51,8 @@ DEVICE_HINT = "lower --on-chip or --transfer-chunk"
 class OffloadOptions:
     offload: str = "auto"  # auto|on|off; auto: on when the full KV does not fit the device
     on_chip: int = 0  # first layers whose KV stays on the device
-    transfer_chunk: int | None = None  # tokens per copy; None: tuned profile, else DEFAULT_CHUNK
-    stage_layers: int = 2  # staging ring size in layers' worth of chunks (2: double-buffered)
+    transfer_chunk: int | None = None  # tokens per copy; None: tuned profile, else >= 4 MB per copy
+    stage_depth: int = STAGE_DEPTH  # staging ring slots of one transfer chunk (2: double-buffered)
     overlap: bool = True  # False: serialized reference (copy, then compute)
     profile: str | None = None  # write a Chrome trace of the last verification forward here
 
@@ -63,6 +63,8 @@ class OffloadOptions:
             raise TriforceError(f"--offload {o.offload!r}: allowed are {', '.join(OFFLOAD_CHOICES)}")
         if o.transfer_chunk is not None and o.transfer_chunk < 1:
             raise TriforceError(f"--transfer-chunk {o.transfer_chunk}: must be >= 1 token")
+        if o.stage_depth < 1:
+            raise TriforceError(f"staging depth {o.stage_depth}: must be >= 1 slot")
         return o
 
 
@@ -70,24 +72,24 @@ class OffloadedCache(KVCache):
     """Full cache whose layers >= on_chip live in the host store, streamed per verification."""
 
     def __init__(self, cfg, capacity: int, batch: int = 1, dtype=torch.float32, device="cpu",
-                 on_chip: int = 0, chunk: int = DEFAULT_CHUNK, stage_layers: int = 2,
-                 overlap: bool = True, copier_cls=ChunkCopier, log_order: bool = False,
-                 slots: int | None = None):
+                 on_chip: int = 0, chunk: int | None = None, depth: int = STAGE_DEPTH,
+                 overlap: bool = True, copier_cls=ChunkCopier, log_order: bool = False):
         super().__init__(cfg, batch)
         if not 0 <= on_chip <= cfg.n_layers:
             raise TriforceError(f"--on-chip {on_chip}: must be between 0 and {cfg.n_layers} layers")
-        if chunk < 1:
+        if chunk is not None and chunk < 1:
             raise TriforceError(f"--transfer-chunk {chunk}: must be >= 1 token")
-        self.capacity, self.on_chip, self.chunk, self.device = capacity, on_chip, chunk, device
         spec = StoreSpec(list(range(on_chip, cfg.n_layers)), cfg.n_kv_heads, cfg.head_dim,
                          capacity, batch, dtype)
-        self._check(spec, stage_layers, slots)
+        chunk = min(chunk or default_transfer_chunk(spec.bytes_per_token()), capacity)
+        self.capacity, self.on_chip, self.chunk, self.device = capacity, on_chip, chunk, device
+        self._check(spec, depth)
         self.timeline = Timeline(log_order)
         self.store = HostKVStore(spec)
         self.copier = copier_cls(device, self.timeline)
         weakref.finalize(self, self.copier.close)  # stop the copier thread with the cache
-        self.sched = PipelineScheduler(self.store, self.copier, chunk, device, stage_layers,
-                                       overlap, self.timeline, slots) if spec.layers else None
+        self.sched = PipelineScheduler(self.store, self.copier, chunk, device, depth,
+                                       overlap, self.timeline) if spec.layers else None
         self.chip = FullCache(cfg, capacity, batch, dtype, device) if on_chip else None
         self.written = 0  # end of the KV written so far (scratch above `length`)
         self.wb = {}  # layer -> Signal of its latest write-back
@@ -97,14 +99,11 @@ class OffloadedCache(KVCache):
         self.fresh = {}  # layer -> (start, k, v [B, Hkv, T, D]): the latest forward's device KV
         self._t0 = None
 
-    def _check(self, spec: StoreSpec, stage_layers: int, slots: int | None):
+    def _check(self, spec: StoreSpec, depth: int):
+        """On-chip layers, the staging ring and the layer a prefill holds must fit."""
         per_layer = spec.bytes_per_token() * spec.capacity
-        cb = self.chunk * spec.bytes_per_token()
-        if not spec.layers:
-            slots = per_layer = 0
-        slots = slots if slots is not None else staging_slots(
-            spec.capacity, self.chunk, stage_layers, cb, self.device)
-        dev = (self.on_chip + 1) * per_layer + slots * cb  # + the layer a prefill holds
+        stage = staging_bytes(self.chunk, spec.bytes_per_token(), depth) if spec.layers else 0
+        dev = self.on_chip * per_layer + (stage + per_layer if spec.layers else 0)
         check_memory(spec.nbytes(), dev, self.device, HOST_HINT, DEVICE_HINT)
 
     def attend(self, layer, q, k, v, start):
@@ -310,9 +309,9 @@ def make_full_cache(loaded, capacity: int, opts) -> KVCache:
         if o.profile:
             raise TriforceError("--profile times the offload pipeline: add --offload on")
         return FullCache(loaded.cfg, capacity, dtype=loaded.dtype, device=loaded.device)
-    chunk = o.transfer_chunk or profile_chunk(loaded.device) or DEFAULT_CHUNK
+    chunk = o.transfer_chunk or profile_chunk(loaded.device)  # else >= 4 MB per copy
     return OffloadedCache(loaded.cfg, capacity, dtype=loaded.dtype, device=loaded.device,
-                          on_chip=o.on_chip, chunk=chunk, stage_layers=o.stage_layers,
+                          on_chip=o.on_chip, chunk=chunk, depth=o.stage_depth,
                           overlap=o.overlap)
 
 

@@ -119,15 +119,16 @@ def test_plan_respects_memory_overrides():
 
 
 def test_plan_refuses_host_overflow_with_numbers():
+    # 512K: the prefill's device layer (8 GiB) still fits the card, the host KV does not
     with pytest.raises(ValueError, match=r"needs \d+\.\d GiB host memory.*57\.6 GiB available"):
-        pl.search_plan(pl.parse_gpus("4090"), cm.LLAMA2_7B_128K, pl.parse_context("1M"),
+        pl.search_plan(pl.parse_gpus("4090"), cm.LLAMA2_7B_128K, pl.parse_context("512k"),
                        host_mem_gb=64)
 
 
 def test_plan_refuses_gpu_overflow_with_numbers():
     # llama2-13b: 24.2 GiB of fp16 weights cannot sit on one 24 GiB card
     with pytest.raises(ValueError, match=r"needs 2\d\.\d GiB per GPU.*\d+\.\d GiB avail"):
-        pl.search_plan(pl.parse_gpus("4090"), cm.LLAMA2_13B_128K, pl.parse_context("1M"),
+        pl.search_plan(pl.parse_gpus("4090"), cm.LLAMA2_13B_128K, pl.parse_context("128k"),
                        host_mem_gb=64)
 
 

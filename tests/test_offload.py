@@ -13,6 +13,7 @@ from triforce_offload.offload.copier import ChunkCopier, Signal
 from triforce_offload.offload.errors import OffloadError
 from triforce_offload.offload.store import HostKVStore, StoreSpec
 from triforce_offload.offload.timeline import Timeline
+from triforce_offload.offload import costmodel as cm
 from triforce_offload.offload import tune
 from triforce_offload.runtime.api import RunOptions
 from triforce_offload.runtime.cache import FullCache
@@ -79,11 +80,12 @@ def test_offloaded_matches_full_cache(model, reference, chunk, on_chip):
     cache.close()
 
 
-@pytest.mark.parametrize("stage_layers", [0, 1])
-def test_serialized_and_small_ring_match(model, reference, stage_layers):
-    """overlap=False (copy all, then compute) and a ring smaller than a layer."""
+@pytest.mark.parametrize("depth", [1, 3, 40])
+def test_serialized_and_small_ring_match(model, reference, depth):
+    """overlap=False (copy a group, then compute), rings of 1 and 3 chunks and one of
+    more than a layer's chunks."""
     for overlap in (False, True):
-        cache = OffloadedCache(CFG, CAP, chunk=7, stage_layers=stage_layers, overlap=overlap)
+        cache = OffloadedCache(CFG, CAP, chunk=7, depth=depth, overlap=overlap)
         check_same(script(model, cache), reference)
         cache.close()
 
@@ -166,8 +168,8 @@ def test_make_full_cache_choices(tmp_path, monkeypatch):
     mk = lambda **kw: make_full_cache(FakeLoaded, CAP, RunOptions(extra=kw))
     assert type(mk()) is FullCache  # auto on a CPU: the device is the host
     assert type(mk(offload="off")) is FullCache
-    c = mk(offload="on")
-    assert isinstance(c, OffloadedCache) and c.chunk == 1024
+    c = mk(offload="on")  # >= 4 MB per copy, at most the capacity
+    assert isinstance(c, OffloadedCache) and c.chunk == CAP
     tune.save_profile("cpu", [], 96, {})  # a tuned profile is the default chunk ...
     assert mk(offload="on").chunk == 96
     assert mk(offload="on", transfer_chunk=32).chunk == 32  # ... and the flag overrides it
@@ -288,14 +290,40 @@ def test_retrieval_absorbs_verified_kv_without_host_sync(model, monkeypatch):
         monkeypatch.setattr(Signal, "synchronize", lambda s: waits.append(s))
         with HostSyncs() as hs:
             ret.absorb(off, 50, 53)
+            ret.commit(53)
         monkeypatch.undo()
         assert waits == [] and hs.n == 0
         model(ids[:, 53:57], 53, off)  # two pending forwards: absorb spans both, from the host
         model(ids[:, 57:60], 57, off)
         off.commit(59)
         ret.absorb(off, 53, 59)
+        ret.commit(59)
     for layer in range(CFG.n_layers):
         for got, want in zip((ret.k[layer], ret.v[layer]), off.keys(layer, 59)):
             torch.testing.assert_close(got[:, :, ret._slot(50): ret._slot(59)], want[:, :, 50:59])
     assert ret.length == 59
     off.close()
+
+
+def test_staging_bytes_equal_the_cost_model():
+    """The runtime's staging ring is `costmodel.staging_bytes` (what `plan` and `--plan
+    auto` count): depth x transfer chunk of one layer, not whole layers; the default
+    transfer chunk moves >= 4 MiB per copy (K or V of one layer's chunk)."""
+    cfg = ModelConfig(vocab_size=97, hidden_size=576, intermediate_size=64, n_layers=2, n_heads=9,
+                      n_kv_heads=3, max_position_embeddings=1 << 15)  # SmolLM2's attention shape
+    m = cm.ModelSpec("smol", cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.hidden_size,
+                     cfg.intermediate_size, cfg.vocab_size, dtype_bytes=2)
+    hw = cm.HARDWARE["rtx4090"]
+    for chunk, depth in ((256, 2), (1000, 3)):
+        c = OffloadedCache(cfg, 4096, dtype=torch.bfloat16, chunk=chunk, depth=depth, on_chip=1)
+        want = cm.staging_bytes(chunk, m.kv_layer_bytes, depth)
+        assert c.sched.nbytes() == want == depth * chunk * c.store.spec.bytes_per_token()
+        c.close()
+    s = cm.Settings(context=4096, transfer_chunk=256, on_chip=1, draft=None)
+    assert cm.memory_use(hw, m, s).parts["staging"] * cm.GIB == cm.staging_bytes(256, m.kv_layer_bytes)
+    n = cm.default_transfer_chunk(m.kv_layer_bytes)
+    c = OffloadedCache(cfg, n + 8, dtype=torch.bfloat16, on_chip=1)
+    per_copy = lambda t: t * c.store.spec.bytes_per_token() // 2
+    assert c.chunk == n and per_copy(n) >= 4 * 2 ** 20 > per_copy(n - 1)
+    assert cm.default_transfer_chunk(2 * 32 * 128 * 2) == 512  # Llama2-7B bf16: 4 MiB per copy
+    c.close()
