@@ -70,6 +70,7 @@ def expected(L, full, n0, toks, P, Q, sp, budget, chunk, rebuild, gamma2):
         alphas += a.tolist()
         rounds.append(float(a.cumprod(0).sum()) / g)
         ret.absorb(full, n0 + j, n0 + j + g)
+        ret.commit(n0 + j + g)
         j, since = j + g, since + g
         if policy.due(since, 1.0):
             ret.build(full, Q[j], n0 + j)  # the verifier's query of the last verified token

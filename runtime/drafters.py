@@ -2,7 +2,8 @@
 
 Every level shares one token list `seq` (prompt + generated + tentative tokens) and
 tracks `fed`: how many leading positions of `seq` its cache holds (committed or
-pending). A forward feeds `seq[fed:]`, so a level catches up on tokens accepted by the
+pending). Only the level writes `fed` (its forwards feed, `commit` sets it) and only
+`commit` moves its cache's length; the engine drives both through `commit`/`rollback`. A forward feeds `seq[fed:]`, so a level catches up on tokens accepted by the
 levels above without the engine spelling them out. `draft(seq, g, sp, gen)` appends up
 to g tokens to `seq` and returns their draft distributions q [g', V].
 """
@@ -22,11 +23,11 @@ from .speculative import one_hot
 class ModelLevel:
     """A model over one cache: the target over full/retrieval caches, or a draft model."""
 
-    def __init__(self, model, cache, name: str, graphs: bool = False):
+    def __init__(self, model, cache, name: str, graphs: bool = False, fed: int = 0):
         self.model, self.cache, self.name = model, cache, name
         self.device = next(model.parameters()).device
         self.step = Step(model, cache, graphs)  # CUDA graphs over a static cache
-        self.fed = 0  # leading positions of seq held by the cache
+        self.fed = fed  # leading positions of seq held by the cache (it may arrive filled)
         self.time = 0.0  # seconds spent in forwards
 
     @torch.inference_mode()

@@ -160,7 +160,7 @@ class Engine:
         lower = self.levels[i - 1]
         if hasattr(getattr(lower, "cache", None), "absorb"):
             lower.cache.absorb(self.levels[i].cache, f0, n)  # exact target KV of verified tokens
-            lower.fed = n
+            lower.commit(n)
 
     def _after_top(self, g: int, k: int, t_draft: float, t_verify: float):
         self._since_build += k + 1
@@ -180,7 +180,7 @@ class Engine:
         """Re-select chunks from the full cache with the verifier's latest queries."""
         mid, top = self.levels[-2], self.top
         mid.cache.build(top.cache, top.cache.q, top.fed)
-        mid.fed = top.fed
+        mid.commit(top.fed)
         self.rebuilds += 1
         self._since_build, self._acc_ema = 0, 1.0
 

@@ -126,7 +126,7 @@ class RetrievalCache(KVCache):
 
     @torch.inference_mode()
     def absorb(self, full, lo: int, hi: int):
-        """Copy the full cache's exact KV of positions lo..hi-1 in, and commit to hi."""
+        """Copy the full cache's exact KV of positions lo..hi-1 in (the engine commits)."""
         lo = max(lo, self.base)
         if hi > lo:
             s = self._slot(lo)
@@ -134,7 +134,6 @@ class RetrievalCache(KVCache):
                 k, v = _exact_kv(full, layer, lo, hi)
                 self.k[layer][:, :, s: s + hi - lo].copy_(k)
                 self.v[layer][:, :, s: s + hi - lo].copy_(v)
-        self.commit(hi)
 
     def commit(self, n: int):
         if n < self.base:

@@ -70,10 +70,9 @@ def make_drafter(o: SpecOptions, loaded, prompt, full):
     mk = lambda cfg: StreamingCache(cfg, o.draft_sink, o.draft_window, max(64, o.gamma1 + 16),
                                     dtype=loaded.dtype, device=loaded.device)
     if o.draft == "self":
-        lv = ModelLevel(loaded.model, mk(loaded.cfg), "self")
-        lv.cache.load_from(full, len(prompt))  # the target's own KV of sink + window
-        lv.fed = len(prompt)
-        return lv
+        cache = mk(loaded.cfg)
+        cache.load_from(full, len(prompt))  # the target's own KV of sink + window
+        return ModelLevel(loaded.model, cache, "self", fed=len(prompt))
     from .loader import load_model
     model, cfg, tok = load_model(o.draft, loaded.dtype, loaded.device)
     check_vocab(loaded.tokenizer, tok)
@@ -92,8 +91,7 @@ def check_draft(o: SpecOptions, loaded):
 
 def build_levels(kind, o: SpecOptions, loaded, prompt, full, notes: list, graphs: bool = True):
     n = len(prompt)
-    top = ModelLevel(loaded.model, full, "full", graphs)
-    top.fed = n
+    top = ModelLevel(loaded.model, full, "full", graphs, fed=n)
     levels, gammas = [top], []
     if kind in ("triforce", "retrieval"):
         if o.budget % o.chunk:
@@ -109,8 +107,7 @@ def build_levels(kind, o: SpecOptions, loaded, prompt, full, notes: list, graphs
             ret.build(full, full.q, n)
             if ret.holds_all:
                 notes.append(f"prompt of {n} tokens fits the budget: the retrieval cache holds all of it")
-            mid = ModelLevel(loaded.model, ret, "retrieval", graphs)
-            mid.fed = n
+            mid = ModelLevel(loaded.model, ret, "retrieval", graphs, fed=n)
             levels.insert(0, mid)
             gammas.insert(0, o.g2)
     if kind in ("triforce", "draft"):

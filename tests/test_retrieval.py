@@ -96,6 +96,7 @@ def test_retrieval_cache_tail_and_positions():
     rc.build(full, {0: torch.randn(1, 4, D)}, S)
     assert rc.n_ret == 10 and torch.equal(rc.k[0][:, :, 8:10], K[:, :, 28:30])  # tail kept
     rc.absorb(full, S, S)
+    rc.commit(S)
     assert rc.length == S and rc.room() == 20 - 10  # slots: 2 chunks + 1 tail chunk + 8 extra
 
 
