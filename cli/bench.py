@@ -127,11 +127,11 @@ def show_summary(summary: list[dict], o: BenchOptions):
     notes = "\n".join(skip_line(s) for s in summary if "skipped" in s)
     t = Table(title=f"bench: {o.new_tokens} new tokens per run, median of {o.repeats}",
               caption=Text(notes) if notes else None)  # Text: "[bench]" is not markup
-    for c in ("mode", "context", "T", "ms/token", "tok/s", "speedup", "acceptance",
+    for c in ("mode", "context", "T", "ms/token", "tok/s", "speedup", "vs AR+offload", "acceptance",
               "mean acc.", "peak GB", "lossless"):
         t.add_column(c, justify="left" if c in ("mode", "acceptance") else "right")
     for s in summary:  # skipped contenders last, their reasons in the caption
-        t.add_row(*([s["mode"], "-", "-", "skipped"] + ["-"] * 6 if "skipped" in s
+        t.add_row(*([s["mode"], "-", "-", "skipped"] + ["-"] * 7 if "skipped" in s
                     else summary_cells(s)))
     con = out if out.is_terminal else Console(width=160)  # files and pipes: no squeezed columns
     con.print(t)
@@ -147,6 +147,7 @@ def summary_cells(s: dict) -> list[str]:
     if s.get("peer") and s["lossless"] is not None:  # a reference, not a lossless claim
         lossless = "same" if s["lossless"] else "differs"
     return [s["mode"], str(s["context"]), f"{s['temperature']:g}", f"{s['ms_per_token']:.1f}",
-            f"{s['tokens_per_s']:.1f}", f"{s['speedup']:.2f}x" if s["speedup"] else "-", acc or "-",
+            f"{s['tokens_per_s']:.1f}", f"{s['speedup']:.2f}x" if s["speedup"] else "-",
+            f"{s['offload_speedup']:.2f}x" if "offload_speedup" in s else "-", acc or "-",
             f"{s['mean_accepted']:.2f}" if "mean_accepted" in s else "-", f"{s['peak_gb']:.2f}",
             lossless]

@@ -11,6 +11,7 @@ contender generates `new_tokens` tokens (end-of-sequence ignored) from the same 
 | draft | drafter -> target (classic speculative decoding) |
 | retrieval | target over the retrieval cache -> target (TriForce without L0) |
 | triforce | drafter -> target + retrieval cache -> target + full cache |
+| draft+offload, retrieval+offload, triforce+offload | the same with the full cache in the host store, streamed |
 | hf, hf-lookup | transformers `generate`, plain and prompt-lookup assisted |
 | llama.cpp, llama.cpp-lookup | llama-cpp-python on the GGUF, plain and prompt lookup |
 | deepspeed | DeepSpeed ZeRO-Inference (ZeRO-3, weights in pinned host memory); CUDA, opt-in |
@@ -44,6 +45,9 @@ CONTENDERS = {
     "draft": ("ours", "draft", {"offload": "off"}),
     "retrieval": ("ours", "retrieval", {"offload": "off"}),
     "triforce": ("ours", "triforce", {"offload": "off"}),
+    "draft+offload": ("ours", "draft", {"offload": "on"}),
+    "retrieval+offload": ("ours", "retrieval", {"offload": "on"}),
+    "triforce+offload": ("ours", "triforce", {"offload": "on"}),
     "hf": ("transformers", "plain", {}),
     "hf-lookup": ("transformers", "lookup", {}),
     "llama.cpp": ("llama.cpp", "plain", {}),
@@ -51,6 +55,7 @@ CONTENDERS = {
     "deepspeed": ("deepspeed", "zero-3", {}),
 }
 BASELINE = "autoregressive"
+OFFLOAD_BASELINE = "autoregressive+offload"  # what the offloaded contenders are compared with
 EXTRA_BASELINES = ["deepspeed"]  # opt-in peers (`--baseline`): not in the default modes
 DEFAULT_MODES = [m for m in CONTENDERS if m not in EXTRA_BASELINES]
 
@@ -248,23 +253,28 @@ def warm_up(loaded: api.Loaded):
 
 def summarize(rows: list[dict]) -> list[dict]:
     """One row per (mode, context, temperature): median ms/token over repeats, speedup over
-    autoregressive, and lossless = greedy tokens equal autoregressive's (None if not greedy;
-    for peers, `peer` is set: other kernels or quantized weights may flip near-ties)."""
+    autoregressive (and, for contenders whose KV lives in host memory, `offload_speedup`
+    over autoregressive+offload), and lossless = greedy tokens equal autoregressive's (None
+    if not greedy; for peers, `peer` is set: other kernels or quantized weights may flip
+    near-ties)."""
     groups = {}
     for r in rows:
         if "skipped" not in r:
             groups.setdefault((r["mode"], r["context"], r["temperature"]), []).append(r)
-    base = {(c, t): statistics.median(x["ms_per_token"] for x in g)
-            for (m, c, t), g in groups.items() if m == BASELINE}
+    med = {k: statistics.median(x["ms_per_token"] for x in g) for k, g in groups.items()}
+    base = {(c, t): ms for (m, c, t), ms in med.items() if m == BASELINE}
+    base_off = {(c, t): ms for (m, c, t), ms in med.items() if m == OFFLOAD_BASELINE}
     ref = {(c, t): g[0]["tokens"] for (m, c, t), g in groups.items() if m == BASELINE}
     out = []
     for (m, c, t), g in groups.items():
-        ms = statistics.median(x["ms_per_token"] for x in g)
+        ms = med[(m, c, t)]
         s = {"mode": m, "context": c, "temperature": t, "ms_per_token": ms,
              "tokens_per_s": 1000 / ms if ms else 0.0, "repeats": len(g),
              "peak_gb": max(x["peak_gb"] for x in g),
              "speedup": base[(c, t)] / ms if (c, t) in base and ms else None,
              "lossless": (g[0]["tokens"] == ref[(c, t)]) if t == 0 and (c, t) in ref else None}
+        if CONTENDERS[m][2].get("offload") == "on" and (c, t) in base_off and ms:
+            s["offload_speedup"] = base_off[(c, t)] / ms
         s.update(_mean_acceptance(g), peer=CONTENDERS[m][0] != "ours")
         s.update({k: g[0][k] for k in ("note",) if k in g[0]})
         out.append(s)

@@ -11,7 +11,7 @@ from triforce_offload.runtime import api, bench, peers
 from triforce_offload.runtime.errors import TriforceError
 
 OURS = ["autoregressive", "autoregressive+offload", "zero-inference", "draft", "retrieval",
-        "triforce"]
+        "triforce", "draft+offload", "retrieval+offload", "triforce+offload"]
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -62,6 +62,14 @@ def test_bench_speedup_and_acceptance(bench_run):
     tf = by[("triforce", 256, 0.0)]
     assert set(tf["acceptance"]) == {"ngram", "retrieval"} and tf["mean_accepted"] >= 1
     assert "acceptance" not in by[("autoregressive", 256, 0.0)]
+    # the offloaded contenders against autoregressive+offload, the comparison offloading is about
+    ar_off = by[("autoregressive+offload", 256, 0.0)]
+    assert ar_off["offload_speedup"] == pytest.approx(1.0)
+    for m in ("draft+offload", "retrieval+offload", "triforce+offload"):
+        s = by[(m, 256, 0.0)]
+        assert s["offload_speedup"] == pytest.approx(ar_off["ms_per_token"] / s["ms_per_token"])
+        assert s["mean_accepted"] >= 1
+    assert "offload_speedup" not in by[("triforce", 256, 0.0)]
 
 
 def test_bench_skips_llama_cpp_without_gguf_with_a_note(bench_run):
