@@ -14,8 +14,8 @@ each forward measured from an idle link (prefetch issued right before it, as if
 drafting took no time).
 
   serialized: each layer is copied whole into staging, then computed (nothing streams ahead)
-  overlapped: the pipeline (chunks land while attention runs, the next chunks and layers
-              stream ahead; on a CPU the staging ring is sized to stay in cache)
+  overlapped: the pipeline (chunks land while attention runs; a ring of two transfer
+              chunks, so the next chunk, of this layer or the next, streams meanwhile)
   copy:       copying every layer's KV into whole-layer staging, alone (no compute)
   compute:    the same forward with the KV resident (FullCache), no copies
   efficiency = (copy + compute - wall_overlapped) / min(copy, compute)
