@@ -144,7 +144,7 @@ def test_plan_json_without_draft_model_uses_retrieval():
 
 
 @pytest.mark.parametrize("args,needle", [
-    (("--gpus", "4090", "--context", "1M", "--rope-scaling", "linear:8", "--host-mem", "64"),
+    (("--gpus", "4090", "--context", "512k", "--rope-scaling", "linear:4", "--host-mem", "64"),
      "host memory"),
     (("--gpus", "3090"), "unknown GPU"),
     (("--context", "lots"), "bad context"),
