@@ -79,15 +79,15 @@ def run(
     loaded = tensor_parallel.shard(loaded)
     ids = (long_prompt(loaded.tokenizer, prompt_tokens, chat=chat) if text is None
            else encode_prompt(loaded.tokenizer, text, chat))
-    opts = api.RunOptions(mode=mode, max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk,
-                          max_context=max_context, graphs=graphs,
-                          sampling=SamplingParams(temperature, top_p, top_k, seed))
-    opts.extra.update(offload=offload, on_chip=on_chip, transfer_chunk=transfer_chunk,
-                      profile=str(profile) if profile else None)
-    opts.extra.update(draft=draft, budget=budget, chunk=chunk, gamma1=gamma1, gamma2=gamma2,
-                      draft_sink=draft_sink, draft_window=draft_window, rebuild=rebuild)
+    flat = dict(offload=offload, on_chip=on_chip, transfer_chunk=transfer_chunk,
+                profile=str(profile) if profile else None,
+                draft=draft, budget=budget, chunk=chunk, gamma1=gamma1, gamma2=gamma2,
+                draft_sink=draft_sink, draft_window=draft_window, rebuild=rebuild)
     if plan is not None:
-        opts.extra.update(plan_settings(plan, loaded, len(ids) + max_new_tokens))
+        flat.update(plan_settings(plan, loaded, len(ids) + max_new_tokens))
+    opts = api.RunOptions(mode=mode, max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk,
+                          max_context=max_context, graphs=graphs, extra=flat,
+                          sampling=SamplingParams(temperature, top_p, top_k, seed))
     err.print(f"model {loaded.cfg.arch} {loaded.cfg.n_layers} layers, {loaded.dtype} on "
               f"{loaded.device}; mode {mode}; prompt {len(ids)} tokens", highlight=False)
     stream = None if as_json else print_stream(loaded.tokenizer)

@@ -5,7 +5,7 @@ a function (loaded, prompt ids, RunOptions, on_token, progress) -> (new ids, Sta
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import InitVar, dataclass, field, fields, replace
 
 import torch
 
@@ -13,9 +13,9 @@ from .cache import FullCache
 from .errors import TriforceError
 from .generate import autoregressive, capacity, stop_ids
 from .loader import load_model, parse_dtype
-from .offloaded import ZeroInferenceCache, finish_stats, make_full_cache
+from .offloaded import OffloadOptions, ZeroInferenceCache, finish_stats, make_full_cache
 from .sampling import SamplingParams
-from .spec_modes import SPEC_MODES
+from .spec_modes import SPEC_MODES, SpecOptions
 from .distributed import world_size
 from .tp import sync_sampling
 
@@ -46,7 +46,29 @@ class RunOptions:
     max_context: int | None = None  # cache capacity; default prompt + max_new_tokens
     ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks)
     graphs: bool = True  # replay fixed-shape steps as CUDA graphs (CUDA only; --no-graphs)
-    extra: dict = field(default_factory=dict)  # mode-specific options (budget, gamma, ...)
+    spec: SpecOptions = field(default_factory=SpecOptions)  # speculative levels (budget, gammas, ...)
+    offload: OffloadOptions = field(default_factory=OffloadOptions)  # the full cache's host offload
+    extra: InitVar[dict | None] = None  # flat options by CLI name, routed into spec/offload once
+
+    def __post_init__(self, extra):
+        if extra:
+            self.spec, self.offload = option_groups(extra, self.spec, self.offload)
+
+
+def option_groups(flat: dict, spec: SpecOptions | None = None, offload: OffloadOptions | None = None):
+    """Route flat options (`budget`, `transfer_chunk`, ... as the CLI names them; None means
+    the default) into (SpecOptions, OffloadOptions) on top of `spec`/`offload`, checked once;
+    a name neither group knows is refused (a typo must not silently do nothing)."""
+    groups = {SpecOptions: {}, OffloadOptions: {}}
+    for k, v in flat.items():
+        owner = next((g for g in groups if k in {f.name for f in fields(g)}), None)
+        if owner is None:
+            known = sorted(f.name for g in groups for f in fields(g))
+            raise TriforceError(f"unknown option {k!r}; known are {', '.join(known)}")
+        if v is not None:
+            groups[owner][k] = v
+    return (replace(spec or SpecOptions(), **groups[SpecOptions]),
+            replace(offload or OffloadOptions(), **groups[OffloadOptions]))
 
 
 def resolve_device(name: str) -> torch.device:

@@ -37,7 +37,7 @@ from ..offload.copier import ChunkCopier
 from ..offload.costmodel import STAGE_DEPTH, default_transfer_chunk, staging_bytes
 from ..offload.scheduler import PipelineScheduler
 from ..offload.store import HostKVStore, StoreSpec, check_memory, device_available
-from ..offload.timeline import Span, Timeline
+from ..offload.timeline import Span, Timeline, device_clock
 from ..offload.tune import profile_chunk
 from .cache import FullCache, KVCache
 from .errors import TriforceError
@@ -56,16 +56,13 @@ class OffloadOptions:
     overlap: bool = True  # False: serialized reference (copy, then compute)
     profile: str | None = None  # write a Chrome trace of the last verification forward here
 
-    @classmethod
-    def from_extra(cls, extra: dict) -> "OffloadOptions":
-        o = cls(**{k: extra[k] for k in cls.__dataclass_fields__ if extra.get(k) is not None})
-        if o.offload not in OFFLOAD_CHOICES:
-            raise TriforceError(f"--offload {o.offload!r}: allowed are {', '.join(OFFLOAD_CHOICES)}")
-        if o.transfer_chunk is not None and o.transfer_chunk < 1:
-            raise TriforceError(f"--transfer-chunk {o.transfer_chunk}: must be >= 1 token")
-        if o.stage_depth < 1:
-            raise TriforceError(f"staging depth {o.stage_depth}: must be >= 1 slot")
-        return o
+    def __post_init__(self):
+        if self.offload not in OFFLOAD_CHOICES:
+            raise TriforceError(f"--offload {self.offload!r}: allowed are {', '.join(OFFLOAD_CHOICES)}")
+        if self.transfer_chunk is not None and self.transfer_chunk < 1:
+            raise TriforceError(f"--transfer-chunk {self.transfer_chunk}: must be >= 1 token")
+        if self.stage_depth < 1:
+            raise TriforceError(f"staging depth {self.stage_depth}: must be >= 1 slot")
 
 
 class OffloadedCache(KVCache):
@@ -84,7 +81,7 @@ class OffloadedCache(KVCache):
         chunk = min(chunk or default_transfer_chunk(spec.bytes_per_token()), capacity)
         self.capacity, self.on_chip, self.chunk, self.device = capacity, on_chip, chunk, device
         self._check(spec, depth)
-        self.timeline = Timeline(log_order)
+        self.timeline = Timeline(log_order, device_clock(device))
         self.store = HostKVStore(spec)
         self.copier = copier_cls(device, self.timeline)
         weakref.finalize(self, self.copier.close)  # stop the copier thread with the cache
@@ -93,8 +90,9 @@ class OffloadedCache(KVCache):
         self.chip = FullCache(cfg, capacity, batch, dtype, device) if on_chip else None
         self.written = 0  # end of the KV written so far (scratch above `length`)
         self.wb = {}  # layer -> Signal of its latest write-back
-        self.forwards = []  # per-forward timing summaries
-        self.trace = None  # Chrome trace of the last multi-layer forward
+        self._forwards = []  # per-forward timing summaries (`forwards`)
+        self._pending = []  # forwards whose timing events are not resolved yet
+        self._trace_spans = None  # resolved spans of the last multi-layer forward (`trace`)
         self.held = None  # (layer, K, V [B, Hkv, S, D]) on the device during a layer-major prefill
         self.fresh = {}  # layer -> (start, k, v [B, Hkv, T, D]): the latest forward's device KV
         self._t0 = None
@@ -112,7 +110,7 @@ class OffloadedCache(KVCache):
             raise RuntimeError(f"attend at {start} below the committed length {self.length}: "
                                "roll back with commit() first")
         if layer == 0:
-            self._t0 = time.perf_counter()
+            self._t0 = self.timeline.event()  # compute stream on CUDA: no host sync
         if layer < self.on_chip:
             o = self.chip.attend(layer, q, k, v, start)
         else:
@@ -176,15 +174,40 @@ class OffloadedCache(KVCache):
                 V[:, :, c0: c0 + vc.shape[2]] = vc
         self.held = (layer, K, V)
 
+    PENDING = 4  # forwards left unresolved at most (their events are long done by then)
+
     def _forward_done(self, tokens: int):
-        t1 = time.perf_counter()
         if self._t0 is None or self.sched is None:
             return
-        s = self.timeline.summary(self._t0, t1)
-        s["tokens"] = tokens
-        self.forwards.append(s)
-        self.trace = self.timeline.chrome_trace()  # since the last forward: with its prefetch
-        self.timeline.clear()
+        t1 = self.timeline.event()
+        # the spans since the last forward: its copies, waits, compute, and the prefetch
+        # that ran before it (while the draft levels ran); resolved later, never waited for
+        self._pending.append(self.timeline.take(self._t0, t1, tokens))
+        self._settle(keep=self.PENDING)
+
+    def _settle(self, keep: int = 0):
+        """Resolve pending forwards in order: those whose events have all landed (queried,
+        not waited for), and past `keep` pending the oldest anyway (forwards ago: landed).
+        keep=0 when a summary or the trace is read."""
+        while self._pending and (len(self._pending) > keep or self._pending[0].done()):
+            s, spans = self.timeline.settle(self._pending.pop(0))
+            self._forwards.append(s)
+            self._trace_spans = spans
+
+    @property
+    def forwards(self) -> list[dict]:
+        """Per-forward timing summaries (wall, copy, compute, wait seconds, overlap, tokens)."""
+        self._settle()
+        return self._forwards
+
+    @property
+    def trace(self) -> dict | None:
+        """Chrome trace of the last multi-layer forward, with the prefetch copies that ran
+        before it on their own `prefetch` thread."""
+        self._settle()
+        if self._trace_spans is None:
+            return None
+        return self.timeline.chrome_trace(spans=self._trace_spans)
 
     def commit(self, n: int):
         self.length = self.written = n
@@ -304,7 +327,7 @@ def use_offload(o: OffloadOptions, cfg, capacity: int, dtype, device) -> bool:
 
 def make_full_cache(loaded, capacity: int, opts) -> KVCache:
     """The full cache for `--offload`: FullCache on the device, or an OffloadedCache."""
-    o = OffloadOptions.from_extra(opts.extra)
+    o = opts.offload
     if not use_offload(o, loaded.cfg, capacity, loaded.dtype, loaded.device):
         if o.profile:
             raise TriforceError("--profile times the offload pipeline: add --offload on")
@@ -319,7 +342,7 @@ def finish_stats(cache: KVCache, st, opts) -> None:
     """Add the cache's offload figures to Stats.extra; write the --profile trace."""
     if hasattr(cache, "stats"):
         st.extra.update(cache.stats())
-    o = OffloadOptions.from_extra(opts.extra)
+    o = opts.offload
     if o.profile and getattr(cache, "trace", None) is not None:
         Path(o.profile).write_text(json.dumps(cache.trace))
         st.extra["profile"] = o.profile

@@ -35,13 +35,9 @@ class SpecOptions:
     rebuild: str = "never"  # never | every:N | adaptive
     ngram: int = 3  # longest n-gram the prompt-lookup drafter matches
 
-    @classmethod
-    def from_extra(cls, extra: dict) -> "SpecOptions":
-        known = {k: v for k, v in extra.items() if k in cls.__dataclass_fields__ and v is not None}
-        o = cls(**known)
-        o.gamma2 = str(o.gamma2)
-        o.check()
-        return o
+    def __post_init__(self):
+        self.gamma2 = str(self.gamma2)
+        self.check()
 
     def check(self):
         if self.chunk < 1:
@@ -118,7 +114,7 @@ def build_levels(kind, o: SpecOptions, loaded, prompt, full, notes: list, graphs
 
 def run_speculative(kind: str, loaded, prompt, opts, on_token=None, progress=None):
     """Prefill the full cache (recording the last prompt token's queries), then speculate."""
-    check_draft(SpecOptions.from_extra(opts.extra), loaded)  # bad options and a draft model
+    check_draft(opts.spec, loaded)  # a draft model
     # with another tokenizer fail before the long prefill
     cap, max_new = capacity(loaded, len(prompt), opts)
     full = Recorder(make_full_cache(loaded, cap, opts))  # in memory, or offloaded with --offload
@@ -138,7 +134,7 @@ def speculate(kind: str, loaded, prompt, opts, full, logits, on_token=None):
     Stats.prefill_s covers building the retrieval cache and the drafter here; benchmarks
     reuse one prefill for several modes (roll `full` back and restore its queries).
     """
-    o = SpecOptions.from_extra(opts.extra)
+    o = opts.spec
     t0 = time.perf_counter()
     notes = []
     levels, gammas = build_levels(kind, o, loaded, prompt, full, notes, opts.graphs)

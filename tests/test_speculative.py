@@ -98,7 +98,7 @@ def test_rebuild_policy():
 ])
 def test_bad_options(extra, msg):
     with pytest.raises(TriforceError, match=msg):
-        SpecOptions.from_extra(extra)
+        SpecOptions(**extra)
 
 
 def test_vocab_mismatch_names_tokens():
@@ -107,3 +107,14 @@ def test_vocab_mismatch_names_tokens():
     check_vocab(a, a)
     with pytest.raises(TriforceError, match=r"1 ids differ; e.g. id 2: target 'c' vs draft 'z'"):
         check_vocab(a, b)
+
+
+def test_run_options_route_flat_options_once_and_refuse_unknown_ones():
+    from triforce_offload.runtime.api import RunOptions
+    o = RunOptions(extra={"budget": 512, "transfer_chunk": 64, "on_chip": None, "gamma2": 3})
+    assert o.spec.budget == 512 and o.spec.gamma2 == "3" and o.offload.transfer_chunk == 64
+    assert o.offload.on_chip == 0  # None: the default
+    with pytest.raises(TriforceError, match="unknown option 'budgte'; known are .*budget"):
+        RunOptions(extra={"budgte": 512})
+    with pytest.raises(TriforceError, match="--offload 'maybe'"):
+        RunOptions(extra={"offload": "maybe"})
