@@ -231,20 +231,3 @@ def merge(outs: list[torch.Tensor], lses: list[torch.Tensor]):
     total = torch.logsumexp(lse, dim=0)
     w = torch.exp(lse - torch.nan_to_num(total, neginf=0.0)).unsqueeze(-1)  # [N, B, H, T, 1]
     return (w * torch.stack(outs)).sum(0), total
-
-
-class PartialAttention:
-    """Running log-sum-exp accumulator: feed key blocks as they arrive, read the result."""
-
-    def __init__(self):
-        self.out = None  # [B, Hq, T, D] fp32
-        self.lse = None  # [B, Hq, T] fp32
-
-    def add(self, out: torch.Tensor, lse: torch.Tensor):
-        if self.out is None:
-            self.out, self.lse = out, lse
-        else:
-            self.out, self.lse = merge([self.out, out], [self.lse, lse])
-
-    def result(self, dtype) -> torch.Tensor:
-        return self.out.to(dtype)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import shlex
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -45,15 +44,6 @@ class Plan:
     gpu_gb: float  # GiB per GPU
     host_gb: float  # GiB of host memory for the offloaded KV
     tp: int  # tensor-parallel degree
-
-    def command_line(self, model_path: str) -> str:
-        """The `triforce-offload run` invocation for these settings."""
-        s = self.settings
-        g1 = s.gamma1 if s.draft is not None else 0
-        return (f"triforce-offload run --model {shlex.quote(str(model_path))} "
-                f"--mode triforce --budget {s.budget} --chunk {s.chunk} --gamma1 {g1} "
-                f"--gamma2 {s.gamma2} --on-chip {s.on_chip} "
-                f"--transfer-chunk {s.transfer_chunk} --offload on --tp {self.tp}")
 
 
 def alpha_at_budget(alpha_ref: float, budget: int, ref: int = REF_BUDGET) -> float:

@@ -48,10 +48,6 @@ def rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
-def is_rank0() -> bool:
-    return rank() == 0
-
-
 def timeout_s() -> float:
     return float(os.environ.get("TRIFORCE_TP_TIMEOUT", "300"))
 

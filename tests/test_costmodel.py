@@ -104,11 +104,14 @@ def test_plan_fits_memory_and_beats_baseline():
     assert p.host_gb * cm.GIB <= cm.host_capacity(hw)
     assert p.ms_per_token < p.baseline_ms
     assert p.tp == 2 and 0 <= p.settings.on_chip <= 32
-    cmd = p.command_line("/models/llama 7b")
+    from triforce_offload.cli.plan import run_command
+    cmd = run_command(p, "/models/llama 7b", "/models/llama-68m")
     assert cmd.startswith("triforce-offload run --model '/models/llama 7b' --mode triforce")
     for flag in ("--budget", "--chunk 8", "--gamma1", "--gamma2", "--on-chip",
                  "--transfer-chunk", "--offload on", "--tp 2"):
         assert flag in cmd
+    no_draft = run_command(p, "/models/llama 7b", None)  # no L0 model: the retrieval mode,
+    assert "--mode retrieval" in no_draft and "--gamma1" not in no_draft  # never --gamma1 0
 
 
 def test_plan_respects_memory_overrides():
