@@ -112,7 +112,8 @@ def _static_path(forced: str, device_type: str) -> tuple[str, str]:
     from . import triton_attention  # imports triton: only where CUDA is
     why = _flash_attn_reason()
     if not why:
-        return "flash-attn", "flash_attn_with_kvcache (cache_seqlens on the device)"
+        return "flash-attn", ("flash_attn_with_kvcache (cache_seqlens on the device; fp16/bf16 and "
+                              "head_dim % 8 == 0 up to 256, else the Triton kernel)")
     if triton_attention.available():
         return "triton", f"package Triton split-K kernel ({why})"
     return "sdpa", f"length-masked SDPA, flash/efficient backends ({why}; {triton_attention.reason()})"
@@ -134,10 +135,15 @@ def static_attention(q, k, v, length: torch.Tensor):
     depend on the length, so a step replays as a CUDA graph; nothing reads `length` on the
     host. Returns [B, Hq, T, D]."""
     path = static_path(q.device)[0]
+    B = q.shape[0]
+    if path == "flash-attn" and not flash_attn_fits(q):  # fp32 (tests) or an odd head size
+        from . import triton_attention
+        path = "triton" if triton_attention.available() else "sdpa"
     if path == "flash-attn":
         from flash_attn import flash_attn_with_kvcache
+        lens = length.to(torch.int32).expand(B).contiguous()  # [B]
         o = flash_attn_with_kvcache(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                    cache_seqlens=length.to(torch.int32), causal=True)  # [B, T, Hq, D]
+                                    cache_seqlens=lens, causal=True)  # [B, T, Hq, D]
         return o.transpose(1, 2)
     if path == "triton":
         from .triton_attention import decode_attention
@@ -145,12 +151,19 @@ def static_attention(q, k, v, length: torch.Tensor):
     return _masked_attention(q, k, v, length)
 
 
+def flash_attn_fits(q) -> bool:
+    """flash-attn's kernels take fp16/bf16 and head sizes that are multiples of 8 up to 256
+    (others it refuses, or pads a copy of the whole cache on every call)."""
+    D = q.shape[-1]
+    return q.dtype in (torch.float16, torch.bfloat16) and D % 8 == 0 and D <= 256
+
+
 def _masked_attention(q, k, v, length):
     """The reference of `static_attention`: SDPA over every slot with a [B, G*T, cap] mask
     built on the device from `length` (slots past it must hold finite values: zeros)."""
     B, Hq, T, D = q.shape
     n_kv, cap = k.shape[1], k.shape[2]
-    qpos = length.view(B, 1) - T + torch.arange(T, device=q.device)  # [B, T]
+    qpos = length.view(-1, 1).expand(B, 1) - T + torch.arange(T, device=q.device)  # [B, T]
     visible = torch.arange(cap, device=q.device) <= qpos[:, :, None]  # [B, T, cap]
     mask = visible.repeat(1, Hq // n_kv, 1)[:, None]  # [B, 1, G*T, cap]: rows g*T + t
     return _unfold(sdpa(_fold(q, n_kv), k, v, attn_mask=mask), Hq)
@@ -170,9 +183,25 @@ def attention(q, k, v, q_pos0: int, k_pos0: int = 0, scale: float | None = None)
         splits = cpu_splits(n_kv, free)
         if splits > 1:
             return _split_attention(q, k, v, q_pos0, k_pos0, scale, splits, free)
+    if q.device.type == "cuda" and T > 1 and q_pos0 == k_pos0 + k.shape[2] - T:
+        return _prefix_and_causal(q, k, v, scale)  # a prefill chunk: no mask in memory
     mask = causal_mask(q_pos0, T, k_pos0, k.shape[2], Hq // n_kv, q.device)
     o = sdpa(_fold(q, n_kv), k, v, attn_mask=mask, scale=scale)
     return _unfold(o, Hq)
+
+
+def _prefix_and_causal(q, k, v, scale, path: str | None = None):
+    """The last T of S keys' queries (a prefill chunk, a verification): the S-T keys before
+    them, which every query sees, in one fused kernel, and the T own tokens with a causal
+    diagonal in another, merged by log-sum-exp. On CUDA this replaces a [G*T, S] mask that
+    SDPA would turn into a dense one (GBs for a 4K-token chunk at 128K keys)."""
+    from .chunked import StreamedAttention
+    T, S = q.shape[2], k.shape[2]
+    s = StreamedAttention(q, k.shape[1], scale, path)
+    if S > T:
+        s.add(k[:, :, : S - T], v[:, :, : S - T])
+    s.add_causal(k[:, :, S - T:], v[:, :, S - T:], 0, 0)
+    return s.result(q.dtype)
 
 
 def _split_attention(q, k, v, q_pos0, k_pos0, scale, splits, free):

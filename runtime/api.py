@@ -10,6 +10,7 @@ from dataclasses import InitVar, dataclass, field, fields, replace
 import torch
 
 from .cache import FullCache
+from .config import ModelConfig
 from .errors import TriforceError
 from .generate import autoregressive, capacity, stop_ids
 from .loader import load_model, parse_dtype
@@ -23,7 +24,7 @@ from .tp import sync_sampling
 @dataclass
 class Loaded:
     model: torch.nn.Module  # the target model
-    cfg: object  # its ModelConfig
+    cfg: ModelConfig  # its configuration
     tokenizer: object  # HF tokenizer
     device: torch.device  # where it runs
     dtype: torch.dtype  # weights and KV dtype

@@ -68,6 +68,8 @@ class Step:
         g.ids.copy_(ids, non_blocking=True)
         g.graph.replay()
         self.replays += 1
+        if hasattr(self.cache, "on_replay"):  # state a replay updated behind Python's back
+            self.cache.on_replay()
         return g.out.clone()  # the next replay overwrites g.out
 
     def _capture(self, ids, last_only) -> _Graph | None:

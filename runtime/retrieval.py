@@ -41,6 +41,11 @@ class Recorder:
             self.q[layer] = q[:, :, -1]
         return self.inner.attend(layer, q, k, v, start)
 
+    def on_replay(self):
+        """A graph replay wrote the queries (no Python ran): they are the latest again,
+        even if an eager forward pointed `q` elsewhere since the capture."""
+        self.q.update(self._static_q)
+
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
@@ -49,7 +54,7 @@ class RetrievalCache(KVCache):
     """`budget` tokens of selected chunks per layer and KV head + room for `extra` new tokens.
 
     Static (CUDA graphs): with `start` a device tensor, the slot of a position is
-    `start + offset`, `offset` (= n_ret - base) a device tensor that `build` updates in
+    `start + offset`, `offset` (= n_retrieved - base) a device tensor that `build` updates in
     place, so a graph captured before a rebuild stays right after it."""
 
     static = True
@@ -63,9 +68,9 @@ class RetrievalCache(KVCache):
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
         self.base = 0  # absolute position of the first appended token
-        self.n_ret = 0  # slots holding retrieved tokens (all before `base`)
+        self.n_retrieved = 0  # slots holding retrieved tokens (all before `base`)
         self.holds_all = False  # the context fitted the budget: nothing was dropped
-        self.offset = torch.zeros(1, dtype=torch.int64, device=device)  # n_ret - base, on the device
+        self.offset = torch.zeros(1, dtype=torch.int64, device=device)  # n_retrieved - base, on the device
 
     @staticmethod
     def fits(length: int, budget: int, chunk: int) -> bool:
@@ -83,11 +88,11 @@ class RetrievalCache(KVCache):
                 k, v = K, V
             else:
                 k, v = self._select(K, V, qs[layer], n_full * self.chunk)
-            self.n_ret = k.shape[2]
-            self.k[layer][:, :, : self.n_ret].copy_(k)
-            self.v[layer][:, :, : self.n_ret].copy_(v)
+            self.n_retrieved = k.shape[2]
+            self.k[layer][:, :, : self.n_retrieved].copy_(k)
+            self.v[layer][:, :, : self.n_retrieved].copy_(v)
         self.base = self.length = length
-        self.offset.fill_(self.n_ret - self.base)
+        self.offset.fill_(self.n_retrieved - self.base)
 
     def _select(self, K, V, q, end):
         idx = top_chunks(chunk_scores(q.to(K.device), chunk_means(K, self.chunk)), self.n_chunks)
@@ -96,7 +101,7 @@ class RetrievalCache(KVCache):
         return k, v
 
     def _slot(self, pos: int) -> int:
-        return self.n_ret + pos - self.base
+        return self.n_retrieved + pos - self.base
 
     def room(self) -> int:
         """Tokens that can still be appended after the committed length."""
@@ -105,7 +110,7 @@ class RetrievalCache(KVCache):
     def check_end(self, end: int) -> int:
         if self._slot(end) > self.slots:
             raise TriforceError(f"retrieval cache: position {end - 1} is past its last slot "
-                                f"({self.base + self.slots - self.n_ret - 1})")
+                                f"({self.base + self.slots - self.n_retrieved - 1})")
         return end
 
     def attend(self, layer, q, k, v, start):
@@ -118,11 +123,11 @@ class RetrievalCache(KVCache):
         s, T = self._slot(start), q.shape[2]
         if start < self.base or s + T > self.slots:
             raise TriforceError(f"retrieval cache: positions {start}..{start + T - 1} are outside "
-                                f"its range {self.base}..{self.base + self.slots - self.n_ret - 1}")
+                                f"its range {self.base}..{self.base + self.slots - self.n_retrieved - 1}")
         K, V = self.k[layer], self.v[layer]
         K[:, :, s: s + T] = k
         V[:, :, s: s + T] = v
-        return attention(q, K[:, :, : s + T], V[:, :, : s + T], start, self.base - self.n_ret)
+        return attention(q, K[:, :, : s + T], V[:, :, : s + T], start, self.base - self.n_retrieved)
 
     @torch.inference_mode()
     def absorb(self, full, lo: int, hi: int):

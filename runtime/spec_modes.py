@@ -55,7 +55,8 @@ class SpecOptions:
         Rebuild.parse(self.rebuild)
 
     @property
-    def g2(self) -> int:
+    def gamma2_start(self) -> int:
+        """gamma2 of the first verification ('auto' starts at 6 and adapts)."""
         return 6 if self.gamma2 == "auto" else int(self.gamma2)
 
 
@@ -105,7 +106,7 @@ def build_levels(kind, o: SpecOptions, loaded, prompt, full, notes: list, graphs
                 notes.append(f"prompt of {n} tokens fits the budget: the retrieval cache holds all of it")
             mid = ModelLevel(loaded.model, ret, "retrieval", graphs, fed=n)
             levels.insert(0, mid)
-            gammas.insert(0, o.g2)
+            gammas.insert(0, o.gamma2_start)
     if kind in ("triforce", "draft"):
         levels.insert(0, make_drafter(o, loaded, prompt, full))
         gammas.insert(0, o.gamma1)
@@ -140,7 +141,7 @@ def speculate(kind: str, loaded, prompt, opts, full, logits, on_token=None):
     levels, gammas = build_levels(kind, o, loaded, prompt, full, notes, opts.graphs)
     sp = opts.sampling
     gen = sp.generator(loaded.device)
-    auto = AutoGamma(o.g2) if o.gamma2 == "auto" and kind != "draft" else None  # adapts gamma2
+    auto = AutoGamma(o.gamma2_start) if o.gamma2 == "auto" and kind != "draft" else None  # adapts gamma2
     eng = Engine(levels, gammas, sp, gen, auto, Rebuild.parse(o.rebuild))
     t1 = time.perf_counter()
     seq = list(prompt) + [int(sample(probs(logits[0], sp), gen))]

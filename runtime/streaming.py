@@ -1,9 +1,9 @@
 """StreamingLLM cache for drafters: `sink` first tokens + the `window` most recent ones.
 
 Keys carry their absolute RoPE positions, so dropping old tokens leaves the relative
-distances of the rest intact. Layout in the preallocated buffer: slots [0, hs) hold
-positions [0, hs) (the sink, hs = min(sink, r0)), slots from hs hold the contiguous run
-of positions r0 .. followed by pending tokens. Evicting shifts the run left once per
+distances of the rest intact. Layout in the preallocated buffer: slots [0, sink_slots)
+hold positions [0, sink_slots) (the sink; sink_slots = min(sink, run_start)), the slots
+after them hold the contiguous run of positions run_start .. followed by pending tokens. Evicting shifts the run left once per
 commit; rolling back only shortens the run (evicted tokens stay evicted, which costs
 draft quality, never correctness).
 """
@@ -25,50 +25,50 @@ class StreamingCache(KVCache):
         shape = (batch, cfg.n_kv_heads, self.cap, cfg.head_dim)  # [B, Hkv, cap, D]
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
-        self.r0 = 0  # first position of the contiguous run
+        self.run_start = 0  # first position of the contiguous run
 
     @property
-    def hs(self) -> int:
+    def sink_slots(self) -> int:
         """Slots holding sink tokens ahead of the run."""
-        return min(self.sink, self.r0)
+        return min(self.sink, self.run_start)
 
     def _slot(self, pos: int) -> int:
-        return self.hs + pos - self.r0
+        return self.sink_slots + pos - self.run_start
 
     def attend(self, layer, q, k, v, start):
         s, T = self._slot(start), q.shape[2]
-        if start < self.r0 or s + T > self.cap:
+        if start < self.run_start or s + T > self.cap:
             raise TriforceError(f"streaming cache: {T} tokens at position {start} do not fit "
-                                f"(run starts at {self.r0}, {self.cap} slots); commit more often")
+                                f"(run starts at {self.run_start}, {self.cap} slots); commit more often")
         K, V = self.k[layer], self.v[layer]
         K[:, :, s: s + T] = k
         V[:, :, s: s + T] = v
         # sink slots pretend to sit just before r0: they stay visible to every query
-        return attention(q, K[:, :, : s + T], V[:, :, : s + T], start, self.r0 - self.hs)
+        return attention(q, K[:, :, : s + T], V[:, :, : s + T], start, self.run_start - self.sink_slots)
 
     def commit(self, n: int):
-        self.r0 = min(self.r0, n)
+        self.run_start = min(self.run_start, n)
         self.length = n
-        if n - max(self.r0, self.sink) > self.window:
+        if n - max(self.run_start, self.sink) > self.window:
             self._evict(n - self.window)
 
-    def _evict(self, r0: int):
-        src, n = self._slot(r0), self.length - r0
+    def _evict(self, run_start: int):
+        src, n = self._slot(run_start), self.length - run_start
         for t in self.k + self.v:
             t[:, :, self.sink: self.sink + n] = t[:, :, src: src + n].clone()
-        self.r0 = r0
+        self.run_start = run_start
 
     @torch.inference_mode()
     def load_from(self, full, length: int):
         """Take sink + last `window` tokens of a full cache's first `length` tokens."""
-        r0 = max(length - self.window, self.sink) if length > self.sink + self.window else 0
-        hs = min(self.sink, r0)
+        run_start = max(length - self.window, self.sink) if length > self.sink + self.window else 0
+        sink = min(self.sink, run_start)
         for layer in range(self.n_layers):
             K, V = full.keys(layer, length)
             for dst, src in ((self.k[layer], K), (self.v[layer], V)):
-                dst[:, :, :hs] = src[:, :, :hs]
-                dst[:, :, hs: hs + length - r0] = src[:, :, r0:length]
-        self.r0, self.length = r0, length
+                dst[:, :, :sink] = src[:, :, :sink]
+                dst[:, :, sink: sink + length - run_start] = src[:, :, run_start:length]
+        self.run_start, self.length = run_start, length
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)

@@ -182,7 +182,7 @@ def test_retrieval_static_step_equals_eager_across_a_rebuild():
                 for c in caches + [full]:
                     c.commit(pos)
         n = pos
-    assert caches[1].offset.item() == caches[1].n_ret - caches[1].base
+    assert caches[1].offset.item() == caches[1].n_retrieved - caches[1].base
     with pytest.raises(Exception, match="past its last slot"):
         caches[1].check_end(caches[1].base + caches[1].slots)
 
@@ -244,3 +244,37 @@ def test_cuda_greedy_every_mode_fp32(mode, extra):
     out, st = generate(L, prompt, RunOptions(mode=mode, max_new_tokens=40, extra=dict(extra),
                                              sampling=SamplingParams()))
     assert out == ref and st.extra["graphs"]
+
+
+@pytest.mark.parametrize("T,S,G", [(1, 40, 2), (7, 7, 3), (16, 300, 4), (5, 129, 1)])
+def test_prefix_and_causal_equals_masked_attention(T, S, G):
+    """CUDA's mask-free path for a chunk's queries (prefix in one fused kernel, own tokens
+    causal in another), run here on the CPU kernels: the masked reference's output."""
+    g = torch.Generator().manual_seed(T * S)
+    q = torch.randn(1, 2 * G, T, 32, generator=g)
+    k, v = torch.randn(1, 2, S, 32, generator=g), torch.randn(1, 2, S, 32, generator=g)
+    ref, _ = A.attention_lse(q, k, v, S - T)
+    torch.testing.assert_close(A._prefix_and_causal(q, k, v, None, "cpu"), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_flash_attn_only_for_what_it_takes():
+    q = torch.zeros(1, 4, 1, 64)
+    assert not A.flash_attn_fits(q)  # fp32: flash-attn refuses it
+    assert A.flash_attn_fits(q.bfloat16()) and A.flash_attn_fits(q.half())
+    assert not A.flash_attn_fits(torch.zeros(1, 4, 1, 12, dtype=torch.bfloat16))  # head_dim % 8
+    assert not A.flash_attn_fits(torch.zeros(1, 4, 1, 512, dtype=torch.bfloat16))  # > 256
+
+
+def test_recorder_queries_follow_graph_replays():
+    """After an eager forward re-points the recorded queries, a replay (which runs no
+    Python) makes the graph-updated buffers the latest again (Step calls on_replay)."""
+    from triforce_offload.runtime.retrieval import Recorder
+    L = tiny()
+    rec = Recorder(_prefilled(L, 30, True))
+    with torch.inference_mode():
+        L.model(torch.zeros(1, 1, dtype=torch.long), torch.tensor([30]), rec)  # "capture"
+        bufs = {l: t for l, t in rec.q.items()}
+        L.model(torch.zeros(1, 1, dtype=torch.long), 30, rec)  # eager
+    assert all(rec.q[l] is not bufs[l] for l in bufs)
+    rec.on_replay()
+    assert all(rec.q[l] is bufs[l] for l in bufs)

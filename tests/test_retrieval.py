@@ -60,7 +60,7 @@ def test_retrieval_cache_picks_highest_chunks_per_head():
     q[0, 3, 1] = 1  # query head 3 (KV head 1) looks along e1
     rc = RetrievalCache(c, budget=8, chunk=chunk, extra=8)
     rc.build(full, {0: q}, S)
-    assert rc.n_ret == 8 and not rc.holds_all  # 40 tokens = 10 full chunks, no tail
+    assert rc.n_retrieved == 8 and not rc.holds_all  # 40 tokens = 10 full chunks, no tail
     got = rc.k[0][0]  # [Hkv, slots, D]
     assert torch.equal(got[0, :4], K[0, 0, 0:4]) and torch.equal(got[1, :4], K[0, 1, 0:4])  # sink
     assert torch.equal(got[0, 4:8], K[0, 0, 20:24])  # head 0's best chunk
@@ -77,7 +77,7 @@ def test_retrieval_cache_holds_all_matches_full_attention_and_rolls_back():
     c, full = full_with(K, V)
     rc = RetrievalCache(c, budget=64, chunk=4, extra=8)
     rc.build(full, {0: torch.randn(1, 4, D)}, S)
-    assert rc.holds_all and rc.n_ret == S
+    assert rc.holds_all and rc.n_retrieved == S
     q, k, v = torch.randn(1, 4, 3, D), torch.randn(1, 2, 3, D), torch.randn(1, 2, 3, D)
     want = full.attend(0, q, k, v, S)
     assert torch.allclose(rc.attend(0, q, k, v, S), want, atol=1e-5)
@@ -94,7 +94,7 @@ def test_retrieval_cache_tail_and_positions():
     c, full = full_with(K, V)
     rc = RetrievalCache(c, budget=8, chunk=4, extra=8)
     rc.build(full, {0: torch.randn(1, 4, D)}, S)
-    assert rc.n_ret == 10 and torch.equal(rc.k[0][:, :, 8:10], K[:, :, 28:30])  # tail kept
+    assert rc.n_retrieved == 10 and torch.equal(rc.k[0][:, :, 8:10], K[:, :, 28:30])  # tail kept
     rc.absorb(full, S, S)
     rc.commit(S)
     assert rc.length == S and rc.room() == 20 - 10  # slots: 2 chunks + 1 tail chunk + 8 extra
