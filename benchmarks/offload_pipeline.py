@@ -1,73 +1,174 @@
-"""Offload pipeline: verify latency with copy/compute overlap vs the same work serialized.
+"""Offload pipeline: verify and decode latency against the link floor, and overlap against serial.
 
 Usage:
     python benchmarks/offload_pipeline.py [--contexts 8192,16384,32768] [--tokens 6]
         [--chunk 1024] [--dtype float32] [--repeats 3] [--out benchmarks/results/offload_pipeline.jsonl]
+    python benchmarks/offload_pipeline.py --device cuda --contexts 32768          # SmolLM2, bf16
+    python benchmarks/offload_pipeline.py --device cuda --geometry llama2-7b --contexts 16384,131072 --no-compare
 
-SmolLM2-135M stretched to 32K with `--rope-scaling linear:4`, all 30 layers offloaded
-(`--on-chip 0`). On this CPU the "link" is the copier thread doing real memcpy from the
+The model is the bundled SmolLM2-135M stretched to 32K with `--rope-scaling linear:4` (or
+`--model PATH`, or a random-weight `--geometry` from gpu_decode.py: speed does not depend on
+weight values), all layers offloaded (`--on-chip 0`). The KV is random (a verification's
+cost does not depend on the values; a 32K prefill takes minutes on a CPU); the forward runs
+the real weights over it. On a GPU the KV sits in pinned host memory and streams over PCIe
+on the copy stream; on this CPU the "link" is the copier thread doing real memcpy from the
 host store into staging slots (one core) while the model computes in the main thread
-(torch.set_num_threads(1): the other core). The KV is random (a verification's cost does
-not depend on the values; a 32K prefill takes minutes here); the forward runs the real
-weights over it. Each row: best of `repeats` interleaved rounds after a warm-up round,
-each forward measured from an idle link (prefetch issued right before it, as if
-drafting took no time).
+(torch.set_num_threads(1): the other core). Every time is read after a device
+synchronisation (on CUDA the per-forward copy/overlap figures come from CUDA events).
 
+Per context:
+  KV GB          bytes of the offloaded KV over the context (what one forward streams)
+  link GB/s      one host->device copy of `--link-mib` MiB measured in this run: pinned
+                 memory on the copy stream timed by a CUDA event pair (GPU), the copier's
+                 memcpy (CPU)
+  floor ms       KV bytes / link GB/s: the physical floor of an offloaded forward
+  verify ms      a verification of `--tokens` tokens through the pipeline (chunks land while
+                 attention runs; a ring of `depth` transfer chunks streams ahead), from an
+                 idle link, best of `--repeats` after a warm-up; x floor = verify / floor
+  decode ms      the same for one token (autoregressive + offload); x floor = decode / floor
+  overlap        the verification's overlap efficiency from its timeline (copy and compute
+                 spans of this forward)
+With --compare (default), also the serial reference, measured in interleaved rounds so load
+drift hits them alike (it holds a second host store and the KV resident on the device: use
+--no-compare where that does not fit):
   serialized: each layer is copied whole into staging, then computed (nothing streams ahead)
-  overlapped: the pipeline (chunks land while attention runs; a ring of two transfer
-              chunks, so the next chunk, of this layer or the next, streams meanwhile)
   copy:       copying every layer's KV into whole-layer staging, alone (no compute)
   compute:    the same forward with the KV resident (FullCache), no copies
-  efficiency = (copy + compute - wall_overlapped) / min(copy, compute)
+  efficiency = (copy + compute - overlapped) / min(copy, compute); speedup = serialized / overlapped
+Rows append to `--out` (JSONL); the table goes to stdout.
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
-from triforce_offload.runtime.api import load
-from triforce_offload.runtime.offload_bench import compare
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_decode's geometries
+
+from triforce_offload.offload.costmodel import default_transfer_chunk  # noqa: E402
+from triforce_offload.offload.tune import link_gbps  # noqa: E402
+from triforce_offload.runtime import api  # noqa: E402
+from triforce_offload.runtime.offload_bench import compare, make_cache, verify_once  # noqa: E402
 
 
-def row(loaded, context: int, args) -> dict:
-    t = compare(loaded, context, args.tokens, args.chunk, args.repeats)
-    copy, compute, ser, wall = t["copy"], t["compute"], t["serialized"], t["overlapped"]
-    eff = (copy + compute - wall) / min(copy, compute)
-    gb = context * loaded.cfg.kv_bytes_per_token(torch.empty(0, dtype=loaded.dtype).element_size()) / 1e9
-    return {"context": context, "tokens": args.tokens, "chunk": args.chunk, "dtype": args.dtype,
-            "kv_gb": gb, "serialized_ms": 1000 * ser, "overlapped_ms": 1000 * wall,
-            "copy_ms": 1000 * copy, "compute_ms": 1000 * compute, "efficiency": eff,
-            "speedup": ser / wall, "link_gbps": gb / copy}
+def kv_bytes(loaded, context: int) -> int:
+    return context * loaded.cfg.kv_bytes_per_token(torch.empty(0, dtype=loaded.dtype).element_size())
 
 
-def main():
+def latencies(loaded, context: int, tokens: int, chunk: int, repeats: int) -> dict:
+    """Best-of-`repeats` verification (`tokens`) and decode (1 token) forwards over one
+    offloaded cache, interleaved, after a warm-up of each."""
+    cache = make_cache(loaded, context, tokens, chunk)
+    best = {}
+    for r in range(repeats + 1):
+        for name, t in (("verify", tokens), ("decode", 1)):
+            s = verify_once(loaded.model, cache, t, loaded.device)
+            if r and (name not in best or s["latency_s"] < best[name]["latency_s"]):
+                best[name] = s
+    cache.close()
+    return best
+
+
+def row(loaded, context: int, args, link: float) -> dict:
+    gb = kv_bytes(loaded, context) / 1e9
+    floor = gb / link
+    lat = latencies(loaded, context, args.tokens, args.chunk, args.repeats)
+    v, d = lat["verify"], lat["decode"]
+    r = {"context": context, "tokens": args.tokens, "chunk": args.chunk, "dtype": args.dtype,
+         "device": str(loaded.device), "model": args.label, "kv_gb": gb, "link_gbps": link,
+         "floor_ms": 1000 * floor, "verify_ms": 1000 * v["latency_s"],
+         "verify_x_floor": v["latency_s"] / floor, "decode_ms": 1000 * d["latency_s"],
+         "decode_x_floor": d["latency_s"] / floor, "verify_overlap": v["overlap"],
+         "verify_copy_ms": 1000 * v["copy_s"], "verify_wait_ms": 1000 * v["wait_s"],
+         "decode_overlap": d["overlap"]}
+    if args.compare:
+        gc.collect()
+        t = compare(loaded, context, args.tokens, args.chunk, args.repeats)
+        copy, compute, ser, wall = t["copy"], t["compute"], t["serialized"], t["overlapped"]
+        r.update({"serialized_ms": 1000 * ser, "overlapped_ms": 1000 * wall,
+                  "copy_ms": 1000 * copy, "compute_ms": 1000 * compute,
+                  "efficiency": (copy + compute - wall) / min(copy, compute),
+                  "speedup": ser / wall, "stream_gbps": gb / copy})
+    return r
+
+
+HEAD = (f"{'context':>8} {'KV GB':>6} {'link GB/s':>9} {'floor ms':>8} {'verify ms':>9} "
+        f"{'x floor':>7} {'decode ms':>9} {'x floor':>7} {'overlap':>7}")
+HEAD_CMP = f" {'serial ms':>9} {'copy ms':>8} {'compute ms':>10} {'speedup':>7} {'efficiency':>10}"
+
+
+def line(r: dict) -> str:
+    s = (f"{r['context']:>8} {r['kv_gb']:>6.3f} {r['link_gbps']:>9.2f} {r['floor_ms']:>8.2f} "
+         f"{r['verify_ms']:>9.1f} {r['verify_x_floor']:>7.2f} {r['decode_ms']:>9.1f} "
+         f"{r['decode_x_floor']:>7.2f} {r['verify_overlap']:>7.2f}")
+    if "serialized_ms" in r:
+        s += (f" {r['serialized_ms']:>9.1f} {r['copy_ms']:>8.1f} {r['compute_ms']:>10.1f} "
+              f"{r['speedup']:>7.2f} {r['efficiency']:>10.2f}")
+    return s
+
+
+def load(args, device: torch.device):
+    if args.geometry:
+        from gpu_decode import geometry_config, random_model
+        from triforce_offload.runtime.loader import parse_dtype
+        dtype = parse_dtype(args.dtype)
+        cfg = geometry_config(args.geometry, args.layers, max(args.contexts) + args.tokens)
+        model = random_model(cfg, dtype, device, 0)
+        label = args.geometry + (f" ({args.layers} layers)" if args.layers else "")
+        return api.Loaded(model, cfg, SimpleNamespace(eos_token_id=None), device, dtype), label
+    rope = args.rope_scaling or (None if args.model else "linear:4")
+    loaded = api.load(args.model, args.dtype, str(device), rope_scaling=rope)
+    return loaded, (args.model or "smollm2-135m") + (f" (rope {rope})" if rope else "")
+
+
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--contexts", default="8192,16384,32768")
     ap.add_argument("--tokens", type=int, default=6, help="tokens per verification (gamma2)")
-    ap.add_argument("--chunk", type=int, default=1024, help="transfer chunk (tokens)")
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--chunk", type=int, default=None,
+                    help="transfer chunk (tokens) [default: 1024 on the CPU, >= 4 MiB per copy on CUDA]")
+    ap.add_argument("--device", default="cpu", help="cpu|cuda|auto")
+    ap.add_argument("--dtype", default=None, help="[default: float32 on the CPU, bfloat16 on CUDA]")
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--model", default=None, help="HF directory or .gguf [default: bundled SmolLM2]")
+    src.add_argument("--geometry", default=None, help="random weights: llama2-7b|llama3-8b|smollm2")
+    ap.add_argument("--layers", type=int, default=0, help="override the geometry's layer count")
+    ap.add_argument("--rope-scaling", default=None, help="[default: linear:4 for the bundled model]")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1, help="torch compute threads")
+    ap.add_argument("--link-mib", type=int, default=256, help="size of the link measurement copy")
+    ap.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
+                    help="also the serialized / copy-alone / compute-alone reference")
+    ap.add_argument("--threads", type=int, default=1, help="torch compute threads (CPU)")
     ap.add_argument("--out", default="benchmarks/results/offload_pipeline.jsonl")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    loaded = load(None, args.dtype, "cpu", rope_scaling="linear:4")
+    args = ap.parse_args(argv)
+    args.contexts = [int(x) for x in args.contexts.split(",") if x.strip()]
+    device = api.resolve_device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads)
+    args.dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    loaded, args.label = load(args, device)
+    if args.chunk is None:
+        elem = torch.empty(0, dtype=loaded.dtype).element_size()
+        layer = 2 * loaded.cfg.n_kv_heads * loaded.cfg.head_dim * elem
+        args.chunk = default_transfer_chunk(layer) if device.type == "cuda" else 1024
+    link = link_gbps(device, args.link_mib)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    print(f"{'context':>8} {'KV GB':>6} {'serial ms':>10} {'overlap ms':>10} {'copy ms':>8} "
-          f"{'compute ms':>10} {'speedup':>7} {'efficiency':>10}")
-    for n in (int(x) for x in args.contexts.split(",")):
-        r = row(loaded, n, args)
+    print(f"# {args.label}, {args.dtype} on {device}, transfer chunk {args.chunk} tokens, "
+          f"{args.tokens} tokens per verification; link {link:.2f} GB/s ({args.link_mib} MiB copy)")
+    print(HEAD + (HEAD_CMP if args.compare else ""))
+    for n in args.contexts:
+        r = row(loaded, n, args, link)
         r["time"] = time.time()
         with out.open("a") as f:
             f.write(json.dumps(r) + "\n")
-        print(f"{n:>8} {r['kv_gb']:>6.2f} {r['serialized_ms']:>10.1f} {r['overlapped_ms']:>10.1f} "
-              f"{r['copy_ms']:>8.1f} {r['compute_ms']:>10.1f} {r['speedup']:>7.2f} "
-              f"{r['efficiency']:>10.2f}", flush=True)
+        print(line(r), flush=True)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,11 @@ One interface, two backends:
   the PCIe transfer) and sets one `threading.Event` per copy. torch releases the GIL
   inside copy_, so the copies overlap with compute in the main thread.
 
+With a timeline, every copy is a span between two timing events of the timeline's clock:
+on CUDA a `torch.cuda.Event(enable_timing=True)` pair recorded on the copy stream around
+the copy (the end event is also the copy's completion signal), resolved later, never
+synchronised here; on the CPU the worker records perf_counter events around the memcpy.
+
 Copies run strictly in the order submitted (stream order / FIFO queue): a write-back of
 layer l submitted before a fetch of layer l always lands first.
 """
@@ -15,7 +20,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 
 import numpy as np
 import torch
@@ -38,6 +42,12 @@ class Signal:
         self.cuda = cuda
         self.event = event if event is not None else threading.Event()
         self.error = None
+
+    @property
+    def end(self):
+        """The copy's end as a timing event a wait span can end at (CUDA; None on the CPU,
+        where a wait blocks the host and is timed there)."""
+        return self.event if self.cuda else None
 
     def wait(self):
         """Make the current compute wait for the copy: stream-side on CUDA, blocking on CPU."""
@@ -88,21 +98,28 @@ class ChunkCopier:
 
     def _submit(self, dst, src, tag, after, track) -> Signal:
         if self.cuda:
-            return self._cuda_copy(dst, src, after)
+            return self._cuda_copy(dst, src, tag, after, track)
         sig = Signal()
         self._queue().put((dst, src, tag, sig, track))
         return sig
 
-    def _cuda_copy(self, dst, src, after) -> Signal:
+    def _cuda_copy(self, dst, src, tag, after, track) -> Signal:
+        tl = self.timeline
         with torch.cuda.stream(self.stream):
             if after is not None:
                 self.stream.wait_event(after.event)
+            t0 = tl.event(self.stream) if tl is not None else None  # once the wait is over
             for d, s in zip(dst, src):
                 d.copy_(s, non_blocking=True)
                 if s.device.type == "cuda":
                     s.record_stream(self.stream)  # keep the fresh KV alive until copied
-            ev = torch.cuda.Event()
-            ev.record(self.stream)
+            if tl is not None:
+                ev = tl.event(self.stream)  # timed: the span's end and the completion signal
+            else:
+                ev = torch.cuda.Event()
+                ev.record(self.stream)
+        if tl is not None:
+            tl.span(track, f"{track} {tag}", t0, ev, tag=str(tag))
         return Signal(ev, cuda=True)
 
     def _queue(self) -> queue.Queue:
@@ -122,14 +139,15 @@ class ChunkCopier:
             if dst is None:  # flush marker
                 sig.event.set()
                 continue
-            t0 = time.perf_counter()
+            tl = self.timeline
+            t0 = tl.event() if tl is not None else None
             try:
                 self.copy(dst, src)
             except Exception as e:  # surfaced to the waiter, never lost in the thread
                 sig.error = e
-            if self.timeline is not None:
-                self.timeline.span(track, f"{track} {tag}", t0, time.perf_counter(), tag=str(tag))
-                self.timeline.mark("signal", tag)
+            if tl is not None:
+                tl.span(track, f"{track} {tag}", t0, tl.event(), tag=str(tag))
+                tl.mark("signal", tag)
             sig.event.set()
 
     def copy(self, dst: tuple, src: tuple):

@@ -128,8 +128,8 @@ class PipelineScheduler:
         slot, sig = p.inflight[j]
         if not self.overlap:
             self._wait_group(p, j)
-        with Span(self.timeline, "wait", f"wait L{layer} @{c0}"):
-            sig.wait()
+        with Span(self.timeline, "wait", f"wait L{layer} @{c0}", until=sig.end):
+            sig.wait()  # CUDA: a stream-side wait, the span ends at the copy's end event
         if self.timeline is not None:
             self.timeline.mark("read", (layer, c0))
         n = c1 - c0
@@ -139,7 +139,8 @@ class PipelineScheduler:
 
     def _wait_group(self, p: Pass, j: int):
         """Serialized reference: wait for every in-flight copy before computing any."""
-        with Span(self.timeline, "wait", "wait group"):
-            for _, sig in p.inflight.values():
+        sigs = [sig for _, sig in p.inflight.values()]  # in submission (stream) order
+        with Span(self.timeline, "wait", "wait group", until=sigs[-1].end if sigs else None):
+            for sig in sigs:
                 sig.wait()
 

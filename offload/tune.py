@@ -85,9 +85,16 @@ def parse_sizes(spec: str) -> list[int]:
     return out
 
 
+def device_sync(device):
+    """Wait for everything queued on the device (CUDA; a no-op on the CPU): timings read
+    the host clock only after this, never while kernels or copies are still queued."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def link_throughput(chunk: int, tokens: int, bytes_per_token: int, device, repeats: int = 3) -> float:
     """GB/s of host->device copies of `tokens` tokens in `chunk`-token pieces (best of N
-    after a warm-up round)."""
+    after a warm-up round), from a synchronised device to the last copy landed."""
     elems = max(1, bytes_per_token // 4)
     pin = torch.device(device).type == "cuda"
     src = torch.randn(tokens, elems, pin_memory=pin)  # [S, bytes/4] float32 host KV
@@ -95,15 +102,48 @@ def link_throughput(chunk: int, tokens: int, bytes_per_token: int, device, repea
     cp = ChunkCopier(device)
     best = float("inf")
     for r in range(repeats + 1):  # round 0 warms up (thread start, first-touch page faults)
+        device_sync(device)
         t0 = time.perf_counter()
         for i, c in enumerate(range(0, tokens, chunk)):
             n = min(chunk, tokens - c)
             cp.fetch((dst[i % 2, :n],), (src[c:c + n],), i)
         cp.flush()
+        device_sync(device)
         if r:
             best = min(best, time.perf_counter() - t0)
     cp.close()
     return src.numel() * 4 / best / 1e9
+
+
+def link_gbps(device, mib: int = 256, repeats: int = 3) -> float:
+    """GB/s (1e9 bytes/s) of one host->device copy of `mib` MiB, best of `repeats` after a
+    warm-up: on CUDA from pinned memory on a side stream, timed by a CUDA event pair; on
+    the CPU the copier's memcpy (what streams the KV there), timed by perf_counter events.
+    The link floor of an offloaded forward is its streamed bytes / this."""
+    from .timeline import device_clock
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    n = mib * 2 ** 20
+    src = torch.ones(n, dtype=torch.uint8, pin_memory=cuda)
+    dst = torch.empty(n, dtype=torch.uint8, device=device)
+    cp = ChunkCopier(device)
+    clock = device_clock(device)
+    stream = cp.stream if cuda else None
+    best = float("inf")
+    for r in range(repeats + 1):
+        device_sync(device)
+        a = clock.event(stream)
+        if cuda:
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+        else:
+            cp.copy((dst,), (src,))
+        b = clock.event(stream)
+        b.synchronize()
+        if r:
+            best = min(best, a.elapsed_time(b) / 1e3)
+    cp.close()
+    return n / best / 1e9
 
 
 def best_chunk(rows: list[dict]) -> int:

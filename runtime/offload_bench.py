@@ -11,7 +11,7 @@ import time
 import torch
 
 from ..offload.copier import ChunkCopier, Signal
-from ..offload.tune import best_chunk, link_throughput
+from ..offload.tune import best_chunk, device_sync, link_throughput
 from .cache import FullCache
 from .offloaded import OffloadedCache
 
@@ -35,14 +35,17 @@ def fill_random(cache: OffloadedCache, n: int, seed: int = 0):
 def verify_once(model, cache: OffloadedCache, tokens: int, device) -> dict:
     """One verification forward of `tokens` tokens after the committed context, started
     from an idle link (prefetch issued right before, as when drafting is instantaneous).
-    Returns the forward's timing summary plus the end-to-end latency."""
+    Returns the forward's timing summary plus the end-to-end latency (from a synchronised
+    device to the forward's last kernel done)."""
     n = cache.length
     ids = torch.randint(0, model.config.vocab_size, (1, tokens), device=device)
     cache.sched.reset()  # drop the commit's prefetch: start from an idle link
     cache.copier.flush()
+    device_sync(device)
     t0 = time.perf_counter()
     cache.prefetch()
     model(ids, n, cache, last_only=True)
+    device_sync(device)
     lat = time.perf_counter() - t0
     cache.commit(n)  # roll the verified tokens back: the next repeat sees the same context
     cache.copier.flush()
@@ -94,8 +97,10 @@ def resident(loaded, context: int, tokens: int) -> FullCache:
 @torch.inference_mode()
 def resident_once(model, full: FullCache, tokens: int) -> float:
     ids = torch.randint(0, model.config.vocab_size, (1, tokens), device=full.k[0].device)
+    device_sync(ids.device)
     t0 = time.perf_counter()
     model(ids, full.length, full, last_only=True)
+    device_sync(ids.device)
     return time.perf_counter() - t0
 
 
@@ -104,10 +109,13 @@ def copy_once(cache: OffloadedCache) -> float:
     compute: the link time of a pass."""
     cache.sched.reset()
     cache.copier.flush()
+    device_sync(cache.device)
     t0 = time.perf_counter()
     for layer in cache.sched.layers:
         for _ in cache.sched.stream(layer, cache.length):
             pass
+    cache.copier.flush()
+    device_sync(cache.device)
     return time.perf_counter() - t0
 
 

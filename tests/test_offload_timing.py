@@ -1,0 +1,295 @@
+"""Offload timing by events (issue 14 items 5-6): copy spans, copy_s and overlap from the
+timeline's clock events resolved lazily (the same code on the CPU, with perf_counter events,
+as on CUDA, with torch.cuda.Event pairs), the offload_pipeline benchmark, and the CUDA event
+path itself (marked `cuda`)."""
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from triforce_offload.offload.timeline import Clock, HostEvent, Span, Timeline, cuda_clock
+from triforce_offload.offload.tune import link_gbps
+from triforce_offload.runtime import api
+from triforce_offload.runtime.config import ModelConfig
+from triforce_offload.runtime.model import Transformer
+from triforce_offload.runtime.offloaded import OffloadedCache
+from triforce_offload.runtime.sampling import SamplingParams
+
+CFG = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, n_layers=4, n_heads=6,
+                  n_kv_heads=2, max_position_embeddings=256)
+CAP = 128
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return Transformer(CFG).eval()
+
+
+class LateEvent(HostEvent):
+    """A GPU-like event on the CPU: its time is taken at record, but it only reports done
+    once synchronised (as if the device lagged), and `elapsed_time` refuses events that were
+    not synchronised (cudaErrorNotReady). Counts synchronisations."""
+
+    syncs = 0
+
+    def __init__(self):
+        super().__init__()
+        self.landed = False
+
+    def query(self):
+        return self.landed
+
+    def synchronize(self):
+        LateEvent.syncs += 1
+        self.landed = True
+
+    def elapsed_time(self, end):
+        if not (self.landed and end.landed):
+            raise RuntimeError("elapsed_time on an event that has not completed")
+        return super().elapsed_time(end)
+
+
+@torch.inference_mode()
+def verifications(model, cache, n: int, tokens: int = 5):
+    """Prefill 60 tokens (one forward) on an empty cache, then `n` verification forwards of
+    `tokens` tokens, each after a commit (which starts the next forward's prefetch) and
+    2 ms of 'drafting'."""
+    ids = torch.randint(0, CFG.vocab_size, (1, CAP), generator=torch.Generator().manual_seed(2))
+    if cache.length == 0:
+        model(ids[:, :60], 0, cache)
+        cache.commit(60)
+    pos = cache.length
+    for _ in range(n):
+        time.sleep(0.002)  # the draft levels: the link streams the prefetch meanwhile
+        model(ids[:, pos:pos + tokens], pos, cache)
+        pos += tokens - 1  # one token rejected
+        cache.commit(pos)
+
+
+def check_forward(s: dict):
+    assert s["copy_s"] > 0 and s["wall_s"] > 0
+    assert 0.0 <= s["overlap"] <= 1.0
+    assert 0.0 <= s["wait_s"] <= s["wall_s"] and s["compute_s"] == pytest.approx(s["wall_s"] - s["wait_s"])
+
+
+def test_copy_spans_copy_s_and_overlap(model, tmp_path):
+    """An offloaded forward has copy spans, copy_s > 0 and 0 <= overlap <= 1; its Chrome
+    trace has a copy track, compute spans, and the forward."""
+    cache = OffloadedCache(CFG, CAP, chunk=8, on_chip=1)
+    verifications(model, cache, 3)
+    fw = cache.forwards
+    assert [f["tokens"] for f in fw[-3:]] == [5, 5, 5]
+    for s in fw[-3:]:
+        check_forward(s)
+    st = cache.stats()
+    assert 0.0 <= st["overlap"] <= 1.0
+    ev = cache.trace["traceEvents"]
+    threads = {e["args"]["name"]: e["tid"] for e in ev if e["ph"] == "M"}
+    copies = [e for e in ev if e["ph"] == "X" and e.get("cat") == "copy"]
+    assert copies and all(e["tid"] == threads["copy"] for e in copies)
+    assert all(e["dur"] >= 0 for e in ev if e["ph"] == "X")
+    assert any(e["cat"] == "compute" and e["name"] == "attention L3" for e in ev if e["ph"] == "X")
+    assert [e["name"] for e in ev if e.get("cat") == "forward"] == ["forward (5 tokens)"]
+    json.dumps(cache.trace)  # serialisable as written by --profile
+    cache.close()
+
+
+def test_resolution_is_lazy_and_never_waits_in_the_decode_path(model):
+    """With events that land only when synchronised (a lagging device), forwards record
+    spans without a single synchronisation; at most PENDING forwards stay unresolved (the
+    oldest are then long done on a real device); reading `forwards` resolves the rest,
+    through the same clock arithmetic as CUDA (reference event + elapsed_time)."""
+    cache = OffloadedCache(CFG, CAP, chunk=8, on_chip=1)
+    cache.timeline.clock = Clock(LateEvent)
+    LateEvent.syncs = 0
+    k = cache.PENDING
+    verifications(model, cache, k - 1)  # prefill + k-1 verifications: k forwards
+    assert LateEvent.syncs == 0 and len(cache._pending) == k and cache._forwards == []
+    verifications(model, cache, 2)  # past the bound: the oldest are resolved, in order
+    assert len(cache._pending) == k and LateEvent.syncs > 0
+    fw = cache.forwards
+    assert cache._pending == [] and len(fw) == k + 2
+    for s in fw[-2:]:
+        check_forward(s)
+    walls = [s["wall_s"] for s in fw]
+    assert all(w > 0 for w in walls)
+    cache.close()
+
+
+class GpuEvent:
+    """An event stamped on another clock (a GPU timer with its own origin) whose
+    elapsed_time comes back in float32 milliseconds, as cudaEventElapsedTime's does."""
+
+    now = 0.0  # the fake device's clock, seconds
+
+    def __init__(self):
+        self.t = None
+
+    def record(self, stream=None):
+        self.t = GpuEvent.now
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end):
+        return float(np.float32((end.t - self.t) * 1e3))
+
+
+def test_clock_resolves_device_events_to_host_seconds():
+    """Device times map to host seconds through the reference event; after a forward is
+    settled later ones are measured from its start (rebase), so float32 milliseconds stay
+    exact to the microsecond an hour into a run. A wait span ends at max(issued, copy end)."""
+    GpuEvent.now = 5000.0
+    clock = Clock(GpuEvent)
+    host0 = clock.ref_s
+
+    def ev(t):
+        GpuEvent.now = t
+        return clock.event()
+
+    a, b = ev(5000.25), ev(5000.75)
+    assert clock.seconds(a) == pytest.approx(host0 + 0.25, abs=1e-6)
+    tl = Timeline(clock=clock)
+    hour = 5000.0 + 3600
+    t0, c0, c1, w, t1 = ev(hour), ev(hour + 1e-4), ev(hour + 4e-4), ev(hour + 2e-4), ev(hour + 1e-3)
+    tl.span("copy", "c", c0, c1)
+    tl.span("wait", "w", w, None, until=c1)  # compute stalled from 0.2 ms to the copy's end
+    tl.span("wait", "w2", ev(hour + 9e-4), None, until=c1)  # copy long landed: no stall
+    s, spans = tl.settle(tl.take(t0, t1, 3))
+    assert s["wall_s"] == pytest.approx(1e-3, abs=3e-4)  # float32 ms an hour on: 0.25 ms grain
+    assert s["copy_s"] == pytest.approx(3e-4, abs=3e-4) and s["wait_s"] == pytest.approx(2e-4, abs=3e-4)
+    # from now on, measured from that forward's start: microsecond-exact
+    u0, u1, u2 = ev(hour + 0.5), ev(hour + 0.5 + 7e-6), ev(hour + 0.5 + 1e-3)
+    tl.span("copy", "c", u0, u1)
+    s2, _ = tl.settle(tl.take(u0, u2, 1))
+    assert s2["copy_s"] == pytest.approx(7e-6, abs=1e-7) and s2["wall_s"] == pytest.approx(1e-3, abs=1e-7)
+
+
+def test_span_records_events_and_wait_until():
+    tl = Timeline()
+    with Span(tl, "compute", "x", layer=1):
+        time.sleep(0.001)
+    end = tl.event()
+    with Span(tl, "wait", "w", until=end):  # the awaited event is already past: no stall
+        pass
+    (_, _, a, b, args), (_, _, wa, wb, _) = tl.resolve()
+    assert b - a >= 0.001 and args == {"layer": 1} and wb == wa
+    with Span(None, "compute", "nothing"):  # no timeline: records nothing
+        pass
+
+
+def test_link_gbps_on_cpu():
+    assert link_gbps("cpu", mib=16, repeats=1) > 0
+
+
+@cuda
+def test_cuda_copy_spans_from_events(model):
+    """On a GPU: copy spans come from event pairs on the copy stream (copy_s > 0), the
+    overlap is in [0, 1], the trace has the copy track, and the forward never synchronised
+    (the pending forward is resolved only when read)."""
+    dev = torch.device("cuda")
+    m = Transformer(CFG).eval().to(dev)
+    m.load_state_dict(model.state_dict())
+    cache = OffloadedCache(CFG, CAP, device=dev, chunk=8, on_chip=1)
+    assert isinstance(cache.timeline.clock.ref, torch.cuda.Event)
+    with torch.inference_mode():
+        ids = torch.randint(0, CFG.vocab_size, (1, 70), device=dev)
+        m(ids[:, :60], 0, cache)
+        cache.commit(60)
+        m(ids[:, 60:65], 60, cache)
+    spans = cache._pending[-1].spans if cache._pending else []
+    assert all(isinstance(a, torch.cuda.Event) for _, _, a, _, _, _ in spans)
+    s = cache.forwards[-1]
+    check_forward(s)
+    ev = cache.trace["traceEvents"]
+    assert any(e.get("cat") == "copy" for e in ev)
+    cache.close()
+
+
+@cuda
+def test_cuda_clock_matches_host_clock():
+    """A CUDA event pair around a 50 ms sleep kernel resolves to ~50 ms of host time."""
+    clock = cuda_clock("cuda")
+    a = clock.event()
+    torch.cuda._sleep(int(50e6))  # ~50 ms of spinning at ~1 GHz (order of magnitude)
+    b = clock.event()
+    t_host = time.perf_counter()
+    sa, sb = clock.seconds(a), clock.seconds(b)
+    assert sb > sa and sa <= t_host + 1e-3
+    assert abs((sb - sa) * 1e3 - a.elapsed_time(b)) < 1e-2
+
+
+@cuda
+def test_cuda_link_gbps():
+    assert link_gbps("cuda", mib=64, repeats=1) > 1.0
+
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
+
+
+def pipeline_bench(tmp_path, *args):
+    import subprocess
+    import sys
+    out = tmp_path / "op.jsonl"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "offload_pipeline.py"), "--geometry", "smollm2",
+           "--layers", "2", "--contexts", "256,512", "--repeats", "1", "--link-mib", "16",
+           "--out", str(out), *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout, [json.loads(x) for x in out.read_text().splitlines()]
+
+
+def check_rows(rows, device: str):
+    assert [r["context"] for r in rows] == [256, 512]
+    for r in rows:
+        assert r["device"].startswith(device) and r["link_gbps"] > 0
+        # SmolLM2 geometry, 2 layers: K and V of 3 heads x 64 per token and layer
+        elem = 4 if r["dtype"] == "float32" else 2
+        assert r["kv_gb"] == pytest.approx(r["context"] * 2 * 2 * 3 * 64 * elem / 1e9)
+        assert r["floor_ms"] == pytest.approx(1e3 * r["kv_gb"] / r["link_gbps"])
+        for k in ("verify", "decode"):
+            assert r[f"{k}_ms"] > 0
+            assert r[f"{k}_x_floor"] == pytest.approx(r[f"{k}_ms"] / r["floor_ms"])
+        assert r["verify_copy_ms"] > 0 and 0.0 <= r["verify_overlap"] <= 1.0
+
+
+def test_offload_pipeline_bench_on_cpu(tmp_path):
+    """benchmarks/offload_pipeline.py on the CPU: per context the KV bytes, the link GB/s
+    measured in the run, verify and decode ms and their ratio to the link floor, the
+    forward's copy time and overlap from its timeline; the serial reference columns."""
+    stdout, rows = pipeline_bench(tmp_path, "--chunk", "64")
+    check_rows(rows, "cpu")
+    assert all(r["serialized_ms"] > 0 and r["compute_ms"] > 0 for r in rows)
+    assert "x floor" in stdout and "link" in stdout and "serial ms" in stdout
+
+
+@cuda
+def test_offload_pipeline_bench_on_cuda(tmp_path):
+    stdout, rows = pipeline_bench(tmp_path, "--device", "cuda", "--no-compare")
+    check_rows(rows, "cuda")
+    assert "serialized_ms" not in rows[0]
+
+
+@cuda
+def test_tune_rows_overlap_on_cuda():
+    """`tune` on a GPU: synchronised latencies and a non-zero overlap from CUDA events
+    (it printed 0.00 for every chunk size when copies had no span)."""
+    from triforce_offload.runtime.offload_bench import tune_rows
+    dev = torch.device("cuda")
+    cfg = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, n_layers=4, n_heads=6,
+                      n_kv_heads=2, max_position_embeddings=8192)
+    torch.manual_seed(0)
+    m = Transformer(cfg).eval().to(dev)
+    loaded = api.Loaded(m, cfg, None, dev, torch.float32)
+    rows, best = tune_rows(loaded, 4000, 6, [64, 512], repeats=2)
+    assert best in (64, 512) and all(r["link_gbps"] > 0 and r["verify_ms"] > 0 for r in rows)
+    assert all(0.0 <= r["overlap"] <= 1.0 for r in rows) and any(r["overlap"] > 0 for r in rows)
