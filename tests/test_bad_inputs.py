@@ -183,11 +183,11 @@ def test_plan_refuses_context_beyond_the_model():
 
 
 def test_plan_with_rope_scaling_passes_it_on():
-    r = cli("plan", "--gpus", "4090", "--context", "1M", "--host-mem", "1024",
-            "--rope-scaling", "linear:8")
+    r = cli("plan", "--gpus", "4090", "--context", "256k", "--host-mem", "1024",
+            "--rope-scaling", "linear:2")
     assert r.returncode == 0, r.stderr
     cmd = [ln for ln in r.stdout.splitlines() if ln.startswith("triforce-offload run")]
-    assert "--rope-scaling linear:8" in cmd[0] and "--max-context 1048576" in cmd[0]
+    assert "--rope-scaling linear:2" in cmd[0] and "--max-context 262144" in cmd[0]
 
 
 def test_plan_reads_the_context_of_a_model_folder(tiny_model_dir):
