@@ -201,16 +201,24 @@ class Timeline:
         return s, spans
 
     def chrome_trace(self, t0: float | None = None, t1: float | None = None, spans=None) -> dict:
-        """Chrome trace JSON (chrome://tracing, Perfetto): one thread per track."""
+        """Chrome trace JSON (chrome://tracing, Perfetto): one thread per track.
+
+        With a `forward` span among them (a settled forward), copies that started before
+        the forward did go on the `prefetch` thread: the next verification's first chunks,
+        streamed while the draft levels ran."""
         spans = self.resolve() if spans is None else spans
         spans = [s for s in spans if (t0 is None or s[3] >= t0) and (t1 is None or s[2] <= t1)]
         base = min((s[2] for s in spans), default=0.0)
-        tids = {"forward": 1, "compute": 1, "wait": 1, "copy": 2, "write-back": 2}
-        ev = [{"name": name, "cat": tr, "ph": "X", "pid": 0, "tid": tids.get(tr, 3),
-               "ts": (a - base) * 1e6, "dur": (b - a) * 1e6, "args": args}
-              for tr, name, a, b, args in spans]
+        start = min((s[2] for s in spans if s[0] == "forward"), default=None)
+        tids = {"forward": 1, "compute": 1, "wait": 1, "copy": 2, "write-back": 2, "prefetch": 3}
+        ev = []
+        for tr, name, a, b, args in spans:
+            if tr == "copy" and start is not None and a < start:
+                tr, args = "prefetch", {**args, "prefetch": True}
+            ev.append({"name": name, "cat": tr, "ph": "X", "pid": 0, "tid": tids.get(tr, 4),
+                       "ts": (a - base) * 1e6, "dur": (b - a) * 1e6, "args": args})
         ev += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": t, "args": {"name": n}}
-               for n, t in (("compute", 1), ("copy", 2))]
+               for n, t in (("compute", 1), ("copy", 2), ("prefetch", 3))]
         return {"traceEvents": ev, "displayTimeUnit": "ms"}
 
 

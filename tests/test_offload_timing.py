@@ -1,7 +1,7 @@
 """Offload timing by events (issue 14 items 5-6): copy spans, copy_s and overlap from the
 timeline's clock events resolved lazily (the same code on the CPU, with perf_counter events,
-as on CUDA, with torch.cuda.Event pairs), the offload_pipeline benchmark, and the CUDA event
-path itself (marked `cuda`)."""
+as on CUDA, with torch.cuda.Event pairs), the prefetch that runs while the draft levels do
+shown in the verification's trace, and the CUDA event path itself (marked `cuda`)."""
 from __future__ import annotations
 
 import json
@@ -91,8 +91,8 @@ def test_copy_spans_copy_s_and_overlap(model, tmp_path):
     assert 0.0 <= st["overlap"] <= 1.0
     ev = cache.trace["traceEvents"]
     threads = {e["args"]["name"]: e["tid"] for e in ev if e["ph"] == "M"}
-    copies = [e for e in ev if e["ph"] == "X" and e.get("cat") == "copy"]
-    assert copies and all(e["tid"] == threads["copy"] for e in copies)
+    copies = [e for e in ev if e["ph"] == "X" and e.get("cat") in ("copy", "prefetch")]
+    assert copies and all(e["tid"] in (threads["copy"], threads["prefetch"]) for e in copies)
     assert all(e["dur"] >= 0 for e in ev if e["ph"] == "X")
     assert any(e["cat"] == "compute" and e["name"] == "attention L3" for e in ev if e["ph"] == "X")
     assert [e["name"] for e in ev if e.get("cat") == "forward"] == ["forward (5 tokens)"]
@@ -187,6 +187,30 @@ def test_span_records_events_and_wait_until():
         pass
 
 
+@pytest.mark.parametrize("depth", [2, 4])
+def test_triforce_offload_trace_shows_prefetch(tiny_model_dir, tmp_path, depth):
+    """A triforce+offload run: the verification's --profile trace holds copies that started
+    before the forward's first compute span (the commit's/engine's prefetch, streamed while
+    the draft levels ran), on the `prefetch` thread; the forward's own copies on `copy`."""
+    loaded = api.load(str(tiny_model_dir), "float32", "cpu")
+    prompt = torch.randint(5, 1000, (300,), generator=torch.Generator().manual_seed(4)).tolist()
+    trace = tmp_path / "trace.json"
+    opts = api.RunOptions(mode="triforce", max_new_tokens=12, prefill_chunk=128, ignore_eos=True,
+                          sampling=SamplingParams(),
+                          extra={"offload": "on", "transfer_chunk": 16, "stage_depth": depth,
+                                 "profile": str(trace), "budget": 64})
+    toks, st = api.generate(loaded, prompt, opts)
+    assert len(toks) >= 12 and st.extra["offload"] and 0.0 <= st.extra["overlap"] <= 1.0
+    ev = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    (fw,) = [e for e in ev if e["cat"] == "forward"]
+    first = min(e["ts"] for e in ev if e["cat"] == "compute")
+    assert first >= fw["ts"]
+    pre = [e for e in ev if e["cat"] == "prefetch"]
+    assert pre and all(e["ts"] < fw["ts"] <= first and e["args"]["prefetch"] for e in pre)
+    assert len(pre) <= depth  # the ring's slots: what can stream ahead of the forward
+    assert any(e["cat"] == "copy" and e["ts"] >= fw["ts"] for e in ev)  # the rest streams in it
+
+
 def test_link_gbps_on_cpu():
     assert link_gbps("cpu", mib=16, repeats=1) > 0
 
@@ -211,7 +235,7 @@ def test_cuda_copy_spans_from_events(model):
     s = cache.forwards[-1]
     check_forward(s)
     ev = cache.trace["traceEvents"]
-    assert any(e.get("cat") == "copy" for e in ev)
+    assert any(e.get("cat") in ("copy", "prefetch") for e in ev)
     cache.close()
 
 
