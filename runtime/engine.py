@@ -16,7 +16,6 @@ import torch
 from .errors import TriforceError
 from .sampling import SamplingParams, probs
 from .speculative import accept
-from .tp import agree
 
 
 @dataclass
@@ -109,6 +108,7 @@ class Engine:
     auto: AutoGamma | None = None  # adapt gammas[-1]
     rebuild: Rebuild = field(default_factory=Rebuild)  # retrieval cache policy
     accept_fn: object = None  # the acceptance rule; None: speculative.accept (looked up per call)
+    agree: object = int  # makes a value every tensor-parallel rank's (spec_modes passes tp.agree)
     stats: list = field(default_factory=list)  # LevelStats per verifying level
     rebuilds: int = 0  # retrieval cache rebuilds
     _since_build: int = 0
@@ -168,7 +168,7 @@ class Engine:
             self._acc_ema = 0.8 * self._acc_ema + 0.2 * (k / g)
         if self.auto:
             # timings differ between tensor-parallel ranks: all take rank 0's choice
-            self.gammas[-1] = agree(self.auto.update(g, k, t_draft, t_verify))
+            self.gammas[-1] = self.agree(self.auto.update(g, k, t_draft, t_verify))
         mid = self.levels[-2]
         cache = getattr(mid, "cache", None)
         if hasattr(cache, "build"):

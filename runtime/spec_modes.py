@@ -21,6 +21,7 @@ from .offloaded import finish_stats, make_full_cache
 from .retrieval import Recorder, RetrievalCache
 from .sampling import probs, sample
 from .streaming import StreamingCache
+from .tp import agree
 
 
 @dataclass
@@ -142,7 +143,7 @@ def speculate(kind: str, loaded, prompt, opts, full, logits, on_token=None):
     sp = opts.sampling
     gen = sp.generator(loaded.device)
     auto = AutoGamma(o.gamma2_start) if o.gamma2 == "auto" and kind != "draft" else None  # adapts gamma2
-    eng = Engine(levels, gammas, sp, gen, auto, Rebuild.parse(o.rebuild))
+    eng = Engine(levels, gammas, sp, gen, auto, Rebuild.parse(o.rebuild), agree=agree)
     t1 = time.perf_counter()
     seq = list(prompt) + [int(sample(probs(logits[0], sp), gen))]
     with torch.inference_mode():
