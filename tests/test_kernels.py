@@ -85,21 +85,7 @@ def test_greedy_modes_unchanged_with_forced_splits(monkeypatch):
 # ---- the native CPU kernel (kernels/cpu_attention.c) ----
 
 from triforce_offload.kernels import native  # noqa: E402
-
-
-def reference(q, k, v, q_pos0, k_pos0=0):
-    """Plain float64 causal attention (no kernel of ours): out [B,Hq,T,D], lse [B,Hq,T]."""
-    B, Hq, T, D = q.shape
-    G = Hq // k.shape[1]
-    kk = k.double().repeat_interleave(G, dim=1)
-    vv = v.double().repeat_interleave(G, dim=1)
-    s = q.double() @ kk.transpose(-1, -2) * D ** -0.5
-    qp = torch.arange(q_pos0, q_pos0 + T)[:, None]
-    kp = torch.arange(k_pos0, k_pos0 + k.shape[2])[None, :]
-    s = s.masked_fill(kp > qp, float("-inf"))
-    lse = torch.logsumexp(s, -1)
-    p = torch.exp(s - torch.nan_to_num(lse, neginf=0.0)[..., None])
-    return (p @ vv).float(), lse.float()
+from native_sweep import reference  # noqa: E402  (plain float64 attention)
 
 
 def test_native_kernel_builds_here():
