@@ -51,6 +51,8 @@ def bench(
     seed: int = typer.Option(0, help="Sampling seed."),
     dtype: Optional[str] = typer.Option(None, help="float32|bfloat16|float16 [default as run]"),
     device: str = typer.Option("auto", help="auto|cpu|cuda"),
+    rope_scaling: Optional[str] = typer.Option(None, help="Stretch our model's context, e.g. linear:4 "
+                                               "(the peers keep the checkpoint's)."),
     draft: str = typer.Option("ngram", help="Drafter of draft/triforce: ngram, self or a model path."),
     budget: int = typer.Option(1024, help="Retrieval cache tokens (retrieval, triforce)."),
     gamma1: int = typer.Option(4, help="Drafter tokens per check."),
@@ -73,7 +75,7 @@ def bench(
     o.check()
     if threads:
         torch.set_num_threads(threads)  # the same CPU share for our modes and the peers
-    loaded = api.load(model, dtype, device, progress=lambda m: err.print(m))
+    loaded = api.load(model, dtype, device, rope_scaling, progress=lambda m: err.print(m))
     meta = run_meta(loaded, o, model)
     with runs_bar() as progress:
         rows = run_bench(loaded, o, model, progress, row_writer(out_dir / "bench.jsonl", meta))
