@@ -1,4 +1,7 @@
-"""The `triforce-offload` command: thin glue over `runtime` and `offload`."""
+"""The `triforce-offload` command: the typer `app`, what its commands share (read_prompt)
+and the console entry `main`. Each command module (run, plan, tune, bench) imports `app`
+from here and registers its command; `cli/__init__.py` imports them all, so importing
+anything from `cli` gives the complete command line."""
 from __future__ import annotations
 
 import json
@@ -56,12 +59,6 @@ def info(as_json: bool = typer.Option(False, "--json", help="Print one JSON obje
         print(json.dumps(data))
     else:
         show_info(data)
-
-
-from . import run as _run  # noqa: E402,F401  (registers `run`)
-from . import tune as _tune  # noqa: E402,F401  (registers `tune`)
-from . import bench as _bench  # noqa: E402,F401  (registers `bench`)
-from . import plan as _plan  # noqa: E402,F401  (registers `plan`)
 
 
 def main():

@@ -1,12 +1,18 @@
-"""`triforce-offload plan`: choose TriForce settings for GPUs with the cost model; `run --plan auto`."""
+"""`triforce-offload plan` and `run --plan auto`: TriForce settings from the cost model's
+plan search (`offload/plan.py`), with the parsers of the command's GPU, context and model
+strings ("2x4090", "128k", a preset or a model folder)."""
 from __future__ import annotations
 
 import json
 import math
+import re
 import shlex
+from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional
 
+import torch
 import typer
 from rich.table import Table
 
@@ -49,9 +55,9 @@ def plan(
 ):
     """Search on-chip layers, budget, gamma2 and transfer chunk for the lowest predicted
     ms/token that fits memory; print the plan and the command line to run it."""
-    hw = _value(pl.parse_gpus, gpus)
-    spec = _value(pl.parse_model, model)
-    ctx = _value(pl.parse_context, context)
+    hw = _value(parse_gpus, gpus)
+    spec = _value(parse_model, model)
+    ctx = _value(parse_context, context)
     check_context(spec, ctx, rope_scaling)
     for a, flag in ((alpha0, "--alpha0"), (alpha1, "--alpha1")):
         if not 0 <= a <= 1:
@@ -123,3 +129,93 @@ def plan_table(p: pl.Plan) -> Table:
     t.add_row("predicted autoregressive offload", f"{d['baseline_ms']:.0f} ms/token")
     t.add_row("predicted speedup", f"{d['baseline_ms'] / d['ms_per_token']:.1f}x")
     return t
+
+
+def auto_plan(cfg, context: int, device: torch.device) -> tuple[dict, str]:
+    """`run --plan auto`: (RunOptions.extra updates, a note for stderr).
+
+    The plan models GPUs with a PCIe link; on a machine without CUDA it leaves the
+    defaults alone and says so."""
+    if device.type != "cuda":
+        return {}, ("--plan auto: the planner targets GPUs (PCIe-streamed KV); running on "
+                    f"{device.type}, so the run keeps its defaults")
+    from ..offload.tune import load_profile
+    name = torch.cuda.get_device_name(device)
+    prof = load_profile(device) or {}
+    links = [r["link_gbps"] for r in prof.get("rows", []) if "link_gbps" in r]  # `tune` sweep
+    hw = cm.Hardware.from_profile({"device": name, "link_gbps": links})
+    hw = replace(hw, gpus=1, gpu_mem_gb=torch.cuda.get_device_properties(device).total_memory / cm.GIB)
+    spec = cm.ModelSpec(name="model", layers=cfg.n_layers, heads=cfg.n_heads,
+                        kv_heads=cfg.n_kv_heads, hidden=cfg.hidden_size,
+                        intermediate=cfg.intermediate_size, vocab=cfg.vocab_size,
+                        head_dim=cfg.head_dim, tied=cfg.tie_word_embeddings)
+    try:
+        p = pl.search_plan(hw, spec, context, alpha0=0.6, alpha1=0.9, draft=None)
+    except ValueError as e:
+        raise TriforceError(f"--plan auto: {e}") from None
+    s = p.settings
+    extra = {"offload": "on", "on_chip": s.on_chip, "budget": s.budget, "gamma2": str(s.gamma2),
+             "transfer_chunk": s.transfer_chunk}
+    note = (f"--plan auto on {name}: " + ", ".join(f"{k} {v}" for k, v in extra.items())
+            + f" (predicted {p.ms_per_token:.0f} ms/token)")
+    return extra, note
+
+
+def plan_settings(spec: str, loaded, context: int) -> dict:
+    """`run --plan SPEC`: the RunOptions.extra updates (only `auto` exists)."""
+    if spec != "auto":
+        raise TriforceError(f"--plan {spec!r}: allowed is auto (see `triforce-offload plan` "
+                            "for other machines)")
+    extra, note = auto_plan(loaded.cfg, context, loaded.device)
+    err.print(note, highlight=False)
+    return extra
+
+
+# ---- the command's strings ----
+
+_GPU_NAMES = {"4090": "rtx4090", "rtx4090": "rtx4090", "a100-80g": "a100-80g",
+              "a100-80gb": "a100-80g", "a10080g": "a100-80g", "a100_80g": "a100-80g"}
+
+
+def parse_gpus(text: str) -> cm.Hardware:
+    """'4090', '2x4090', 'a100-80g', '1xa100-80g' -> Hardware with that many GPUs."""
+    t = str(text).strip().lower().replace(" ", "").replace("\u00d7", "x")
+    m = re.fullmatch(r"(?:(\d+)x)?(.+)", t)
+    key = _GPU_NAMES.get(m.group(2)) if m else None
+    if key is None:
+        raise ValueError(f"unknown GPU spec {text!r}: expected [Nx]NAME with NAME one of "
+                         f"4090, a100-80g (e.g. 2x4090)")
+    n = int(m.group(1) or 1)
+    if not 1 <= n <= 16:
+        raise ValueError(f"GPU count {n} in {text!r} is not in 1..16")
+    hw = cm.HARDWARE[key]
+    return replace(hw, gpus=n, name=key if n == 1 else f"{n}x{m.group(2)}")
+
+
+def parse_context(text) -> int:
+    """'131072', '128k', '32K', '1M' -> tokens (k = 1024, M = 1024**2)."""
+    t = str(text).strip().lower()
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([km]?)", t)
+    if not m:
+        raise ValueError(f"bad context {text!r}: expected a token count like 131072, "
+                         f"128k or 1M")
+    n = round(float(m.group(1)) * {"": 1, "k": 1024, "m": 1024 ** 2}[m.group(2)])
+    if n <= 0:
+        raise ValueError(f"context must be positive, got {text!r}")
+    return n
+
+
+def parse_model(text: str) -> cm.ModelSpec:
+    """A preset name (see costmodel.MODELS) or a HF model folder / config.json path."""
+    key = str(text).strip().lower()
+    if key in cm.MODELS:
+        return cm.MODELS[key]
+    p = Path(text)
+    cfg = p / "config.json" if p.is_dir() else p
+    if cfg.is_file():
+        try:
+            return cm.ModelSpec.from_hf_config(json.loads(cfg.read_text()), name=p.name)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{cfg} is not valid JSON: {e.msg}") from None
+    raise ValueError(f"unknown model {text!r}: expected one of {', '.join(cm.MODELS)} "
+                     f"or a folder with config.json")

@@ -12,9 +12,10 @@ from ..runtime import tp as tensor_parallel
 from ..runtime.data import encode_prompt, long_prompt
 from ..runtime.sampling import SamplingParams
 from .app import app, read_prompt
-from .show import err, stats_line
+from .launch import join, launch_ranks
+from .plan import plan_settings
 from .progress import bar, print_stream
-from .autoplan import plan_settings
+from .show import err, stats_line
 
 DEFAULT_PROMPT_TOKENS = 4000
 
@@ -71,10 +72,10 @@ def run(
     """Generate from a prompt; ends with a stats line (or a JSON object with --json)."""
     params = dict(locals())
     text = read_prompt(prompt, prompt_file)  # here: ranks have no stdin
-    if tensor_parallel.launch_ranks(run, tp, model, rope_scaling, device,
-                                    {**params, "prompt": text, "prompt_file": None}):
+    if launch_ranks(run, tp, model, rope_scaling, device,
+                    {**params, "prompt": text, "prompt_file": None}):
         return  # the ranks ran this command; rank 0 printed
-    device = tensor_parallel.join(tp, device, model)
+    device = join(tp, device, model)
     loaded = api.load(model, dtype, device, rope_scaling, progress=lambda m: err.print(m))
     loaded = tensor_parallel.shard(loaded)
     ids = (long_prompt(loaded.tokenizer, prompt_tokens, chat=chat) if text is None

@@ -11,19 +11,14 @@ given at a reference budget and scaled by a heuristic (`alpha_at_budget`): the m
 rate falls as 1/sqrt(budget). This is an assumption loosely following the TriForce
 paper's observation that acceptance rises with budget with diminishing returns; pass
 measured rates when you have them.
-
-Also the string parsers the CLI uses: GPUs ("2x4090"), context ("128k"), model.
 """
 from __future__ import annotations
 
-import json
 import math
-import re
 from dataclasses import dataclass, replace
-from pathlib import Path
 
-from .costmodel import (GIB, HARDWARE, LLAMA_68M, MODELS, Hardware, ModelSpec, Settings,
-                        gpu_capacity, host_capacity, max_on_chip, memory_use, predict)
+from .costmodel import (GIB, LLAMA_68M, Hardware, ModelSpec, Settings, gpu_capacity,
+                        host_capacity, max_on_chip, memory_use, predict)
 
 BUDGETS = tuple(2 ** i for i in range(10, 15))  # 1024 .. 16384 tokens
 GAMMA1S = (1, 2, 3, 4)  # L0 drafts per L1 verification
@@ -133,52 +128,3 @@ def _plan(hw, model, ms, s) -> Plan:
     base_ms = predict(hw, model, ar, "autoregressive").ms_per_token
     return Plan(hw, model, s, ms, base_ms, mem.gpu_gb, mem.host_gb, s.tp or hw.gpus)
 
-
-# ---- parsers ----
-
-_GPU_NAMES = {"4090": "rtx4090", "rtx4090": "rtx4090", "a100-80g": "a100-80g",
-              "a100-80gb": "a100-80g", "a10080g": "a100-80g", "a100_80g": "a100-80g"}
-
-
-def parse_gpus(text: str) -> Hardware:
-    """'4090', '2x4090', 'a100-80g', '1xa100-80g' -> Hardware with that many GPUs."""
-    t = str(text).strip().lower().replace(" ", "").replace("\u00d7", "x")
-    m = re.fullmatch(r"(?:(\d+)x)?(.+)", t)
-    key = _GPU_NAMES.get(m.group(2)) if m else None
-    if key is None:
-        raise ValueError(f"unknown GPU spec {text!r}: expected [Nx]NAME with NAME one of "
-                         f"4090, a100-80g (e.g. 2x4090)")
-    n = int(m.group(1) or 1)
-    if not 1 <= n <= 16:
-        raise ValueError(f"GPU count {n} in {text!r} is not in 1..16")
-    hw = HARDWARE[key]
-    return replace(hw, gpus=n, name=key if n == 1 else f"{n}x{m.group(2)}")
-
-
-def parse_context(text) -> int:
-    """'131072', '128k', '32K', '1M' -> tokens (k = 1024, M = 1024**2)."""
-    t = str(text).strip().lower()
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([km]?)", t)
-    if not m:
-        raise ValueError(f"bad context {text!r}: expected a token count like 131072, "
-                         f"128k or 1M")
-    n = round(float(m.group(1)) * {"": 1, "k": 1024, "m": 1024 ** 2}[m.group(2)])
-    if n <= 0:
-        raise ValueError(f"context must be positive, got {text!r}")
-    return n
-
-
-def parse_model(text: str) -> ModelSpec:
-    """A preset name (see costmodel.MODELS) or a HF model folder / config.json path."""
-    key = str(text).strip().lower()
-    if key in MODELS:
-        return MODELS[key]
-    p = Path(text)
-    cfg = p / "config.json" if p.is_dir() else p
-    if cfg.is_file():
-        try:
-            return ModelSpec.from_hf_config(json.loads(cfg.read_text()), name=p.name)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{cfg} is not valid JSON: {e.msg}") from None
-    raise ValueError(f"unknown model {text!r}: expected one of {', '.join(MODELS)} "
-                     f"or a folder with config.json")

@@ -48,51 +48,51 @@ class Pass:
 
 
 class PipelineScheduler:
-    def __init__(self, store: HostKVStore, copier: ChunkCopier, chunk: int, device,
+    def __init__(self, store: HostKVStore, copier: ChunkCopier, transfer_chunk: int, device,
                  depth: int = STAGE_DEPTH, overlap: bool = True, timeline: Timeline | None = None):
-        if chunk < 1:
-            raise OffloadError(f"--transfer-chunk {chunk}: must be >= 1 token")
+        if transfer_chunk < 1:
+            raise OffloadError(f"transfer chunk of {transfer_chunk} tokens: must be >= 1")
         if depth < 1:
             raise OffloadError(f"staging depth {depth}: must be >= 1 slot")
-        self.store, self.copier, self.chunk = store, copier, chunk
+        self.store, self.copier, self.transfer_chunk = store, copier, transfer_chunk
         self.layers = list(store.spec.layers)
         self.overlap, self.timeline = overlap, timeline
         s = store.spec
         self.n_slots = depth
-        shape = (self.n_slots, chunk, s.batch, s.n_kv_heads, s.head_dim)  # [N, C, B, Hkv, D]
+        shape = (self.n_slots, transfer_chunk, s.batch, s.n_kv_heads, s.head_dim)  # [N, C, B, Hkv, D]
         self.k = torch.empty(shape, dtype=s.dtype, device=device)
         self.v = torch.empty(shape, dtype=s.dtype, device=device)
         self.free = list(range(self.n_slots))
-        self.pass_ = None
+        self.current = None  # the Pass streaming now (None: none)
 
     def nbytes(self) -> int:
-        """Device bytes of the ring: `costmodel.staging_bytes(chunk, bytes per token, depth)`."""
+        """Device bytes of the ring: `costmodel.staging_bytes(transfer_chunk, bytes per token, depth)`."""
         return 2 * self.k.numel() * self.k.element_size()
 
     def start(self, end: int, first_layer: int | None = None):
         """Begin streaming the prefix [0, end) of the offloaded layers from `first_layer`
         (default: the first offloaded layer) on; a no-op if that pass is already running."""
         first_layer = self.layers[0] if first_layer is None else first_layer
-        p = self.pass_
+        p = self.current
         if p is not None and p.end == end and p.next_layer == 0 and p.layer_at(0) == first_layer:
             return
         self.reset()
-        jobs, first = [], {}
+        jobs, first, step = [], {}, self.transfer_chunk
         for layer in self.layers[self.layers.index(first_layer):]:
             first[layer] = len(jobs)
-            jobs += [(layer, c, min(c + self.chunk, end)) for c in range(0, end, self.chunk)]
-        self.pass_ = Pass(end, jobs, first)
+            jobs += [(layer, c, min(c + step, end)) for c in range(0, end, step)]
+        self.current = Pass(end, jobs, first)
         if self.overlap:
             self._fill()
 
     def reset(self):
         """Drop the current pass; its in-flight copies land in slots nobody will read."""
-        if self.pass_ is not None:
-            self.free += [slot for slot, _ in self.pass_.inflight.values()]
-        self.pass_ = None
+        if self.current is not None:
+            self.free += [slot for slot, _ in self.current.inflight.values()]
+        self.current = None
 
     def _fill(self, limit: int | None = None, after=None):
-        p = self.pass_
+        p = self.current
         limit = len(p.jobs) if limit is None else limit
         while self.free and p.next_job < limit:
             layer, c0, c1 = p.jobs[p.next_job]
@@ -106,10 +106,10 @@ class PipelineScheduler:
     def stream(self, layer: int, end: int):
         """Yield (c0, k [B,Hkv,n,D], v [B,Hkv,n,D]) for the chunks of `layer`'s prefix
         [0, end), each only after its copy is signalled. Consume before advancing."""
-        p = self.pass_
+        p = self.current
         if p is None or p.end != end or p.layer_at(p.next_layer) != layer:
             self.start(end, layer)
-            p = self.pass_
+            p = self.current
         lo = p.first[layer]
         nxt = p.layer_at(p.next_layer + 1)
         hi = len(p.jobs) if nxt is None else p.first[nxt]
@@ -123,7 +123,7 @@ class PipelineScheduler:
             if self.overlap:
                 self._fill(after=self.copier.marker())
         if p.layer_at(p.next_layer) is None:
-            self.pass_ = None
+            self.current = None
 
     def _take(self, p: Pass, j: int):
         layer, c0, c1 = p.jobs[j]

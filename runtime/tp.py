@@ -33,7 +33,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import distributed
 from .config import ModelConfig
 from .errors import TriforceError
 
@@ -172,27 +171,3 @@ def sync_sampling(sp):
     torch.manual_seed(seed)
     return dataclasses.replace(sp, seed=seed)
 
-
-def launch_ranks(fn, world: int, model_path, rope_scaling, device: str, kwargs: dict) -> bool:
-    """CLI entry for `--tp N`: in the first process (not yet a rank, not under torchrun),
-    check --tp against the model and the devices, run fn(**kwargs) on N spawned ranks and
-    return True. Returns False where the caller itself is to run (N == 1, or a rank).
-    """
-    distributed.check_devices(world, device)
-    if world == 1 or distributed.world_size() > 1:
-        return False
-    from .loader import read_config, resolve
-    check(read_config(resolve(model_path), rope_scaling), world)  # also converts a GGUF once
-    threads = max(1, torch.get_num_threads() // world)  # one share of the cores per rank
-    distributed.launch(fn, world, kwargs=kwargs, device=device, threads=threads)
-    return True
-
-
-def join(world: int, device: str, model_path=None) -> str:
-    """In a rank: join the group, let rank 0 convert the model first; this rank's device."""
-    distributed.setup(world, device)
-    if world > 1:
-        from .loader import resolve
-        with distributed.rank0_first():
-            resolve(model_path)
-    return distributed.rank_device(device)

@@ -202,7 +202,7 @@ def test_auto_plan_on_a_gpu_uses_the_planner(monkeypatch):
 
     import torch
 
-    from triforce_offload.cli import autoplan
+    from triforce_offload.cli.plan import auto_plan
     from triforce_offload.runtime.config import ModelConfig
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "NVIDIA GeForce RTX 4090")
     monkeypatch.setattr(torch.cuda, "get_device_properties",
@@ -211,6 +211,6 @@ def test_auto_plan_on_a_gpu_uses_the_planner(monkeypatch):
                         lambda d: {"rows": [{"chunk": 4096, "link_gbps": 20.0}]})
     cfg = ModelConfig(vocab_size=32000, hidden_size=4096, intermediate_size=11008, n_layers=32,
                       n_heads=32)
-    extra, note = autoplan.auto_plan(cfg, 65536, torch.device("cuda"))
+    extra, note = auto_plan(cfg, 65536, torch.device("cuda"))
     assert extra["offload"] == "on" and extra["budget"] >= 1024 and int(extra["gamma2"]) >= 1
     assert 0 <= extra["on_chip"] <= 32 and "RTX 4090" in note and "ms/token" in note

@@ -3,6 +3,7 @@ from dataclasses import replace
 
 import pytest
 
+from triforce_offload.cli.plan import parse_context, parse_gpus, parse_model
 from triforce_offload.offload import costmodel as cm
 from triforce_offload.offload import plan as pl
 
@@ -98,8 +99,8 @@ def test_from_profile_uses_best_link():
 
 
 def test_plan_fits_memory_and_beats_baseline():
-    hw = pl.parse_gpus("2x4090")
-    p = pl.search_plan(hw, cm.LLAMA2_7B_128K, pl.parse_context("128k"))
+    hw = parse_gpus("2x4090")
+    p = pl.search_plan(hw, cm.LLAMA2_7B_128K, parse_context("128k"))
     assert p.gpu_gb * cm.GIB <= cm.gpu_capacity(hw)
     assert p.host_gb * cm.GIB <= cm.host_capacity(hw)
     assert p.ms_per_token < p.baseline_ms
@@ -115,7 +116,7 @@ def test_plan_fits_memory_and_beats_baseline():
 
 
 def test_plan_respects_memory_overrides():
-    hw = pl.parse_gpus("4090")
+    hw = parse_gpus("4090")
     big = pl.search_plan(hw, cm.LLAMA2_7B_128K, 131072)
     small = pl.search_plan(hw, cm.LLAMA2_7B_128K, 131072, gpu_mem_gb=20)
     assert small.gpu_gb <= 20 and small.ms_per_token >= big.ms_per_token
@@ -124,21 +125,21 @@ def test_plan_respects_memory_overrides():
 def test_plan_refuses_host_overflow_with_numbers():
     # 512K: the prefill's device layer (8 GiB) still fits the card, the host KV does not
     with pytest.raises(ValueError, match=r"needs \d+\.\d GiB host memory.*57\.6 GiB available"):
-        pl.search_plan(pl.parse_gpus("4090"), cm.LLAMA2_7B_128K, pl.parse_context("512k"),
+        pl.search_plan(parse_gpus("4090"), cm.LLAMA2_7B_128K, parse_context("512k"),
                        host_mem_gb=64)
 
 
 def test_plan_refuses_gpu_overflow_with_numbers():
     # llama2-13b: 24.2 GiB of fp16 weights cannot sit on one 24 GiB card
     with pytest.raises(ValueError, match=r"needs 2\d\.\d GiB per GPU.*\d+\.\d GiB avail"):
-        pl.search_plan(pl.parse_gpus("4090"), cm.LLAMA2_13B_128K, pl.parse_context("128k"),
+        pl.search_plan(parse_gpus("4090"), cm.LLAMA2_13B_128K, parse_context("128k"),
                        host_mem_gb=64)
 
 
 def test_plan_is_fast():
     import time
     t = time.perf_counter()
-    pl.search_plan(pl.parse_gpus("2x4090"), cm.LLAMA2_13B_128K, 131072)
+    pl.search_plan(parse_gpus("2x4090"), cm.LLAMA2_13B_128K, 131072)
     assert time.perf_counter() - t < 1.0
 
 
@@ -146,7 +147,7 @@ def test_plan_is_fast():
     ("4090", 1, "rtx4090"), ("2x4090", 2, "rtx4090"), ("2X4090", 2, "rtx4090"),
     ("rtx4090", 1, "rtx4090"), ("a100-80g", 1, "a100-80g"), ("1xa100-80g", 1, "a100-80g")])
 def test_parse_gpus(text, gpus, name):
-    hw = pl.parse_gpus(text)
+    hw = parse_gpus(text)
     assert hw.gpus == gpus
     assert hw.gpu_mem_gb == cm.HARDWARE[name].gpu_mem_gb
 
@@ -154,26 +155,26 @@ def test_parse_gpus(text, gpus, name):
 @pytest.mark.parametrize("text", ["3090", "0x4090", "x4090", "", "2x"])
 def test_parse_gpus_rejects(text):
     with pytest.raises(ValueError, match="GPU"):
-        pl.parse_gpus(text)
+        parse_gpus(text)
 
 
 @pytest.mark.parametrize("text,tokens", [
     ("128k", 131072), ("131072", 131072), ("32K", 32768), ("1M", 1048576), (4096, 4096)])
 def test_parse_context(text, tokens):
-    assert pl.parse_context(text) == tokens
+    assert parse_context(text) == tokens
 
 
 @pytest.mark.parametrize("text", ["abc", "12q", "-5", "0", "k"])
 def test_parse_context_rejects(text):
     with pytest.raises(ValueError, match="context"):
-        pl.parse_context(text)
+        parse_context(text)
 
 
 def test_parse_model(tmp_path):
-    assert pl.parse_model("llama2-7b-128k") is cm.LLAMA2_7B_128K
+    assert parse_model("llama2-7b-128k") is cm.LLAMA2_7B_128K
     (tmp_path / "config.json").write_text(
         '{"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64, '
         '"intermediate_size": 128, "vocab_size": 100}')
-    assert pl.parse_model(str(tmp_path)).layers == 2
+    assert parse_model(str(tmp_path)).layers == 2
     with pytest.raises(ValueError, match="unknown model"):
-        pl.parse_model("gpt-5")
+        parse_model("gpt-5")

@@ -1,0 +1,32 @@
+"""`run --tp N`: start the tensor-parallel ranks and join them (the sharding itself is
+`runtime/tp.py`, the process groups `runtime/distributed.py`)."""
+from __future__ import annotations
+
+import torch
+
+from ..runtime import distributed
+from ..runtime import tp as tensor_parallel
+from ..runtime.loader import read_config, resolve
+
+
+def launch_ranks(fn, world: int, model_path, rope_scaling, device: str, kwargs: dict) -> bool:
+    """In the first process (not yet a rank, not under torchrun): check --tp against the
+    model and the devices, run fn(**kwargs) on `world` spawned ranks and return True.
+    Returns False where the caller itself is to run (world 1, or already a rank).
+    """
+    distributed.check_devices(world, device)
+    if world == 1 or distributed.world_size() > 1:
+        return False
+    tensor_parallel.check(read_config(resolve(model_path), rope_scaling), world)  # also converts a GGUF once
+    threads = max(1, torch.get_num_threads() // world)  # one share of the cores per rank
+    distributed.launch(fn, world, kwargs=kwargs, device=device, threads=threads)
+    return True
+
+
+def join(world: int, device: str, model_path=None) -> str:
+    """In a rank: join the group, let rank 0 convert the model first; this rank's device."""
+    distributed.setup(world, device)
+    if world > 1:
+        with distributed.rank0_first():
+            resolve(model_path)
+    return distributed.rank_device(device)
