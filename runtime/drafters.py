@@ -1,9 +1,9 @@
 """Levels of the speculative hierarchy: a model over a cache, and the n-gram drafter.
 
 Every level shares one token list `seq` (prompt + generated + tentative tokens) and
-tracks `fed`: how many leading positions of `seq` its cache holds (committed or
-pending). Only the level writes `fed` (its forwards feed, `commit` sets it) and only
-`commit` moves its cache's length; the engine drives both through `commit`/`rollback`. A forward feeds `seq[fed:]`, so a level catches up on tokens accepted by the
+tracks `held`: how many leading positions of `seq` its cache holds (committed or
+pending). Only the level writes `held` (its forwards feed, `commit` sets it) and only
+`commit` moves its cache's length; the engine drives both through `commit`/`rollback`. A forward feeds `seq[held:]`, so a level catches up on tokens accepted by the
 levels above without the engine spelling them out. `draft(seq, g, sp, gen)` appends up
 to g tokens to `seq` and returns their draft distributions q [g', V].
 """
@@ -17,36 +17,36 @@ import torch
 from .errors import TriforceError
 from .graphs import Step
 from .sampling import probs, sample
-from .speculative import one_hot
+from .acceptance import one_hot
 
 
 class ModelLevel:
     """A model over one cache: the target over full/retrieval caches, or a draft model."""
 
-    def __init__(self, model, cache, name: str, graphs: bool = False, fed: int = 0):
+    def __init__(self, model, cache, name: str, graphs: bool = False, held: int = 0):
         self.model, self.cache, self.name = model, cache, name
         self.device = next(model.parameters()).device
         self.step = Step(model, cache, graphs)  # CUDA graphs over a static cache
-        self.fed = fed  # leading positions of seq held by the cache (it may arrive filled)
+        self.held = held  # leading positions of seq held by the cache (it may arrive filled)
         self.time = 0.0  # seconds spent in forwards
 
     @torch.inference_mode()
     def forward(self, seq: list[int], rows: int) -> torch.Tensor:
-        """Feed seq[fed:]; fp32 logits of the last `rows` positions [rows, V]."""
+        """Feed seq[held:]; fp32 logits of the last `rows` positions [rows, V]."""
         t0 = time.perf_counter()
-        ids = torch.tensor([seq[self.fed:]], device=self.device)
-        out = self.step(ids, self.fed, last_only=rows == 1)[0, -rows:].float()
-        self.fed = len(seq)
+        ids = torch.tensor([seq[self.held:]], device=self.device)
+        out = self.step(ids, self.held, last_only=rows == 1)[0, -rows:].float()
+        self.held = len(seq)
         self.time += time.perf_counter() - t0
         return out
 
     def commit(self, n: int):
-        self.fed = n
+        self.held = n
         self.cache.commit(n)
 
     def rollback(self, n: int):
         """Positions >= n are no longer valid (also commits pending tokens below n)."""
-        self.commit(min(self.fed, n))
+        self.commit(min(self.held, n))
 
     def draft(self, seq, g, sp, gen) -> torch.Tensor:
         qs = []
@@ -57,14 +57,14 @@ class ModelLevel:
         return torch.stack(qs)
 
     @torch.inference_mode()
-    def prefill(self, prompt: list[int], chunk: int):
+    def prefill(self, prompt: list[int], prefill_chunk: int):
         """Run the prompt through this level's own cache (a draft model's streaming cache)."""
         t0 = time.perf_counter()
-        for s in range(0, len(prompt), chunk):
-            ids = torch.tensor([prompt[s: s + chunk]], device=self.device)
+        for s in range(0, len(prompt), prefill_chunk):
+            ids = torch.tensor([prompt[s: s + prefill_chunk]], device=self.device)
             self.model(ids, s, self.cache, last_only=True)
-            self.cache.commit(min(s + chunk, len(prompt)))
-        self.fed = len(prompt)
+            self.cache.commit(min(s + prefill_chunk, len(prompt)))
+        self.held = len(prompt)
         self.time += time.perf_counter() - t0
 
 

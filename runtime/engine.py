@@ -15,7 +15,7 @@ import torch
 
 from .errors import TriforceError
 from .sampling import SamplingParams, probs
-from .speculative import accept
+from .acceptance import accept
 
 
 @dataclass
@@ -107,7 +107,7 @@ class Engine:
     gen: torch.Generator  # randomness for drafts, acceptance and resampling
     auto: AutoGamma | None = None  # adapt gammas[-1]
     rebuild: Rebuild = field(default_factory=Rebuild)  # retrieval cache policy
-    accept_fn: object = None  # the acceptance rule; None: speculative.accept (looked up per call)
+    accept_fn: object = None  # the acceptance rule; None: acceptance.accept (looked up per call)
     agree: object = int  # makes a value every tensor-parallel rank's (spec_modes passes tp.agree)
     stats: list = field(default_factory=list)  # LevelStats per verifying level
     rebuilds: int = 0  # retrieval cache rebuilds
@@ -136,7 +136,7 @@ class Engine:
     def verify(self, i: int, seq: list[int]) -> torch.Tensor:
         """Level i checks a draft of level i-1 appended to seq; returns probs of the kept tokens."""
         m, lv = len(seq), self.levels[i]
-        f0 = lv.fed
+        f0 = lv.held
         if i == len(self.levels) - 1:
             lv.cache.prefetch()  # the link is idle while lower levels draft
         t0 = time.perf_counter()
@@ -179,8 +179,8 @@ class Engine:
     def rebuild_retrieval(self):
         """Re-select chunks from the full cache with the verifier's latest queries."""
         mid, top = self.levels[-2], self.top
-        mid.cache.build(top.cache, top.cache.q, top.fed)
-        mid.commit(top.fed)
+        mid.cache.build(top.cache, top.cache.q, top.held)
+        mid.commit(top.held)
         self.rebuilds += 1
         self._since_build, self._acc_ema = 0, 1.0
 

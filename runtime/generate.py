@@ -78,16 +78,16 @@ def stop_ids(loaded, opts) -> set[int]:
 
 
 @torch.inference_mode()
-def prefill(model, cache, ids: torch.Tensor, start: int = 0, chunk: int = 512, progress=None):
-    """Run ids [B, T] through the model in chunks of `chunk` tokens; commit; last logits [B, V]."""
+def prefill(model, cache, ids: torch.Tensor, start: int = 0, prefill_chunk: int = 512, progress=None):
+    """Run ids [B, T] through the model `prefill_chunk` tokens per forward; commit; last logits [B, V]."""
     T = ids.shape[1]
-    if chunk < 1:
-        raise TriforceError(f"--prefill-chunk {chunk}: must be >= 1")
+    if prefill_chunk < 1:
+        raise TriforceError(f"--prefill-chunk {prefill_chunk}: must be >= 1")
     if hasattr(cache, "hold"):  # an offloaded cache: layer-major, nothing re-streamed
-        return prefill_layer_major(model, cache, ids, start, chunk, progress)
+        return prefill_layer_major(model, cache, ids, start, prefill_chunk, progress)
     logits = None
-    for s in range(0, T, chunk):
-        e = min(s + chunk, T)
+    for s in range(0, T, prefill_chunk):
+        e = min(s + prefill_chunk, T)
         logits = model(ids[:, s:e], start + s, cache, last_only=True)[:, -1]
         cache.commit(start + e)
         if progress:
@@ -125,7 +125,7 @@ def autoregressive(model, cache, prompt: list[int], sp: SamplingParams, max_new:
     dev = next(model.parameters()).device
     ids = torch.tensor([prompt], device=dev)
     t0 = time.perf_counter()
-    logits = prefill(model, cache, ids, chunk=prefill_chunk, progress=progress)
+    logits = prefill(model, cache, ids, prefill_chunk=prefill_chunk, progress=progress)
     t1 = time.perf_counter()
     step = Step(model, cache, graphs)
     toks = decode(model, cache, logits, len(prompt), sp, max_new, eos, on_token, step=step)

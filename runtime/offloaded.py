@@ -89,7 +89,7 @@ class OffloadedCache(KVCache):
                                        overlap, self.timeline) if spec.layers else None
         self.chip = FullCache(cfg, capacity, batch, dtype, device) if on_chip else None
         self.written = 0  # end of the KV written so far (scratch above `length`)
-        self.wb = {}  # layer -> Signal of its latest write-back
+        self.write_backs = {}  # layer -> Signal of its latest write-back
         self._forwards = []  # per-forward timing summaries (`forwards`)
         self._pending = []  # forwards whose timing events are not resolved yet
         self._trace_spans = None  # resolved spans of the last multi-layer forward (`trace`)
@@ -153,7 +153,7 @@ class OffloadedCache(KVCache):
         vh = v.permute(2, 0, 1, 3).contiguous()
         end = start + k.shape[2]
         dst = (self.store.k[layer][start:end], self.store.v[layer][start:end])
-        self.wb[layer] = self.copier.write_back(dst, (kh, vh), (layer, start, "wb"))
+        self.write_backs[layer] = self.copier.write_back(dst, (kh, vh), (layer, start, "wb"))
 
     def hold(self, layer: int | None, end: int = 0):
         """Keep offloaded `layer`'s KV of positions [0, end) on the device until the next
@@ -226,8 +226,8 @@ class OffloadedCache(KVCache):
         end = self.length if end is None else end
         if layer < self.on_chip:
             return self.chip.keys(layer, end)
-        if layer in self.wb:
-            self.wb[layer].synchronize()
+        if layer in self.write_backs:
+            self.write_backs[layer].synchronize()
         return self.store.view(layer, end)
 
     def recent(self, layer: int, lo: int, hi: int):

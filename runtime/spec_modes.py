@@ -70,12 +70,12 @@ def make_drafter(o: SpecOptions, loaded, prompt, full):
     if o.draft == "self":
         cache = mk(loaded.cfg)
         cache.load_from(full, len(prompt))  # the target's own KV of sink + window
-        return ModelLevel(loaded.model, cache, "self", fed=len(prompt))
+        return ModelLevel(loaded.model, cache, "self", held=len(prompt))
     from .loader import load_model
     model, cfg, tok = load_model(o.draft, loaded.dtype, loaded.device)
     check_vocab(loaded.tokenizer, tok)
     lv = ModelLevel(model, mk(cfg), "draft")
-    lv.prefill(prompt, lv.cache.pending)
+    lv.prefill(prompt, prefill_chunk=lv.cache.pending)  # at most what the streaming cache takes uncommitted
     return lv
 
 
@@ -89,7 +89,7 @@ def check_draft(o: SpecOptions, loaded):
 
 def build_levels(kind, o: SpecOptions, loaded, prompt, full, notes: list, graphs: bool = True):
     n = len(prompt)
-    top = ModelLevel(loaded.model, full, "full", graphs, fed=n)
+    top = ModelLevel(loaded.model, full, "full", graphs, held=n)
     levels, gammas = [top], []
     if kind in ("triforce", "retrieval"):
         if o.budget % o.chunk:
@@ -105,7 +105,7 @@ def build_levels(kind, o: SpecOptions, loaded, prompt, full, notes: list, graphs
             ret.build(full, full.q, n)
             if ret.holds_all:
                 notes.append(f"prompt of {n} tokens fits the budget: the retrieval cache holds all of it")
-            mid = ModelLevel(loaded.model, ret, "retrieval", graphs, fed=n)
+            mid = ModelLevel(loaded.model, ret, "retrieval", graphs, held=n)
             levels.insert(0, mid)
             gammas.insert(0, o.gamma2_start)
     if kind in ("triforce", "draft"):
@@ -122,7 +122,7 @@ def run_speculative(kind: str, loaded, prompt, opts, on_token=None, progress=Non
     full = Recorder(make_full_cache(loaded, cap, opts))  # in memory, or offloaded with --offload
     t0 = time.perf_counter()
     ids = torch.tensor([prompt], device=loaded.device)
-    logits = prefill(loaded.model, full, ids, chunk=opts.prefill_chunk, progress=progress)
+    logits = prefill(loaded.model, full, ids, prefill_chunk=opts.prefill_chunk, progress=progress)
     toks, st = speculate(kind, loaded, prompt, replace(opts, max_new_tokens=max_new), full, logits,
                          on_token)
     st.prefill_s = time.perf_counter() - t0 - st.decode_s

@@ -1,5 +1,5 @@
 """A cache's length has one owner: it moves only through `commit` (the engine and
-`generate` call it), and a level's `fed` only in the level's own forward and commit.
+`generate` call it), and a level's `held` only in the level's own forward and commit.
 
 Every cache class and ModelLevel get a watched attribute that records which function
 wrote it; a triforce run over every cache kind must show no other writer.
@@ -14,7 +14,7 @@ from triforce_offload.runtime import drafters, offloaded, retrieval, streaming
 
 ALLOWED = {  # attribute -> functions that may write it
     "length": {"__init__", "commit", "build", "load_from"},  # build/load_from: a fresh fill
-    "fed": {"__init__", "forward", "commit", "prefill"},
+    "held": {"__init__", "forward", "commit", "prefill"},
 }
 
 
@@ -43,7 +43,7 @@ def test_only_commit_moves_lengths(monkeypatch, extra):
     for cls in (cache_mod.KVCache, cache_mod.FullCache, retrieval.RetrievalCache,
                 streaming.StreamingCache, offloaded.OffloadedCache):
         _watch(monkeypatch, cls, "length", bad)
-    _watch(monkeypatch, drafters.ModelLevel, "fed", bad)
+    _watch(monkeypatch, drafters.ModelLevel, "held", bad)
     L = tiny(scale=3.0, seed=1)
     prompt = repetitive_prompt(200, L.cfg.vocab_size, seed=3)
     ref, _ = run(L, prompt, "autoregressive", 24)

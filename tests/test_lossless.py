@@ -11,7 +11,7 @@ import torch
 from scipy.stats import chisquare
 
 from triforce_offload.runtime import engine as engine_mod
-from triforce_offload.runtime import speculative
+from triforce_offload.runtime import acceptance
 from triforce_offload.runtime.cache import FullCache
 from triforce_offload.runtime.sampling import SamplingParams, probs, sample
 
@@ -133,7 +133,7 @@ def test_sampling_matches_target_distribution(mode, extra, temperature):
 
 def wrong_accept(draft, q, p, gen=None):
     """A classic bug: on rejection resample from p instead of norm(max(0, p - q))."""
-    k, _ = speculative.accept(draft, q, p, gen)
+    k, _ = acceptance.accept(draft, q, p, gen)
     nxt = p[k] if k < len(draft) else p[len(draft)]
     return k, int(sample(nxt, gen))
 

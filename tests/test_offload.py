@@ -243,8 +243,8 @@ def test_prefill_never_restreams(model, overlap):
     off = OffloadedCache(CFG, CAP, chunk=5, on_chip=1, overlap=overlap)
     one_pass = lambda n: (CFG.n_layers - 1) * n * off.store.spec.bytes_per_token()
     with torch.inference_mode():
-        want = [prefill(model, full, ids[:, :60], chunk=8), prefill(model, full, ids[:, 60:75], 60, 4)]
-        got = [prefill(model, off, ids[:, :60], chunk=8)]
+        want = [prefill(model, full, ids[:, :60], prefill_chunk=8), prefill(model, full, ids[:, 60:75], 60, 4)]
+        got = [prefill(model, off, ids[:, :60], prefill_chunk=8)]
         off.copier.flush()
         first = off.copier.bytes
         got.append(prefill(model, off, ids[:, 60:75], 60, 4))
@@ -280,7 +280,7 @@ def test_retrieval_absorbs_verified_kv_without_host_sync(model, monkeypatch):
     ids = torch.randint(0, CFG.vocab_size, (1, 70), generator=torch.Generator().manual_seed(7))
     off = Recorder(OffloadedCache(CFG, CAP, chunk=8, on_chip=1))
     with torch.inference_mode():
-        prefill(model, off, ids[:, :50], chunk=16)
+        prefill(model, off, ids[:, :50], prefill_chunk=16)
         ret = RetrievalCache(CFG, budget=16, chunk=4, extra=30)
         ret.build(off, off.q, 50)
         model(ids[:, 50:55], 50, off)  # a verification of 5 tokens; 3 accepted

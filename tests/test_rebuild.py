@@ -47,7 +47,7 @@ def test_rebuilds_use_the_verifiers_latest_queries_and_reselect(prefilled, monke
     orig_build = E.Engine.rebuild_retrieval
 
     def spy(self):
-        seen.append(({l: q.clone() for l, q in self.top.cache.q.items()}, self.top.fed))
+        seen.append(({l: q.clone() for l, q in self.top.cache.q.items()}, self.top.held))
         assert self.top.cache is full  # the verifier's cache records its queries
         orig_build(self)
 

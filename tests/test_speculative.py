@@ -8,7 +8,7 @@ from triforce_offload.runtime.drafters import NgramDrafter, check_vocab
 from triforce_offload.runtime.engine import AutoGamma, LevelStats, Rebuild
 from triforce_offload.runtime.errors import TriforceError
 from triforce_offload.runtime.spec_modes import SpecOptions
-from triforce_offload.runtime.speculative import accept, n_accepted, one_hot, residual
+from triforce_offload.runtime.acceptance import accept, n_accepted, one_hot, residual
 
 
 def test_greedy_accepts_while_argmax_agrees():

@@ -1,4 +1,4 @@
-"""Speculative sampling as small pure functions (vectorised over the drafted tokens).
+"""The acceptance rule of speculative sampling, as small pure functions (vectorised over the drafted tokens).
 
 A draft d_1..d_g drawn from q is checked against the target's p at the same positions
 plus one more: accept d_i with probability min(1, p(d_i)/q(d_i)) until the first
