@@ -1,8 +1,10 @@
 """triforce-offload: lossless hierarchical speculative decoding with an offloaded KV cache."""
 from setuptools import setup
 
-# One import root: the top-level folders are mapped into `triforce_offload`.
-SUBPACKAGES = ["runtime", "offload", "kernels", "cli"]
+# One import root: the top-level folders are mapped into `triforce_offload`, and the
+# benchmark library beside the benchmark scripts becomes `triforce_offload.bench`.
+SUBPACKAGES = {"runtime": "runtime", "offload": "offload", "kernels": "kernels", "cli": "cli",
+               "bench": "benchmarks/lib"}
 
 setup(
     name="triforce-offload",
@@ -12,7 +14,7 @@ setup(
     python_requires=">=3.10",
     packages=["triforce_offload"] + [f"triforce_offload.{p}" for p in SUBPACKAGES],
     package_dir={"triforce_offload": "triforce_offload",
-                 **{f"triforce_offload.{p}": p for p in SUBPACKAGES}},
+                 **{f"triforce_offload.{p}": d for p, d in SUBPACKAGES.items()}},
     package_data={"triforce_offload.kernels": ["*.c"]},  # the native kernel, compiled on first use
     install_requires=[
         "torch>=2.4",  # install torch==2.13.0 first: a bare `torch` pulls a CUDA build

@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-from triforce_offload.runtime.bench import summarize
+from triforce_offload.bench.runner import summarize
 
 
 def last_run(path: Path) -> list[dict]:
@@ -49,7 +49,7 @@ def main():
     summary = summarize(last_run(path))
     print(markdown(summary))
     if a.plots:
-        from triforce_offload.runtime.bench_plot import plot_acceptance, plot_speed
+        from triforce_offload.bench.plots import plot_acceptance, plot_speed
         plot_speed(summary, path.parent / "bench_speed.png")
         plot_acceptance(summary, path.parent / "bench_acceptance.png")
 

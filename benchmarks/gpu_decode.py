@@ -51,22 +51,11 @@ from types import SimpleNamespace
 
 import torch
 
+from triforce_offload.bench.geometries import GEOMETRIES, geometry_config, p_bytes, random_model
+
 MODES = ("eager", "graphed", "triforce", "hf")
 LABEL = {"eager": "autoregressive eager", "graphed": "autoregressive graphed",
          "triforce": "triforce", "hf": "transformers generate"}
-# name -> (ModelConfig fields, RoPE stretch kind); max_position_embeddings is the pre-stretch length
-GEOMETRIES = {
-    "llama2-7b": (dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, n_layers=32,
-                       n_heads=32, n_kv_heads=32, max_position_embeddings=4096,
-                       rope_theta=10000.0, rms_norm_eps=1e-5), "linear"),
-    "llama3-8b": (dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, n_layers=32,
-                       n_heads=32, n_kv_heads=8, max_position_embeddings=8192,
-                       rope_theta=500000.0, rms_norm_eps=1e-5), "llama3"),
-    "smollm2": (dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, n_layers=30,
-                     n_heads=9, n_kv_heads=3, max_position_embeddings=8192, rope_theta=100000.0,
-                     rms_norm_eps=1e-5, tie_word_embeddings=True), "linear"),
-}
-STRETCH_TO = 131072  # geometries support this many positions (more if a context asks)
 SLACK = 64  # cache capacity past prompt + new tokens (generate.capacity)
 
 
@@ -124,37 +113,6 @@ def sync(device: torch.device):
 
 # --------------------------------------------------------------------------- the model
 
-def geometry_config(name: str, layers: int, max_context: int):
-    """ModelConfig of a geometry, RoPE stretched to cover max(128K, max_context) positions."""
-    from triforce_offload.runtime.config import ModelConfig, apply_rope_override
-    fields, kind = GEOMETRIES[name]
-    cfg = ModelConfig(arch="llama", **fields)
-    if layers:
-        cfg.n_layers = layers
-    factor = math.ceil(max(STRETCH_TO, max_context) / cfg.max_position_embeddings)
-    return apply_rope_override(cfg, f"{kind}:{factor}") if factor > 1 else cfg
-
-
-def random_model(cfg, dtype: torch.dtype, device: torch.device, seed: int):
-    """Transformer(cfg) with small random weights, allocated on `device` directly (built on
-    the meta device, then `to_empty`: nothing is materialised on the CPU first)."""
-    from triforce_offload.runtime.model import Rotary, Transformer
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    model = model.to(dtype).to_empty(device=device)
-    with torch.device(device):
-        model.rotary = Rotary(cfg)  # computed buffer: to_empty left it uninitialised
-    model.tie_weights()  # after to_empty, which unties
-    gen = torch.Generator(device).manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():  # tied weights come once
-            if name.endswith("norm.weight"):  # RMSNorm scales: ones, as a checkpoint starts
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02, generator=gen)
-    return model.eval().requires_grad_(False)
-
-
 def load(a, device: torch.device, dtype_name: str):
     """(api.Loaded, label). A geometry is built in memory; a checkpoint goes through api.load."""
     from triforce_offload.runtime import api
@@ -180,15 +138,6 @@ def load(a, device: torch.device, dtype_name: str):
             log(f"contexts beyond the model's {limit}: --rope-scaling {rope}")
     L = api.load(path, dtype_name, str(device), rope)
     return L, a.model + (f" (rope {rope})" if rope else "")
-
-
-def p_bytes(cfg, dtype: torch.dtype):
-    """Parameter bytes of Transformer(cfg) in `dtype` (for the fit check before building)."""
-    from triforce_offload.runtime.model import Transformer
-    with torch.device("meta"):
-        m = Transformer(cfg)
-    m.tie_weights()
-    return [p.numel() * torch.empty(0, dtype=dtype).element_size() for p in m.parameters()]
 
 
 def token_weight_bytes(model) -> int:
@@ -308,7 +257,7 @@ def run_ours(L, mode: str, prompt: list[int], a, n: int) -> dict:
 
 
 def run_hf(hf, prompt: list[int], a, n: int, device: torch.device) -> dict:
-    from triforce_offload.runtime import peers
+    from triforce_offload.bench import peers
     sync(device)
     r = peers.hf_generate(hf, prompt, n, 0.0, a.seed, device=device)
     sync(device)
@@ -421,7 +370,7 @@ def hf_rows(L, a, device, prompts, emit, weights, copy_bps, elem):
             emit({"context": ctx, "mode": LABEL["hf"],
                   "skipped": "random-weight geometry: no checkpoint for transformers to load"})
         return
-    from triforce_offload.runtime import peers
+    from triforce_offload.bench import peers
     from triforce_offload.runtime.loader import resolve
     resident = all_weight_bytes(L.model)
     L.model = None  # one copy of the weights on the device at a time

@@ -67,7 +67,7 @@ def run_grid(loaded, o, progress=None) -> list[dict]:
 
 
 def save(grid: list[dict], o) -> list[Path]:
-    from triforce_offload.runtime.bench_plot import plot_niah
+    from triforce_offload.bench.plots import plot_niah
     out = Path(o.out)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "niah.jsonl", "a") as f:

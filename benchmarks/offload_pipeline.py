@@ -7,8 +7,8 @@ Usage:
     python benchmarks/offload_pipeline.py --device cuda --geometry llama2-7b --contexts 16384,131072 --no-compare
 
 The model is the bundled SmolLM2-135M stretched to 32K with `--rope-scaling linear:4` (or
-`--model PATH`, or a random-weight `--geometry` from gpu_decode.py: speed does not depend on
-weight values), all layers offloaded (`--on-chip 0`). The KV is random (a verification's
+`--model PATH`, or a random-weight `--geometry` as in gpu_decode.py: speed does not depend
+on weight values), all layers offloaded (`--on-chip 0`). The KV is random (a verification's
 cost does not depend on the values; a 32K prefill takes minutes on a CPU); the forward runs
 the real weights over it. On a GPU the KV sits in pinned host memory and streams over PCIe
 on the copy stream; on this CPU the "link" is the copier thread doing real memcpy from the
@@ -42,19 +42,16 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_decode's geometries
-
-from triforce_offload.offload.costmodel import default_transfer_chunk  # noqa: E402
-from triforce_offload.offload.tune import link_gbps  # noqa: E402
-from triforce_offload.runtime import api  # noqa: E402
-from triforce_offload.runtime.offload_bench import compare, make_cache, verify_once  # noqa: E402
+from triforce_offload.bench.offload_timing import compare, make_cache, verify_once
+from triforce_offload.offload.costmodel import default_transfer_chunk
+from triforce_offload.offload.tune import link_gbps
+from triforce_offload.runtime import api
 
 
 def kv_bytes(loaded, context: int) -> int:
@@ -115,7 +112,7 @@ def line(r: dict) -> str:
 
 def load(args, device: torch.device):
     if args.geometry:
-        from gpu_decode import geometry_config, random_model
+        from triforce_offload.bench.geometries import geometry_config, random_model
         from triforce_offload.runtime.loader import parse_dtype
         dtype = parse_dtype(args.dtype)
         cfg = geometry_config(args.geometry, args.layers, max(args.contexts) + args.tokens)

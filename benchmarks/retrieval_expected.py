@@ -23,11 +23,11 @@ import time
 
 import torch
 
-import retrieval_sweep  # the script's folder is on sys.path: prefill, cached
+from triforce_offload.bench.prefill import prefilled, retrieval_parser, start  # as retrieval_sweep.py
 
 
 def args_():
-    ap = retrieval_sweep.parser(__doc__.splitlines()[0], ["never", "every:16", "every:64"], [0, 1, 2, 3, 4, 5],
+    ap = retrieval_parser(__doc__.splitlines()[0], ["never", "every:16", "every:64"], [0, 1, 2, 3, 4, 5],
                                 "results/retrieval_expected.jsonl")
     ap.add_argument("--gamma2", type=int, default=6)
     return ap.parse_args()
@@ -81,8 +81,8 @@ def expected(L, full, n0, toks, P, Q, sp, budget, chunk, rebuild, gamma2):
 def main():
     from triforce_offload.runtime.sampling import SamplingParams
     a = args_()
-    out = retrieval_sweep.speedup.start(a)
-    L, prompt, full, logits, qs = retrieval_sweep.prefilled(a)
+    out = start(a)
+    L, prompt, full, logits, qs = prefilled(a.context, a)[:5]
     n0, rows = len(prompt), []
     for seed in a.seeds:
         sp = SamplingParams(temperature=a.temperature, top_p=a.top_p, seed=seed)

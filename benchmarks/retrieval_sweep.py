@@ -17,45 +17,20 @@ samples a different text): compare averages over several seeds.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 
 import torch
 
-import speedup  # the script's folder is on sys.path: same prompt and prefill as the speedup benchmark
-
-
-def parser(description: str, rebuilds: list[str], seeds: list[int], out: str) -> argparse.ArgumentParser:
-    """The options this script and retrieval_expected.py share."""
-    ap = argparse.ArgumentParser(description=description)
-    ap.add_argument("--context", type=int, default=32768)
-    ap.add_argument("--temperature", type=float, default=0.6)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--dtype", default="bf16")
-    ap.add_argument("--budgets", type=int, nargs="+", default=[4096, 6144, 8192])
-    ap.add_argument("--chunks", type=int, nargs="+", default=[8, 16])
-    ap.add_argument("--rebuilds", nargs="+", default=rebuilds)
-    ap.add_argument("--seeds", type=int, nargs="+", default=seeds,
-                    help="sampling seeds; at T>0 one 128-token sample per seed is noisy, average several")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    ap.add_argument("--prefill-cache", default=None, help="save/load the prefilled state here")
-    ap.add_argument("--out", default=out)
-    return ap
+from triforce_offload.bench.prefill import prefilled, retrieval_parser, start  # as speedup.py
 
 
 def args_():
-    ap = parser(__doc__.splitlines()[0], ["never", "every:16", "every:64", "adaptive"], [0],
+    ap = retrieval_parser(__doc__.splitlines()[0], ["never", "every:16", "every:64", "adaptive"], [0],
                 "results/retrieval_sweep.jsonl")
     ap.add_argument("--gamma2", default="6")
     return ap.parse_args()
-
-
-def prefilled(a):
-    """(L, prompt, full, logits, qs) as speedup.setup makes them (cached in `--prefill-cache`)."""
-    return speedup.setup(a.context, a)[:5]
 
 
 class Selections:
@@ -107,9 +82,9 @@ def run(L, prompt, full, logits, qs, a, budget, chunk, rebuild):
 
 def main():
     a = args_()
-    out = speedup.start(a)
+    out = start(a)
     t0 = time.perf_counter()
-    L, prompt, full, logits, qs = prefilled(a)
+    L, prompt, full, logits, qs = prefilled(a.context, a)[:5]
     print(f"ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     rows, ref = [], {}
     for a.seed in a.seeds:

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from triforce_offload.bench.prefill import prefilled, start
+
 MODES = ("autoregressive", "draft", "retrieval", "triforce")
 
 
@@ -48,54 +50,6 @@ def args_():
                          "name is replaced by the context (one file per context)")
     ap.add_argument("--out", default="results/speedup.jsonl")
     return ap.parse_args()
-
-
-def setup(ctx: int, a):
-    """Load (stretching RoPE past 8K), build the prompt, prefill once: (L, prompt, full, logits,
-    qs, prefill seconds). With `a.prefill_cache` set, the prefilled KV, queries and logits are
-    saved to that file (about 0.7 GB at 32K in bf16) and loaded from it on the next run."""
-    from triforce_offload.runtime.api import load
-    from triforce_offload.runtime.cache import FullCache
-    from triforce_offload.runtime.data import long_prompt
-    from triforce_offload.runtime.generate import prefill
-    from triforce_offload.runtime.retrieval import Recorder
-    scale = -(-ctx // 8192)
-    L = load(None, a.dtype, "cpu", f"linear:{scale}" if scale > 1 else None)
-    path = Path(a.prefill_cache.replace("{context}", str(ctx))) if a.prefill_cache else None
-    if path is not None and path.exists():
-        return (L, *load_prefill(L, path, a), 0.0)
-    want = ctx - a.new_tokens - 64
-    prompt = long_prompt(L.tokenizer, want)
-    prompt = long_prompt(L.tokenizer, want - (len(prompt) - want))  # chat template overhead
-    full = Recorder(FullCache(L.cfg, len(prompt) + a.new_tokens + 64, dtype=L.dtype))
-    t0 = time.perf_counter()
-    logits = prefill(L.model, full, torch.tensor([prompt]))
-    print(f"ctx {ctx}: prompt {len(prompt)} tokens, prefill {time.perf_counter() - t0:.1f} s",
-          file=sys.stderr, flush=True)
-    if path is not None:
-        n = len(prompt)
-        torch.save({"prompt": prompt, "logits": logits, "qs": dict(full.q), "new_tokens": a.new_tokens,
-                    "dtype": a.dtype, "k": [k[:, :, :n].clone() for k in full.inner.k],
-                    "v": [v[:, :, :n].clone() for v in full.inner.v]}, path)
-    return L, prompt, full, logits, dict(full.q), time.perf_counter() - t0
-
-
-def load_prefill(L, path: Path, a):
-    """(prompt, full, logits, qs) from a file `setup` saved."""
-    from triforce_offload.runtime.cache import FullCache
-    from triforce_offload.runtime.retrieval import Recorder
-    s = torch.load(path)
-    if (s["new_tokens"], s["dtype"]) != (a.new_tokens, a.dtype):
-        sys.exit(f"{path} was prefilled for --new-tokens {s['new_tokens']} --dtype {s['dtype']}, "
-                 f"not {a.new_tokens} / {a.dtype}")
-    prompt, n = s["prompt"], len(s["prompt"])
-    full = Recorder(FullCache(L.cfg, n + a.new_tokens + 64, dtype=L.dtype))
-    for layer in range(L.cfg.n_layers):
-        full.inner.k[layer][:, :, :n].copy_(s["k"][layer])
-        full.inner.v[layer][:, :, :n].copy_(s["v"][layer])
-    full.commit(n)
-    print(f"prompt {n} tokens, prefill loaded from {path}", file=sys.stderr, flush=True)
-    return prompt, full, s["logits"], s["qs"]
 
 
 @torch.inference_mode()
@@ -147,7 +101,7 @@ def divergence(toks, ref, margins):
 
 def bench_context(ctx, a, out: Path) -> list[dict]:
     from triforce_offload.runtime.sampling import SamplingParams
-    L, prompt, full, logits, qs, pre_s = setup(ctx, a)
+    L, prompt, full, logits, qs, pre_s = prefilled(ctx, a)
     autoregressive(L, full, logits, len(prompt), SamplingParams(), 4)  # warm-up
     rows = []
     for temp in a.temperatures:
@@ -184,15 +138,6 @@ def table(rows: list[dict]) -> str:
         lines.append(f"| {r['prompt_tokens']} | {t} | {r['mode']} | {r['ms_per_token']:.1f} "
                      f"| {sp} | {acc} | {ma} | {same} |")
     return "\n".join(lines)
-
-
-def start(a) -> Path:
-    """Thread count and output folder for a benchmark run; the JSONL path."""
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    return out
 
 
 def main():

@@ -15,9 +15,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from ..bench.runner import (DEFAULT_MODES, EXTRA_BASELINES, BenchOptions, check_baselines,
+                            run_bench, summarize)
 from ..runtime import api
-from ..runtime.bench import (DEFAULT_MODES, EXTRA_BASELINES, BenchOptions, check_baselines,
-                             run_bench, summarize)
 from ..runtime.errors import TriforceError
 from .app import app
 from .show import err, out
@@ -120,7 +120,7 @@ def row_writer(path: Path, meta: dict):
 
 
 def write_plots(summary: list[dict], folder: Path) -> list[Path]:
-    from ..runtime.bench_plot import plot_acceptance, plot_speed
+    from ..bench.plots import plot_acceptance, plot_speed
     return [plot_speed(summary, folder / "bench_speed.png"),
             plot_acceptance(summary, folder / "bench_acceptance.png")]
 

@@ -7,6 +7,7 @@ from typing import Optional
 
 import typer
 
+from ..bench import zero_inference  # noqa: F401  (registers --mode zero-inference)
 from ..runtime import api
 from ..runtime import tp as tensor_parallel
 from ..runtime.data import encode_prompt, long_prompt

@@ -8,9 +8,9 @@ from typing import Optional
 import typer
 from rich.table import Table
 
+from ..bench.offload_timing import tune_rows
 from ..offload.tune import parse_sizes, save_profile
 from ..runtime import api
-from ..runtime.offload_bench import tune_rows
 from .app import app
 from .show import err, out
 

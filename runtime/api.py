@@ -2,6 +2,8 @@
 
 `cli` calls this; so do benchmarks and tests. Modes register a runner in `MODES`:
 a function (loaded, prompt ids, RunOptions, on_token, progress) -> (new ids, Stats).
+The runtime's own are autoregressive and the speculative ones; code outside it adds
+comparison modes with `register_mode` (the benchmark library's `zero-inference`).
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from .config import ModelConfig
 from .errors import TriforceError
 from .generate import autoregressive, capacity, stop_ids
 from .loader import load_model, parse_dtype
-from .offloaded import OffloadOptions, ZeroInferenceCache, finish_stats, make_full_cache
+from .offloaded import OffloadOptions, finish_stats, make_full_cache
 from .sampling import SamplingParams
 from .spec_modes import SPEC_MODES, SpecOptions
 from .distributed import world_size
@@ -100,28 +102,32 @@ def load(model_path=None, dtype: str | None = None, device: str = "auto",
 
 
 def run_autoregressive(loaded: Loaded, prompt, opts: RunOptions, on_token=None, progress=None):
+    # FullCache, or OffloadedCache with --offload
+    return run_with_cache(lambda cap: make_full_cache(loaded, cap, opts), loaded, prompt, opts,
+                          on_token, progress)
+
+
+def run_with_cache(make_cache, loaded, prompt, opts, on_token=None, progress=None):
+    """Autoregressive decoding over the full cache `make_cache(capacity)` builds; the
+    cache's own figures (overlap, streamed GB, --profile trace) go into the Stats."""
     cap, max_new = capacity(loaded, len(prompt), opts)
-    cache = make_full_cache(loaded, cap, opts)  # FullCache, or OffloadedCache with --offload
-    return _run_with(cache, loaded, prompt, opts, max_new, on_token, progress)
-
-
-def run_zero_inference(loaded: Loaded, prompt, opts: RunOptions, on_token=None, progress=None):
-    """DeepSpeed ZeRO-Inference's KV offload: KV on the host, attention on the host."""
-    cap, max_new = capacity(loaded, len(prompt), opts)
-    cache = ZeroInferenceCache(loaded.cfg, cap, dtype=loaded.dtype, device=loaded.device)
-    return _run_with(cache, loaded, prompt, opts, max_new, on_token, progress)
-
-
-def _run_with(cache, loaded, prompt, opts, max_new, on_token, progress):
+    cache = make_cache(cap)
     toks, st = autoregressive(loaded.model, cache, prompt, opts.sampling, max_new,
                               stop_ids(loaded, opts), on_token, opts.prefill_chunk, progress,
                               opts.graphs)
-    finish_stats(cache, st, opts)  # overlap, streamed GB, --profile trace
+    finish_stats(cache, st, opts)
     return toks, st
 
 
-MODES = {"autoregressive": run_autoregressive, "zero-inference": run_zero_inference}
+MODES = {"autoregressive": run_autoregressive}
 MODES.update(SPEC_MODES)  # triforce, retrieval, draft (runtime/spec_modes.py)
+
+
+def register_mode(name: str, runner) -> None:
+    """Make `runner` selectable as `RunOptions.mode` (and `run --mode`) under `name`."""
+    if MODES.get(name, runner) is not runner:
+        raise TriforceError(f"mode {name!r} is registered already")
+    MODES[name] = runner
 
 
 def generate(loaded: Loaded, prompt: list[int], opts: RunOptions, on_token=None, progress=None):

@@ -1,4 +1,4 @@
-"""Full caches with the KV in host memory: the offloaded cache and the ZeRO-Inference one.
+"""The full cache with the KV in host memory: the offloaded cache.
 
 `OffloadedCache` follows the cache protocol of `cache.py` over `offload/`: the first
 `on_chip` layers keep their KV on the device; every other layer's KV lives in the host
@@ -15,16 +15,12 @@ before layer l+1, and the cache holds that one layer's prompt KV on the device m
 (`hold`), so each chunk attends to its predecessors there and is written back once.
 Host->device bytes of a prefill are at most one pass over the KV committed before it.
 
-`ZeroInferenceCache` is the DeepSpeed ZeRO-Inference strategy: all KV in host memory and
-attention computed on the host (queries go over, outputs come back).
-
 `make_full_cache(loaded, capacity, opts)` picks the full cache for `--offload`; the
 autoregressive mode and the TriForce verifier both build their full cache with it.
 """
 from __future__ import annotations
 
 import json
-import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -256,38 +252,6 @@ class OffloadedCache(KVCache):
 
     def close(self):
         self.copier.close()
-
-
-class ZeroInferenceCache(KVCache):
-    """ZeRO-Inference KV offload: KV in host memory, attention computed on the host."""
-
-    def __init__(self, cfg, capacity: int, batch: int = 1, dtype=torch.float32, device="cpu"):
-        super().__init__(cfg, batch)
-        self.capacity, self.device, self.host = capacity, device, torch.device("cpu")
-        spec = StoreSpec(list(range(cfg.n_layers)), cfg.n_kv_heads, cfg.head_dim, capacity,
-                         batch, dtype, token_major=False)
-        check_memory(spec.nbytes(), 0, self.host, HOST_HINT, DEVICE_HINT)
-        self.store = HostKVStore(spec)
-        self.host_s = 0.0  # seconds in host attention, including the query/output transfers
-
-    def attend(self, layer, q, k, v, start):
-        end = self.end_of(q, start)
-        t0 = time.perf_counter()
-        qh = q.to(self.host)  # queries go over; K/V of the new tokens join the store
-        self.store.write(layer, start, k.to(self.host), v.to(self.host))
-        K, V = self.store.view(layer, end)
-        o = attention(qh, K, V, start).to(q.device)  # outputs come back
-        self.host_s += time.perf_counter() - t0
-        return o
-
-    def keys(self, layer: int, end: int | None = None):
-        return self.store.view(layer, self.length if end is None else end)
-
-    def nbytes(self) -> int:
-        return self.store.nbytes()
-
-    def stats(self) -> dict:
-        return {"host_attention_s": self.host_s}
 
 
 @torch.inference_mode()

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from triforce_offload.runtime import api, bench, peers
+from triforce_offload.bench import peers, runner
+from triforce_offload.runtime import api
 from triforce_offload.runtime.errors import TriforceError
 
 OURS = ["autoregressive", "autoregressive+offload", "zero-inference", "draft", "retrieval",
@@ -98,22 +99,22 @@ def test_llama_cpp_missing_gives_a_note(monkeypatch):
                         lambda name, *a: None if name == "llama_cpp" else real(name, *a))
     note = peers.llama_cpp_missing()
     assert note and "llama-cpp-python not installed" in note
-    b = bench.Bench(loaded=None, o=bench.BenchOptions(gguf="/x/model.gguf"))
+    b = runner.Bench(loaded=None, o=runner.BenchOptions(gguf="/x/model.gguf"))
     assert b.skip_note("llama.cpp") == note and b.skip_note("hf") is None
 
 
 def test_bench_options_refuse_bad_values():
     with pytest.raises(TriforceError, match="--modes magic"):
-        bench.BenchOptions(modes=["magic"]).check()
+        runner.BenchOptions(modes=["magic"]).check()
     with pytest.raises(TriforceError, match="--contexts 50"):
-        bench.BenchOptions(contexts=[50], new_tokens=8).check()
+        runner.BenchOptions(contexts=[50], new_tokens=8).check()
 
 
 def test_summarize_flags_a_lossy_mode_and_speedup():
     row = lambda m, ms, toks: {"mode": m, "context": 100, "temperature": 0.0, "ms_per_token": ms,
                                "tokens": toks, "peak_gb": 0.1}
-    s = bench.summarize([row("autoregressive", 10.0, [1, 2]), row("triforce", 5.0, [1, 3]),
-                         row("draft", 4.0, [1, 2])])
+    s = runner.summarize([row("autoregressive", 10.0, [1, 2]), row("triforce", 5.0, [1, 3]),
+                          row("draft", 4.0, [1, 2])])
     by = {x["mode"]: x for x in s}
     assert by["triforce"]["lossless"] is False and by["draft"]["lossless"] is True
     assert by["triforce"]["speedup"] == pytest.approx(2.0)

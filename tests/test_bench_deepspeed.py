@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from triforce_offload.runtime import bench, peers
+from triforce_offload.bench import peers, runner
 from triforce_offload.runtime.errors import TriforceError
 
 NO_CUDA = not torch.cuda.is_available()
@@ -45,11 +45,11 @@ def test_bench_unknown_baseline_is_one_line_exit_2():
 
 
 def test_deepspeed_is_opt_in_and_checked():
-    assert "deepspeed" in bench.CONTENDERS and "deepspeed" not in bench.DEFAULT_MODES
-    assert bench.BenchOptions().modes == bench.DEFAULT_MODES
-    assert bench.check_baselines(["deepspeed"]) == ["deepspeed"]
+    assert "deepspeed" in runner.CONTENDERS and "deepspeed" not in runner.DEFAULT_MODES
+    assert runner.BenchOptions().modes == runner.DEFAULT_MODES
+    assert runner.check_baselines(["deepspeed"]) == ["deepspeed"]
     with pytest.raises(TriforceError, match="--baseline magic: allowed are deepspeed"):
-        bench.check_baselines(["magic"])
+        runner.check_baselines(["magic"])
 
 
 def test_deepspeed_missing_without_cuda(monkeypatch):
@@ -57,7 +57,7 @@ def test_deepspeed_missing_without_cuda(monkeypatch):
     monkeypatch.setitem(sys.modules, "deepspeed", types.ModuleType("deepspeed"))  # as if installed
     note = peers.deepspeed_missing()
     assert note == "deepspeed ZeRO-Inference needs CUDA; this machine has none"
-    assert bench.Bench(loaded=None, o=bench.BenchOptions()).skip_note("deepspeed") == note
+    assert runner.Bench(loaded=None, o=runner.BenchOptions()).skip_note("deepspeed") == note
 
 
 def test_deepspeed_missing_when_not_importable(monkeypatch):

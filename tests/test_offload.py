@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from triforce_offload.bench.zero_inference import ZeroInferenceCache
 from triforce_offload.offload.copier import ChunkCopier, Signal
 from triforce_offload.offload.errors import OffloadError
 from triforce_offload.offload.store import HostKVStore, StoreSpec
@@ -21,8 +22,7 @@ from triforce_offload.runtime.config import ModelConfig
 from triforce_offload.runtime.errors import TriforceError
 from triforce_offload.runtime.generate import autoregressive, prefill
 from triforce_offload.runtime.model import Transformer
-from triforce_offload.runtime.offloaded import (OffloadedCache, ZeroInferenceCache, finish_stats,
-                                                make_full_cache)
+from triforce_offload.runtime.offloaded import OffloadedCache, finish_stats, make_full_cache
 from triforce_offload.runtime.retrieval import Recorder, RetrievalCache
 from triforce_offload.runtime.sampling import SamplingParams
 

@@ -307,7 +307,7 @@ def test_offload_pipeline_bench_on_cuda(tmp_path):
 def test_tune_rows_overlap_on_cuda():
     """`tune` on a GPU: synchronised latencies and a non-zero overlap from CUDA events
     (it printed 0.00 for every chunk size when copies had no span)."""
-    from triforce_offload.runtime.offload_bench import tune_rows
+    from triforce_offload.bench.offload_timing import tune_rows
     dev = torch.device("cuda")
     cfg = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, n_layers=4, n_heads=6,
                       n_kv_heads=2, max_position_embeddings=8192)

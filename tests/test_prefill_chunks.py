@@ -11,6 +11,7 @@ import sys
 
 import pytest
 
+from triforce_offload.bench import zero_inference  # noqa: F401  (registers the zero-inference mode)
 from triforce_offload.runtime import api
 from triforce_offload.runtime.data import long_prompt
 from triforce_offload.runtime.sampling import SamplingParams

@@ -12,8 +12,8 @@ import torch
 
 from ..offload.copier import ChunkCopier, Signal
 from ..offload.tune import best_chunk, device_sync, link_throughput
-from .cache import FullCache
-from .offloaded import OffloadedCache
+from ..runtime.cache import FullCache
+from ..runtime.offloaded import OffloadedCache
 
 
 @torch.inference_mode()

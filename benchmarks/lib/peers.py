@@ -146,7 +146,9 @@ def zero_inference_config(dtype: torch.dtype, hidden: int) -> dict:
 
 def _single_process_env():
     """deepspeed.initialize wants a process group; outside its launcher, make one of one
-    process (without these variables DeepSpeed falls back to MPI discovery)."""
+    process (without these variables DeepSpeed falls back to MPI discovery). Called only
+    when the DeepSpeed peer loads; the variables stay set, as the process group they
+    describe lives as long as the engine (and the process)."""
     if "MASTER_PORT" not in os.environ:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

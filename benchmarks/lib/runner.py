@@ -25,17 +25,18 @@ from __future__ import annotations
 
 import statistics
 import threading
-import time
 from dataclasses import dataclass, field
 
 import psutil
 import torch
 
-from . import api, peers
-from .data import long_prompt
-from .errors import TriforceError
-from .loader import DEFAULT_GGUF, default_model_path, resolve
-from .sampling import SamplingParams
+from ..runtime import api
+from ..runtime.data import long_prompt
+from ..runtime.errors import TriforceError
+from ..runtime.loader import default_model_path, resolve
+from ..runtime.sampling import SamplingParams
+from . import peers
+from . import zero_inference  # noqa: F401  (registers the `zero-inference` mode)
 
 # name -> (kind, our mode or peer variant, RunOptions.extra for our modes)
 CONTENDERS = {
