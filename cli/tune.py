@@ -9,10 +9,26 @@ import typer
 from rich.table import Table
 
 from ..bench.offload_timing import tune_rows
-from ..offload.tune import parse_sizes, save_profile
+from ..offload.errors import OffloadError
+from ..offload.tune import save_profile
 from ..runtime import api
 from .app import app
 from .show import err, out
+
+
+def parse_sizes(spec: str) -> list[int]:
+    """'64,256,1024' or '64-16384' (powers of two in between) -> chunk sizes."""
+    try:
+        if "-" in spec:
+            lo, hi = (int(x) for x in spec.split("-"))
+            sizes = [s for s in (2 ** i for i in range(31)) if lo <= s <= hi]
+        else:
+            sizes = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        raise OffloadError(f"--sizes {spec!r}: give sizes like 64,256,1024 or a range 64-16384")
+    if not sizes or min(sizes) < 1:
+        raise OffloadError(f"--sizes {spec!r}: need at least one size >= 1 token")
+    return sizes
 
 
 @app.command()

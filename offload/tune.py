@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 
 from .copier import ChunkCopier
-from .errors import OffloadError
 
 SIZES = tuple(2 ** i for i in range(6, 15))  # 64 .. 16384 tokens
 
@@ -68,21 +67,6 @@ def save_profile(device, rows: list[dict], chunk: int, meta: dict) -> Path:
     p.write_text(json.dumps({"device": device_name(device), "transfer_chunk": chunk,
                              "rows": rows, **meta}, indent=1))
     return p
-
-
-def parse_sizes(spec: str) -> list[int]:
-    """'64,256,1024' or '64-16384' (powers of two in between) -> chunk sizes."""
-    try:
-        if "-" in spec:
-            lo, hi = (int(x) for x in spec.split("-"))
-            out = [s for s in (2 ** i for i in range(31)) if lo <= s <= hi]
-        else:
-            out = [int(x) for x in spec.split(",") if x.strip()]
-    except ValueError:
-        raise OffloadError(f"--sizes {spec!r}: give sizes like 64,256,1024 or a range 64-16384")
-    if not out or min(out) < 1:
-        raise OffloadError(f"--sizes {spec!r}: need at least one size >= 1 token")
-    return out
 
 
 def device_sync(device):

@@ -10,6 +10,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from triforce_offload.bench.zero_inference import ZeroInferenceCache
+from triforce_offload.cli.tune import parse_sizes
 from triforce_offload.offload.copier import ChunkCopier, Signal
 from triforce_offload.offload.errors import OffloadError
 from triforce_offload.offload.store import HostKVStore, StoreSpec
@@ -222,10 +223,10 @@ def test_copier_orders_write_back_before_fetch():
 
 def test_tune_helpers(tmp_path, monkeypatch):
     monkeypatch.setenv("TRIFORCE_OFFLOAD_CACHE", str(tmp_path))
-    assert tune.parse_sizes("64-512") == [64, 128, 256, 512]
-    assert tune.parse_sizes("5,7") == [5, 7]
+    assert parse_sizes("64-512") == [64, 128, 256, 512]
+    assert parse_sizes("5,7") == [5, 7]
     with pytest.raises(OffloadError, match="--sizes"):
-        tune.parse_sizes("big")
+        parse_sizes("big")
     assert tune.profile_chunk("cpu") is None
     rows = [{"chunk": 64, "verify_ms": 3.0}, {"chunk": 256, "verify_ms": 2.0}]
     p = tune.save_profile("cpu", rows, tune.best_chunk(rows), {"context": 1})
