@@ -58,10 +58,10 @@ def kv_bytes(loaded, context: int) -> int:
     return context * loaded.cfg.kv_bytes_per_token(torch.empty(0, dtype=loaded.dtype).element_size())
 
 
-def latencies(loaded, context: int, tokens: int, chunk: int, repeats: int) -> dict:
+def latencies(loaded, context: int, tokens: int, transfer_chunk: int, repeats: int) -> dict:
     """Best-of-`repeats` verification (`tokens`) and decode (1 token) forwards over one
     offloaded cache, interleaved, after a warm-up of each."""
-    cache = make_cache(loaded, context, tokens, chunk)
+    cache = make_cache(loaded, context, tokens, transfer_chunk)
     best = {}
     for r in range(repeats + 1):
         for name, t in (("verify", tokens), ("decode", 1)):

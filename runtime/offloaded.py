@@ -65,23 +65,24 @@ class OffloadedCache(KVCache):
     """Full cache whose layers >= on_chip live in the host store, streamed per verification."""
 
     def __init__(self, cfg, capacity: int, batch: int = 1, dtype=torch.float32, device="cpu",
-                 on_chip: int = 0, chunk: int | None = None, depth: int = STAGE_DEPTH,
+                 on_chip: int = 0, transfer_chunk: int | None = None, depth: int = STAGE_DEPTH,
                  overlap: bool = True, copier_cls=ChunkCopier, log_order: bool = False):
         super().__init__(cfg, batch)
         if not 0 <= on_chip <= cfg.n_layers:
             raise TriforceError(f"--on-chip {on_chip}: must be between 0 and {cfg.n_layers} layers")
-        if chunk is not None and chunk < 1:
-            raise TriforceError(f"--transfer-chunk {chunk}: must be >= 1 token")
+        if transfer_chunk is not None and transfer_chunk < 1:
+            raise TriforceError(f"--transfer-chunk {transfer_chunk}: must be >= 1 token")
         spec = StoreSpec(list(range(on_chip, cfg.n_layers)), cfg.n_kv_heads, cfg.head_dim,
                          capacity, batch, dtype)
-        chunk = min(chunk or default_transfer_chunk(spec.bytes_per_token()), capacity)
-        self.capacity, self.on_chip, self.chunk, self.device = capacity, on_chip, chunk, device
+        transfer_chunk = min(transfer_chunk or default_transfer_chunk(spec.bytes_per_token()), capacity)
+        self.capacity, self.on_chip, self.device = capacity, on_chip, device
+        self.transfer_chunk = transfer_chunk  # tokens per host-to-device copy
         self._check(spec, depth)
         self.timeline = Timeline(log_order, device_clock(device))
         self.store = HostKVStore(spec)
         self.copier = copier_cls(device, self.timeline)
         weakref.finalize(self, self.copier.close)  # stop the copier thread with the cache
-        self.sched = PipelineScheduler(self.store, self.copier, chunk, device, depth,
+        self.sched = PipelineScheduler(self.store, self.copier, transfer_chunk, device, depth,
                                        overlap, self.timeline) if spec.layers else None
         self.chip = FullCache(cfg, capacity, batch, dtype, device) if on_chip else None
         self.written = 0  # end of the KV written so far (scratch above `length`)
@@ -96,7 +97,7 @@ class OffloadedCache(KVCache):
     def _check(self, spec: StoreSpec, depth: int):
         """On-chip layers, the staging ring and the layer a prefill holds must fit."""
         per_layer = spec.bytes_per_token() * spec.capacity
-        stage = staging_bytes(self.chunk, spec.bytes_per_token(), depth) if spec.layers else 0
+        stage = staging_bytes(self.transfer_chunk, spec.bytes_per_token(), depth) if spec.layers else 0
         dev = self.on_chip * per_layer + (stage + per_layer if spec.layers else 0)
         check_memory(spec.nbytes(), dev, self.device, HOST_HINT, DEVICE_HINT)
 
@@ -244,7 +245,7 @@ class OffloadedCache(KVCache):
     def stats(self) -> dict:
         """Figures for Stats.extra: mean overlap of decode/verify forwards, bytes streamed."""
         fw = [f for f in self.forwards if f["copy_s"] > 0]
-        out = {"offload": True, "on_chip": self.on_chip, "transfer_chunk": self.chunk,
+        out = {"offload": True, "on_chip": self.on_chip, "transfer_chunk": self.transfer_chunk,
                "streamed_gb": self.copier.bytes / 2 ** 30}
         if fw:
             out["overlap"] = sum(f["overlap"] for f in fw) / len(fw)
@@ -255,8 +256,9 @@ class OffloadedCache(KVCache):
 
 
 @torch.inference_mode()
-def prefill_layer_major(model, cache, ids: torch.Tensor, start: int, chunk: int, progress=None):
-    """Prefill ids [B, T] at positions start.. layer by layer: every chunk of `chunk` tokens
+def prefill_layer_major(model, cache, ids: torch.Tensor, start: int, prefill_chunk: int,
+                        progress=None):
+    """Prefill ids [B, T] at positions start.. layer by layer: every chunk of `prefill_chunk` tokens
     through layer l, then layer l+1, while the cache holds layer l's KV on the device. Same
     arithmetic per chunk as the model's forward; holds the prompt's hidden states [B, T, H]
     (against the KV of one layer, 2 * Hkv * D / H of that per layer). Commits start+T;
@@ -264,7 +266,7 @@ def prefill_layer_major(model, cache, ids: torch.Tensor, start: int, chunk: int,
     T, body = ids.shape[1], model.model
     x = body.embed_tokens(ids)  # [B, T, H]
     cos, sin = model.rotary(torch.arange(start, start + T, device=ids.device), x.dtype)
-    spans = [(s, min(s + chunk, T)) for s in range(0, T, chunk)]
+    spans = [(s, min(s + prefill_chunk, T)) for s in range(0, T, prefill_chunk)]
     n = len(body.layers)
     for i, block in enumerate(body.layers):
         cache.hold(i, start + T)
@@ -296,9 +298,9 @@ def make_full_cache(loaded, capacity: int, opts) -> KVCache:
         if o.profile:
             raise TriforceError("--profile times the offload pipeline: add --offload on")
         return FullCache(loaded.cfg, capacity, dtype=loaded.dtype, device=loaded.device)
-    chunk = o.transfer_chunk or profile_chunk(loaded.device)  # else >= 4 MB per copy
+    transfer_chunk = o.transfer_chunk or profile_chunk(loaded.device)  # else >= 4 MB per copy
     return OffloadedCache(loaded.cfg, capacity, dtype=loaded.dtype, device=loaded.device,
-                          on_chip=o.on_chip, chunk=chunk, depth=o.stage_depth,
+                          on_chip=o.on_chip, transfer_chunk=transfer_chunk, depth=o.stage_depth,
                           overlap=o.overlap)
 
 

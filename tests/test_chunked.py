@@ -124,7 +124,7 @@ def test_offloaded_cache_on_the_cuda_path(monkeypatch):
     model = Transformer(cfg).eval()
     ids = torch.randint(0, cfg.vocab_size, (1, 50))
     monkeypatch.setattr(chunked, "default_path", lambda device: "cuda")
-    full, off = FullCache(cfg, 64), OffloadedCache(cfg, 64, chunk=4, on_chip=1)
+    full, off = FullCache(cfg, 64), OffloadedCache(cfg, 64, transfer_chunk=4, on_chip=1)
     with torch.inference_mode(), FakeCuda() as mode:
         outs = []
         for c in (full, off):

@@ -76,7 +76,7 @@ def check_same(outs, ref):
 @pytest.mark.parametrize("chunk", [3, 16, 200])
 @pytest.mark.parametrize("on_chip", [0, 2, 4])
 def test_offloaded_matches_full_cache(model, reference, chunk, on_chip):
-    cache = OffloadedCache(CFG, CAP, on_chip=on_chip, chunk=chunk)
+    cache = OffloadedCache(CFG, CAP, on_chip=on_chip, transfer_chunk=chunk)
     check_same(script(model, cache), reference)
     cache.close()
 
@@ -86,7 +86,7 @@ def test_serialized_and_small_ring_match(model, reference, depth):
     """overlap=False (copy a group, then compute), rings of 1 and 3 chunks and one of
     more than a layer's chunks."""
     for overlap in (False, True):
-        cache = OffloadedCache(CFG, CAP, chunk=7, depth=depth, overlap=overlap)
+        cache = OffloadedCache(CFG, CAP, transfer_chunk=7, depth=depth, overlap=overlap)
         check_same(script(model, cache), reference)
         cache.close()
 
@@ -99,7 +99,7 @@ def test_greedy_tokens_identical(model):
     prompt = torch.randint(0, CFG.vocab_size, (40,), generator=torch.Generator().manual_seed(3)).tolist()
     run = lambda c: autoregressive(model, c, prompt, SamplingParams(), 20, set(), prefill_chunk=16)[0]
     want = run(FullCache(CFG, CAP))
-    assert run(OffloadedCache(CFG, CAP, chunk=9, on_chip=1)) == want
+    assert run(OffloadedCache(CFG, CAP, transfer_chunk=9, on_chip=1)) == want
     assert run(ZeroInferenceCache(CFG, CAP)) == want
 
 
@@ -112,7 +112,7 @@ class SlowCopier(ChunkCopier):
 
 
 def test_attention_never_reads_before_copy_signalled(model, reference):
-    cache = OffloadedCache(CFG, CAP, chunk=6, copier_cls=SlowCopier, log_order=True)
+    cache = OffloadedCache(CFG, CAP, transfer_chunk=6, copier_cls=SlowCopier, log_order=True)
     check_same(script(model, cache), reference)
     order = cache.timeline.order
     reads = [i for i, (kind, _) in enumerate(order) if kind == "read"]
@@ -124,7 +124,7 @@ def test_attention_never_reads_before_copy_signalled(model, reference):
 
 
 def test_write_back_persists(model):
-    full, off = FullCache(CFG, CAP), OffloadedCache(CFG, CAP, chunk=8, on_chip=1)
+    full, off = FullCache(CFG, CAP), OffloadedCache(CFG, CAP, transfer_chunk=8, on_chip=1)
     ids = torch.randint(0, CFG.vocab_size, (1, 30))
     with torch.inference_mode():
         for c in (full, off):
@@ -154,7 +154,7 @@ def test_bad_options():
     with pytest.raises(TriforceError, match="--on-chip 9"):
         OffloadedCache(CFG, CAP, on_chip=9)
     with pytest.raises(TriforceError, match="--transfer-chunk 0"):
-        OffloadedCache(CFG, CAP, chunk=0)
+        OffloadedCache(CFG, CAP, transfer_chunk=0)
     with pytest.raises(TriforceError, match="capacity"):
         with torch.inference_mode():
             Transformer(CFG)(torch.zeros(1, CAP + 1, dtype=torch.long), 0, OffloadedCache(CFG, CAP))
@@ -170,10 +170,10 @@ def test_make_full_cache_choices(tmp_path, monkeypatch):
     assert type(mk()) is FullCache  # auto on a CPU: the device is the host
     assert type(mk(offload="off")) is FullCache
     c = mk(offload="on")  # >= 4 MB per copy, at most the capacity
-    assert isinstance(c, OffloadedCache) and c.chunk == CAP
+    assert isinstance(c, OffloadedCache) and c.transfer_chunk == CAP
     tune.save_profile("cpu", [], 96, {})  # a tuned profile is the default chunk ...
-    assert mk(offload="on").chunk == 96
-    assert mk(offload="on", transfer_chunk=32).chunk == 32  # ... and the flag overrides it
+    assert mk(offload="on").transfer_chunk == 96
+    assert mk(offload="on", transfer_chunk=32).transfer_chunk == 32  # ... and the flag overrides it
     with pytest.raises(TriforceError, match="--offload 'maybe'"):
         mk(offload="maybe")
     with pytest.raises(TriforceError, match="--profile"):
@@ -241,7 +241,7 @@ def test_prefill_never_restreams(model, overlap):
     committed prefix once. Logits and the decode after it equal the resident cache's."""
     ids = torch.randint(0, CFG.vocab_size, (1, 80), generator=torch.Generator().manual_seed(5))
     full = FullCache(CFG, CAP)
-    off = OffloadedCache(CFG, CAP, chunk=5, on_chip=1, overlap=overlap)
+    off = OffloadedCache(CFG, CAP, transfer_chunk=5, on_chip=1, overlap=overlap)
     one_pass = lambda n: (CFG.n_layers - 1) * n * off.store.spec.bytes_per_token()
     with torch.inference_mode():
         want = [prefill(model, full, ids[:, :60], prefill_chunk=8), prefill(model, full, ids[:, 60:75], 60, 4)]
@@ -279,7 +279,7 @@ def test_retrieval_absorbs_verified_kv_without_host_sync(model, monkeypatch):
     """The retrieval cache takes verified tokens' KV from the verification forward's device
     tensors: no wait on a write-back signal, no host scalar read; the KV is the target's."""
     ids = torch.randint(0, CFG.vocab_size, (1, 70), generator=torch.Generator().manual_seed(7))
-    off = Recorder(OffloadedCache(CFG, CAP, chunk=8, on_chip=1))
+    off = Recorder(OffloadedCache(CFG, CAP, transfer_chunk=8, on_chip=1))
     with torch.inference_mode():
         prefill(model, off, ids[:, :50], prefill_chunk=16)
         ret = RetrievalCache(CFG, budget=16, chunk=4, extra=30)
@@ -316,7 +316,7 @@ def test_staging_bytes_equal_the_cost_model():
                      cfg.intermediate_size, cfg.vocab_size, dtype_bytes=2)
     hw = cm.HARDWARE["rtx4090"]
     for chunk, depth in ((256, 2), (1000, 3)):
-        c = OffloadedCache(cfg, 4096, dtype=torch.bfloat16, chunk=chunk, depth=depth, on_chip=1)
+        c = OffloadedCache(cfg, 4096, dtype=torch.bfloat16, transfer_chunk=chunk, depth=depth, on_chip=1)
         want = cm.staging_bytes(chunk, m.kv_layer_bytes, depth)
         assert c.sched.nbytes() == want == depth * chunk * c.store.spec.bytes_per_token()
         c.close()
@@ -325,6 +325,6 @@ def test_staging_bytes_equal_the_cost_model():
     n = cm.default_transfer_chunk(m.kv_layer_bytes)
     c = OffloadedCache(cfg, n + 8, dtype=torch.bfloat16, on_chip=1)
     per_copy = lambda t: t * c.store.spec.bytes_per_token() // 2
-    assert c.chunk == n and per_copy(n) >= 4 * 2 ** 20 > per_copy(n - 1)
+    assert c.transfer_chunk == n and per_copy(n) >= 4 * 2 ** 20 > per_copy(n - 1)
     assert cm.default_transfer_chunk(2 * 32 * 128 * 2) == 512  # Llama2-7B bf16: 4 MiB per copy
     c.close()

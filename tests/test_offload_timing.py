@@ -81,7 +81,7 @@ def check_forward(s: dict):
 def test_copy_spans_copy_s_and_overlap(model, tmp_path):
     """An offloaded forward has copy spans, copy_s > 0 and 0 <= overlap <= 1; its Chrome
     trace has a copy track, compute spans, and the forward."""
-    cache = OffloadedCache(CFG, CAP, chunk=8, on_chip=1)
+    cache = OffloadedCache(CFG, CAP, transfer_chunk=8, on_chip=1)
     verifications(model, cache, 3)
     fw = cache.forwards
     assert [f["tokens"] for f in fw[-3:]] == [5, 5, 5]
@@ -105,7 +105,7 @@ def test_resolution_is_lazy_and_never_waits_in_the_decode_path(model):
     spans without a single synchronisation; at most PENDING forwards stay unresolved (the
     oldest are then long done on a real device); reading `forwards` resolves the rest,
     through the same clock arithmetic as CUDA (reference event + elapsed_time)."""
-    cache = OffloadedCache(CFG, CAP, chunk=8, on_chip=1)
+    cache = OffloadedCache(CFG, CAP, transfer_chunk=8, on_chip=1)
     cache.timeline.clock = Clock(LateEvent)
     LateEvent.syncs = 0
     k = cache.PENDING
@@ -223,7 +223,7 @@ def test_cuda_copy_spans_from_events(model):
     dev = torch.device("cuda")
     m = Transformer(CFG).eval().to(dev)
     m.load_state_dict(model.state_dict())
-    cache = OffloadedCache(CFG, CAP, device=dev, chunk=8, on_chip=1)
+    cache = OffloadedCache(CFG, CAP, device=dev, transfer_chunk=8, on_chip=1)
     assert isinstance(cache.timeline.clock.ref, torch.cuda.Event)
     with torch.inference_mode():
         ids = torch.randint(0, CFG.vocab_size, (1, 70), device=dev)

@@ -62,11 +62,11 @@ class NoCopy(ChunkCopier):
         return sig
 
 
-def make_cache(loaded, context: int, tokens: int, chunk: int, overlap: bool = True,
+def make_cache(loaded, context: int, tokens: int, transfer_chunk: int, overlap: bool = True,
                on_chip: int = 0, copier_cls=ChunkCopier, slots: int | None = None) -> OffloadedCache:
     cache = OffloadedCache(loaded.cfg, context + tokens, dtype=loaded.dtype, device=loaded.device,
-                           on_chip=on_chip, chunk=chunk, overlap=overlap, copier_cls=copier_cls,
-                           **({"depth": slots} if slots else {}))
+                           on_chip=on_chip, transfer_chunk=transfer_chunk, overlap=overlap,
+                           copier_cls=copier_cls, **({"depth": slots} if slots else {}))
     fill_random(cache, context)
     if copier_cls is NoCopy:  # touch the slots: never-written pages all read one zero page
         cache.sched.k.normal_()
@@ -74,10 +74,10 @@ def make_cache(loaded, context: int, tokens: int, chunk: int, overlap: bool = Tr
     return cache
 
 
-def verify_latency(loaded, context: int, tokens: int, chunk: int, overlap: bool = True,
+def verify_latency(loaded, context: int, tokens: int, transfer_chunk: int, overlap: bool = True,
                    repeats: int = 3, on_chip: int = 0, copier_cls=ChunkCopier) -> dict:
     """Best-of-`repeats` verification (after one warm-up) over a random `context`."""
-    cache = make_cache(loaded, context, tokens, chunk, overlap, on_chip, copier_cls)
+    cache = make_cache(loaded, context, tokens, transfer_chunk, overlap, on_chip, copier_cls)
     verify_once(loaded.model, cache, tokens, loaded.device)  # warm-up
     runs = [verify_once(loaded.model, cache, tokens, loaded.device) for _ in range(repeats)]
     cache.close()
@@ -119,14 +119,15 @@ def copy_once(cache: OffloadedCache) -> float:
     return time.perf_counter() - t0
 
 
-def compare(loaded, context: int, tokens: int, chunk: int, repeats: int = 3) -> dict:
+def compare(loaded, context: int, tokens: int, transfer_chunk: int, repeats: int = 3) -> dict:
     """Best-of-`repeats` seconds of: copy alone (every layer's KV into a whole-layer
     staging buffer), compute alone (KV resident), serialized (copy a whole layer, then
     compute it) and overlapped (the pipeline with its default staging). The four are
     measured in interleaved rounds so load drift hits them alike."""
-    layer = -(-(context + tokens) // chunk)  # slots for one whole layer
-    caches = {"serialized": make_cache(loaded, context, tokens, chunk, overlap=False, slots=layer),
-              "overlapped": make_cache(loaded, context, tokens, chunk)}
+    layer = -(-(context + tokens) // transfer_chunk)  # slots for one whole layer
+    caches = {"serialized": make_cache(loaded, context, tokens, transfer_chunk, overlap=False,
+                                        slots=layer),
+              "overlapped": make_cache(loaded, context, tokens, transfer_chunk)}
     full = resident(loaded, context, tokens)
     best = dict.fromkeys(["copy", "compute", *caches], float("inf"))
     for _ in range(repeats + 1):  # the first round warms up
