@@ -51,7 +51,7 @@ def trajectory(L, full, logits, qs, n0, n, sp):
 
 
 @torch.inference_mode()
-def expected(L, full, n0, toks, P, Q, sp, budget, chunk, rebuild, gamma2):
+def expected(L, full, n0, toks, P, Q, sp, budget, retrieval_chunk, rebuild, gamma2):
     """(mean alpha, mean expected accepted/drafted per round, rebuilds) of one configuration."""
     from triforce_offload.runtime.engine import Rebuild
     from triforce_offload.runtime.retrieval import RetrievalCache
@@ -60,7 +60,7 @@ def expected(L, full, n0, toks, P, Q, sp, budget, chunk, rebuild, gamma2):
     if policy.kind == "adaptive":
         raise SystemExit("--rebuilds: adaptive depends on sampled acceptances; use retrieval_sweep.py")
     n = len(toks)
-    ret = RetrievalCache(L.cfg, budget, chunk, n + 64, dtype=L.dtype)
+    ret = RetrievalCache(L.cfg, budget, retrieval_chunk, n + 64, dtype=L.dtype)
     ret.build(full, Q[0], n0)
     alphas, rounds, builds, since, j = [], [], 0, 0, 0
     while j < n - 1:  # feed t_j.. at n0+j; row i predicts t_{j+i+1}, as P[j+i] does

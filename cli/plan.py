@@ -98,7 +98,7 @@ def run_command(p: pl.Plan, model_path: str, draft_path: str | None,
         head += f"--rope-scaling {shlex.quote(rope_scaling)} "
     mode = (f"--mode triforce --draft {shlex.quote(draft_path)} --gamma1 {s.gamma1} "
             if draft_path else "--mode retrieval ")
-    return (head + mode + f"--budget {s.budget} --chunk {s.chunk} --gamma2 {s.gamma2} "
+    return (head + mode + f"--budget {s.budget} --chunk {s.retrieval_chunk} --gamma2 {s.gamma2} "
             f"--offload on --on-chip {s.on_chip} --transfer-chunk {s.transfer_chunk} "
             f"--tp {p.tp} --max-context {s.context}")
 
@@ -107,7 +107,7 @@ def plan_dict(p: pl.Plan) -> dict:
     s = p.settings
     return {"gpus": p.hardware.gpus, "hardware": p.hardware.name, "model": p.model.name,
             "context": s.context, "tp": p.tp, "on_chip": s.on_chip, "budget": s.budget,
-            "chunk": s.chunk, "gamma1": s.gamma1 if s.draft is not None else 0,
+            "chunk": s.retrieval_chunk, "gamma1": s.gamma1 if s.draft is not None else 0,
             "gamma2": s.gamma2, "transfer_chunk": s.transfer_chunk, "alpha1": s.alpha1,
             "ms_per_token": p.ms_per_token, "baseline_ms": p.baseline_ms,
             "gpu_gb": p.gpu_gb, "host_gb": p.host_gb}

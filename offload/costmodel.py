@@ -241,7 +241,7 @@ class Settings:
 
     context: int = 131072  # tokens in the KV cache
     budget: int = 4096  # L1 retrieval-cache tokens
-    chunk: int = 8  # retrieval chunk, tokens (scoring granularity; no cost here)
+    retrieval_chunk: int = 8  # tokens per retrieval chunk (scoring granularity; no cost here)
     gamma1: int = 1  # L0 drafts per L1 verification (0: L1 drafts by itself)
     gamma2: int = 6  # L1 tokens per L2 verification
     on_chip: int | None = None  # layers whose KV stays on GPU; None: as many as fit

@@ -47,15 +47,16 @@ def alpha_at_budget(alpha_ref: float, budget: int, ref: int = REF_BUDGET) -> flo
     return min(max(1.0 - miss, 0.0), 1.0)
 
 
-def _budgets(context: int, chunk: int) -> list[int]:
-    """Candidate budgets: powers of two below the context, multiples of chunk."""
-    out = [b for b in BUDGETS if b < context and b % chunk == 0]
-    return out or [max(chunk, context // 2 // chunk * chunk)]
+def _budgets(context: int, retrieval_chunk: int) -> list[int]:
+    """Candidate budgets: powers of two below the context, multiples of the retrieval chunk."""
+    c = retrieval_chunk
+    out = [b for b in BUDGETS if b < context and b % c == 0]
+    return out or [max(c, context // 2 // c * c)]
 
 
 def search_plan(hw: Hardware, model: ModelSpec, context: int,
                 gpu_mem_gb: float | None = None, host_mem_gb: float | None = None,
-                alpha0: float = 0.6, alpha1: float = 0.9, chunk: int = 8,
+                alpha0: float = 0.6, alpha1: float = 0.9, retrieval_chunk: int = 8,
                 draft: ModelSpec | None = LLAMA_68M, tp: int = 0) -> Plan:
     """Lowest predicted ms/token TriForce settings that fit; ValueError if none fit.
 
@@ -66,8 +67,8 @@ def search_plan(hw: Hardware, model: ModelSpec, context: int,
         raise ValueError(f"context must be positive, got {context}")
     hw = replace(hw, gpu_mem_gb=gpu_mem_gb or hw.gpu_mem_gb,
                  host_mem_gb=host_mem_gb or hw.host_mem_gb)
-    base = Settings(context=context, chunk=chunk, alpha0=alpha0, draft=draft,
-                    tp=tp or hw.gpus)
+    base = Settings(context=context, retrieval_chunk=retrieval_chunk, alpha0=alpha0,
+                    draft=draft, tp=tp or hw.gpus)
     _check_fits(hw, model, base)
     best = None
     for s in _candidates(hw, model, base, alpha1):
@@ -82,7 +83,7 @@ def search_plan(hw: Hardware, model: ModelSpec, context: int,
 def _candidates(hw, model, base, alpha1):
     """Fitting settings over the grid, on_chip maximal for each."""
     g1s = GAMMA1S if base.draft is not None else (0,)
-    for b in _budgets(base.context, base.chunk):
+    for b in _budgets(base.context, base.retrieval_chunk):
         a1 = alpha_at_budget(alpha1, b)
         for tc in TRANSFER_CHUNKS:
             s = replace(base, budget=b, transfer_chunk=tc, alpha1=a1)
@@ -103,7 +104,7 @@ def _gpu_fits(hw, model, s, on_chip) -> bool:
 
 def _check_fits(hw, model, base, strict=False) -> None:
     """Raise a one-line ValueError when even the smallest configuration cannot fit."""
-    small = replace(base, budget=_budgets(base.context, base.chunk)[0],
+    small = replace(base, budget=_budgets(base.context, base.retrieval_chunk)[0],
                     transfer_chunk=TRANSFER_CHUNKS[0])
     need = memory_use(hw, model, replace(small, on_chip=0)).gpu_gb
     have = gpu_capacity(hw) / GIB

@@ -59,11 +59,12 @@ class RetrievalCache(KVCache):
 
     static = True
 
-    def __init__(self, cfg, budget: int, chunk: int, extra: int, batch: int = 1,
+    def __init__(self, cfg, budget: int, retrieval_chunk: int, extra: int, batch: int = 1,
                  dtype=torch.float32, device="cpu"):
         super().__init__(cfg, batch)
-        self.chunk, self.n_chunks = chunk, budget // chunk
-        self.slots = self.n_chunks * chunk + chunk + extra  # selected + tail + appended
+        self.retrieval_chunk = retrieval_chunk  # tokens per scored and selected chunk
+        self.n_chunks = budget // retrieval_chunk
+        self.slots = (self.n_chunks + 1) * retrieval_chunk + extra  # selected + tail + appended
         shape = (batch, cfg.n_kv_heads, self.slots, cfg.head_dim)  # [B, Hkv, slots, D]
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
@@ -73,21 +74,22 @@ class RetrievalCache(KVCache):
         self.offset = torch.zeros(1, dtype=torch.int64, device=device)  # n_retrieved - base, on the device
 
     @staticmethod
-    def fits(length: int, budget: int, chunk: int) -> bool:
+    def fits(length: int, budget: int, retrieval_chunk: int) -> bool:
         """Whether a context of `length` tokens fits the budget whole (nothing to select)."""
-        return length // chunk <= budget // chunk
+        return length // retrieval_chunk <= budget // retrieval_chunk
 
     @torch.inference_mode()
     def build(self, full, qs: dict, length: int):
         """Select chunks from full.keys(layer) of the first `length` tokens with queries qs[layer]."""
-        n_full = length // self.chunk
-        self.holds_all = self.fits(length, self.n_chunks * self.chunk, self.chunk)
+        c = self.retrieval_chunk
+        n_full = length // c
+        self.holds_all = self.fits(length, self.n_chunks * c, c)
         for layer in range(self.n_layers):
             K, V = full.keys(layer, length)  # [B, Hkv, S, D], maybe on the host
             if self.holds_all:
                 k, v = K, V
             else:
-                k, v = self._select(K, V, qs[layer], n_full * self.chunk)
+                k, v = self._select(K, V, qs[layer], n_full * c)
             self.n_retrieved = k.shape[2]
             self.k[layer][:, :, : self.n_retrieved].copy_(k)
             self.v[layer][:, :, : self.n_retrieved].copy_(v)
@@ -95,9 +97,10 @@ class RetrievalCache(KVCache):
         self.offset.fill_(self.n_retrieved - self.base)
 
     def _select(self, K, V, q, end):
-        idx = top_chunks(chunk_scores(q.to(K.device), chunk_means(K, self.chunk)), self.n_chunks)
-        k = torch.cat([gather_chunks(K, idx, self.chunk), K[:, :, end:]], 2)
-        v = torch.cat([gather_chunks(V, idx, self.chunk), V[:, :, end:]], 2)
+        c = self.retrieval_chunk
+        idx = top_chunks(chunk_scores(q.to(K.device), chunk_means(K, c)), self.n_chunks)
+        k = torch.cat([gather_chunks(K, idx, c), K[:, :, end:]], 2)
+        v = torch.cat([gather_chunks(V, idx, c), V[:, :, end:]], 2)
         return k, v
 
     def _slot(self, pos: int) -> int:

@@ -26,9 +26,14 @@ from .tp import agree
 
 @dataclass
 class SpecOptions:
+    """Options of the speculative modes. `chunk` (`--chunk`) is the retrieval chunk: the
+    tokens the retrieval cache scores and selects as one (RetrievalCache.retrieval_chunk),
+    not the transfer chunk (OffloadOptions.transfer_chunk) nor the prefill chunk
+    (RunOptions.prefill_chunk)."""
+
     draft: str = "ngram"  # ngram | self | path of a draft model with the target's tokenizer
     budget: int = 4096  # retrieval cache tokens per layer and KV head
-    chunk: int = 8  # tokens per retrieval chunk
+    chunk: int = 8  # the retrieval chunk: tokens per scored and selected chunk
     gamma1: int = 4  # tokens the drafter proposes per check by the middle level (or target)
     gamma2: str = "6"  # tokens the middle level proposes per verification, or "auto"
     draft_sink: int = 16  # streaming cache: first tokens always kept

@@ -282,7 +282,7 @@ def test_retrieval_absorbs_verified_kv_without_host_sync(model, monkeypatch):
     off = Recorder(OffloadedCache(CFG, CAP, transfer_chunk=8, on_chip=1))
     with torch.inference_mode():
         prefill(model, off, ids[:, :50], prefill_chunk=16)
-        ret = RetrievalCache(CFG, budget=16, chunk=4, extra=30)
+        ret = RetrievalCache(CFG, budget=16, retrieval_chunk=4, extra=30)
         ret.build(off, off.q, 50)
         model(ids[:, 50:55], 50, off)  # a verification of 5 tokens; 3 accepted
         off.commit(53)

@@ -58,14 +58,14 @@ def test_retrieval_cache_picks_highest_chunks_per_head():
     q = torch.zeros(1, 4, D)
     q[0, 0, 0] = 1  # query head 0 (KV head 0) looks along e0
     q[0, 3, 1] = 1  # query head 3 (KV head 1) looks along e1
-    rc = RetrievalCache(c, budget=8, chunk=chunk, extra=8)
+    rc = RetrievalCache(c, budget=8, retrieval_chunk=chunk, extra=8)
     rc.build(full, {0: q}, S)
     assert rc.n_retrieved == 8 and not rc.holds_all  # 40 tokens = 10 full chunks, no tail
     got = rc.k[0][0]  # [Hkv, slots, D]
     assert torch.equal(got[0, :4], K[0, 0, 0:4]) and torch.equal(got[1, :4], K[0, 1, 0:4])  # sink
     assert torch.equal(got[0, 4:8], K[0, 0, 20:24])  # head 0's best chunk
     assert torch.equal(got[1, 4:8], K[0, 1, 28:32])  # head 1's (through query head 3: GQA max)
-    rc = RetrievalCache(c, budget=12, chunk=chunk, extra=8)
+    rc = RetrievalCache(c, budget=12, retrieval_chunk=chunk, extra=8)
     rc.build(full, {0: q}, S)
     assert torch.equal(rc.k[0][0, 1, 4:12], torch.cat([K[0, 1, 8:12], K[0, 1, 28:32]]))  # top 2, in order
 
@@ -75,7 +75,7 @@ def test_retrieval_cache_holds_all_matches_full_attention_and_rolls_back():
     S, D = 21, 8  # 5 full chunks of 4 + a tail of 1
     K, V = torch.randn(1, 2, S, D), torch.randn(1, 2, S, D)
     c, full = full_with(K, V)
-    rc = RetrievalCache(c, budget=64, chunk=4, extra=8)
+    rc = RetrievalCache(c, budget=64, retrieval_chunk=4, extra=8)
     rc.build(full, {0: torch.randn(1, 4, D)}, S)
     assert rc.holds_all and rc.n_retrieved == S
     q, k, v = torch.randn(1, 4, 3, D), torch.randn(1, 2, 3, D), torch.randn(1, 2, 3, D)
@@ -92,7 +92,7 @@ def test_retrieval_cache_tail_and_positions():
     S, D = 30, 8  # 7 chunks of 4 + tail of 2; budget keeps 2 chunks
     K, V = torch.randn(1, 2, S, D), torch.randn(1, 2, S, D)
     c, full = full_with(K, V)
-    rc = RetrievalCache(c, budget=8, chunk=4, extra=8)
+    rc = RetrievalCache(c, budget=8, retrieval_chunk=4, extra=8)
     rc.build(full, {0: torch.randn(1, 4, D)}, S)
     assert rc.n_retrieved == 10 and torch.equal(rc.k[0][:, :, 8:10], K[:, :, 28:30])  # tail kept
     rc.absorb(full, S, S)

@@ -80,7 +80,7 @@ def retrieval_parser(description: str, rebuilds: list[str], seeds: list[int], ou
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--budgets", type=int, nargs="+", default=[4096, 6144, 8192])
-    ap.add_argument("--chunks", type=int, nargs="+", default=[8, 16])
+    ap.add_argument("--chunks", type=int, nargs="+", default=[8, 16], help="retrieval chunks (tokens)")
     ap.add_argument("--rebuilds", nargs="+", default=rebuilds)
     ap.add_argument("--seeds", type=int, nargs="+", default=seeds,
                     help="sampling seeds; at T>0 one 128-token sample per seed is noisy, average several")
