@@ -62,9 +62,6 @@ class Signal:
         """Block the host until the copy landed (host-side reads such as `keys()`)."""
         self.event.synchronize() if self.cuda else self.wait()
 
-    def done(self) -> bool:
-        return self.event.query() if self.cuda else self.event.is_set()
-
 
 class ChunkCopier:
     def __init__(self, device, timeline: Timeline | None = None):
