@@ -11,7 +11,6 @@ from dataclasses import InitVar, dataclass, field, fields, replace
 
 import torch
 
-from .cache import FullCache
 from .config import ModelConfig
 from .errors import TriforceError
 from .generate import autoregressive, capacity, stop_ids

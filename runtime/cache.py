@@ -62,6 +62,16 @@ class KVCache:
         return 0
 
 
+def write_and_attend(K, V, q, k, v, slot: torch.Tensor):
+    """The fixed-shape step of a preallocated cache: write k, v [B, Hkv, T, D] into the
+    buffers K, V [B, Hkv, cap, D] at slots slot + [0, T) (`slot` an int64 device tensor
+    [1]) and attend causally over the whole buffers up to slot + T."""
+    pos = slot + torch.arange(q.shape[2], device=q.device, dtype=slot.dtype)
+    K.index_copy_(2, pos, k)
+    V.index_copy_(2, pos, v)
+    return static_attention(q, K, V, slot + q.shape[2])
+
+
 class FullCache(KVCache):
     """Every token's K and V, preallocated to `capacity` tokens (no growth by copying)."""
 
@@ -89,13 +99,8 @@ class FullCache(KVCache):
         return attention(q, K[:, :, :end], V[:, :, :end], start)
 
     def _attend_static(self, layer, q, k, v, start: torch.Tensor):
-        """The same with `start` on the device: write at start + [0, T), attend over the
-        whole buffer up to start + T (the caller checked the capacity on the host)."""
-        pos = start + torch.arange(q.shape[2], device=q.device, dtype=start.dtype)
-        K, V = self.k[layer], self.v[layer]
-        K.index_copy_(2, pos, k)
-        V.index_copy_(2, pos, v)
-        return static_attention(q, K, V, start + q.shape[2])
+        """The same with `start` on the device (the caller checked the capacity on the host)."""
+        return write_and_attend(self.k[layer], self.v[layer], q, k, v, start)
 
     def keys(self, layer: int, end: int | None = None):
         """Committed (or up to `end`) K and V of a layer: [B, Hkv, S, D] views."""

@@ -3,8 +3,9 @@
 Every level shares one token list `seq` (prompt + generated + tentative tokens) and
 tracks `held`: how many leading positions of `seq` its cache holds (committed or
 pending). Only the level writes `held` (its forwards feed, `commit` sets it) and only
-`commit` moves its cache's length; the engine drives both through `commit`/`rollback`. A forward feeds `seq[held:]`, so a level catches up on tokens accepted by the
-levels above without the engine spelling them out. `draft(seq, g, sp, gen)` appends up
+`commit` moves its cache's length; the engine drives both through `commit`/`rollback`.
+A forward feeds `seq[held:]`, so a level catches up on tokens accepted by the levels
+above without the engine spelling them out. `draft(seq, g, sp, gen)` appends up
 to g tokens to `seq` and returns their draft distributions q [g', V].
 """
 from __future__ import annotations

@@ -57,13 +57,11 @@ class Step:
             return self.model(ids, start, self.cache, last_only)
         self.cache.check_end(start + ids.shape[1])  # on the host: the graph cannot check
         self.start.fill_(start)
-        if not self.graphed:
-            return self.model(ids, self.start, self.cache, last_only)
         key = (tuple(ids.shape), last_only)
-        if key not in self.graphs:
+        if self.graphed and key not in self.graphs:
             self.graphs[key] = self._capture(ids, last_only)
-        g = self.graphs[key]
-        if g is None:
+        g = self.graphs.get(key)
+        if g is None:  # not graphed, or the capture failed: the same forward, eager
             return self.model(ids, self.start, self.cache, last_only)
         g.ids.copy_(ids, non_blocking=True)
         g.graph.replay()

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.attention import attention, static_attention
+from ..kernels.attention import attention
 from ..kernels.retrieval import chunk_means, chunk_scores, gather_chunks, top_chunks
-from .cache import KVCache
+from .cache import KVCache, write_and_attend
 from .errors import TriforceError
 
 
@@ -118,11 +118,7 @@ class RetrievalCache(KVCache):
 
     def attend(self, layer, q, k, v, start):
         if isinstance(start, torch.Tensor):  # slots as positions: the same causal order
-            s = start + self.offset
-            pos = s + torch.arange(q.shape[2], device=q.device, dtype=s.dtype)
-            self.k[layer].index_copy_(2, pos, k)
-            self.v[layer].index_copy_(2, pos, v)
-            return static_attention(q, self.k[layer], self.v[layer], s + q.shape[2])
+            return write_and_attend(self.k[layer], self.v[layer], q, k, v, start + self.offset)
         s, T = self._slot(start), q.shape[2]
         if start < self.base or s + T > self.slots:
             raise TriforceError(f"retrieval cache: positions {start}..{start + T - 1} are outside "
