@@ -1,0 +1,160 @@
+"""Everything a GPU should measure for this project, in two calls of at most ten minutes.
+
+Usage (on the GPU machine, from the project root, after `. .gpu/bin/env.sh`; see
+../shared/gpu/README.md and the README's "Measuring on a GPU"):
+    python benchmarks/gpu_session.py a                     # cuda tests, resident decode
+    python benchmarks/gpu_session.py b --model /root/w/smol.gguf   # offloaded, real weights
+    python benchmarks/gpu_session.py a --dry-run           # print the commands only
+    python benchmarks/gpu_session.py a --smoke             # the same commands shrunk, on the CPU
+
+Stage `a` (first call): the device, `triforce-offload info`, the tests marked `cuda`, then
+`gpu_decode.py` on the SmolLM2 and Llama-2-7B geometries (eager, graphed, triforce)
+against the HBM floor. Stage `b` (second call, once the bundled GGUF's halves are joined):
+`offload_pipeline.py` on both geometries against the PCIe floor, then the real SmolLM2
+with essay text: graphed autoregressive against triforce on the resident cache and
+`bench` with the offloaded contenders (autoregressive+offload, retrieval+offload,
+triforce+offload) at 32K. These are the issue targets' measurements (GPU decode at memory
+speed, offloaded decode at the link's speed).
+
+Each command runs under a deadline (the stage's `--budget-s`, 540 s by default, shared in
+order); a command that would start with less than a minute left is skipped and listed, so a
+call ends with its logs rather than being killed. Output: `$OUT` (or `--out`) gets
+`<stage>.log` (every command's output, with its exit status and seconds) and
+`<stage>.jsonl` (the rows the benchmarks append), and `bench/bench.jsonl` in stage b:
+few files, as the device tool returns at most eight.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MIN_START_S = 60  # a command that cannot get this long is not started
+
+
+def cli() -> list[str]:
+    """The console script: on PATH, beside this interpreter, or in a `pip install --target`
+    folder on PYTHONPATH (the GPU kit's /tmp/site/bin). `python -m triforce_offload.cli`
+    would not do from the project root without an editable install: the bare top-level
+    `triforce_offload/` folder shadows the installed package."""
+    dirs = [Path(sys.executable).parent] + [Path(p) / "bin" for p in
+                                            os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    for exe in [shutil.which("triforce-offload")] + [d / "triforce-offload" for d in dirs]:
+        if exe and Path(exe).exists():
+            return [str(exe)]
+    return [sys.executable, "-m", "triforce_offload.cli"]
+
+
+def stage_a(out: Path, smoke: bool) -> list[tuple[str, list[str], int]]:
+    """(name, argv, timeout_s) of the first call."""
+    py, jl = sys.executable, str(out / "a.jsonl")
+    gd = [py, "benchmarks/gpu_decode.py", "--out", jl]
+    if smoke:
+        gd += ["--device", "cpu", "--layers", "2", "--new-tokens", "4", "--copy-mib", "16", "--threads", "1"]
+        small, big = ["--contexts", "256"], ["--contexts", "256"]
+    else:
+        gd += ["--new-tokens", "64", "--repeats", "2"]
+        small, big = ["--contexts", "4096", "32768"], ["--contexts", "4096", "16384", "32768"]
+    cmds = [("info", [*cli(), "info"], 60)]
+    if not smoke:
+        cmds.insert(0, ("device", ["nvidia-smi", "--query-gpu=name,memory.total,driver_version,pcie.link.gen.current",
+                                   "--format=csv"], 30))
+        cmds.append(("cuda tests", [py, "-m", "pytest", "-q", "-rs", "-m", "cuda", "-p", "no:cacheprovider",
+                                    "tests"], 240))
+    cmds += [("decode smollm2", [*gd, "--geometry", "smollm2", *small,
+                                 "--modes", "eager", "graphed", "triforce"], 150),
+             ("decode llama2-7b", [*gd, "--geometry", "llama2-7b", *big, "--modes", "eager", "graphed"], 240)]
+    return cmds
+
+
+def stage_b(out: Path, smoke: bool, model: str) -> list[tuple[str, list[str], int]]:
+    """(name, argv, timeout_s) of the second call."""
+    py, jl = sys.executable, str(out / "b.jsonl")
+    op = [py, "benchmarks/offload_pipeline.py", "--out", jl, "--repeats", "2"]
+    gd = [py, "benchmarks/gpu_decode.py", "--out", jl, "--model", model, "--prompt-text", "essays",
+          "--modes", "graphed", "triforce"]
+    bench = [*cli(), "bench", *(["--model", model] if model != "bundled" else []), "--out", str(out / "bench"), "--no-plots",
+             "--modes", "autoregressive+offload,retrieval+offload,triforce+offload", "--gamma2", "6"]
+    if smoke:
+        op += ["--device", "cpu", "--layers", "2", "--link-mib", "16", "--threads", "1"]
+        gd += ["--device", "cpu", "--contexts", "256", "--new-tokens", "4", "--copy-mib", "16", "--threads", "1"]
+        bench += ["--device", "cpu", "--contexts", "512", "--new-tokens", "4", "--threads", "1", "--budget", "128"]
+        return [("offload smollm2", [*op, "--geometry", "smollm2", "--contexts", "256", "--chunk", "64"], 120),
+                ("decode real", gd, 120), ("bench offload", bench, 180)]
+    op += ["--device", "cuda"]
+    gd += ["--contexts", "32768", "--new-tokens", "128", "--budget", "4096", "--rope-scaling", "linear:4"]
+    bench += ["--device", "cuda", "--dtype", "bfloat16", "--contexts", "32768", "--new-tokens", "128",
+              "--budget", "4096", "--rope-scaling", "linear:4"]
+    return [("offload llama2-7b", [*op, "--geometry", "llama2-7b", "--contexts", "16384,131072"], 240),
+            ("offload smollm2", [*op, "--geometry", "smollm2", "--contexts", "32768"], 90),
+            ("decode real", gd, 120), ("bench offload", bench, 150)]
+
+
+def run(cmds, log: Path, budget_s: float, dry: bool) -> int:
+    """Run the commands in order under one deadline; every output goes to `log` and stdout.
+    Returns the number of commands that failed or were skipped."""
+    if dry:
+        for name, argv, limit in cmds:
+            print(f"# {name} (timeout {limit} s)\n" + " ".join(shlex.quote(a) for a in argv))
+        return 0
+    deadline = time.monotonic() + budget_s
+    bad = 0
+    with log.open("a") as f:
+        def say(text):
+            print(text, flush=True)
+            f.write(text + "\n")
+            f.flush()
+        for name, argv, limit in cmds:
+            line = " ".join(shlex.quote(a) for a in argv)
+            left = deadline - time.monotonic()
+            if left < min(MIN_START_S, limit):
+                say(f"== {name}: skipped, {left:.0f} s left of the stage's budget\n   {line}")
+                bad += 1
+                continue
+            say(f"== {name}\n$ {line}")
+            t0 = time.monotonic()
+            try:
+                r = subprocess.run(argv, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                   timeout=min(limit, left), env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                rc = r.returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+            except FileNotFoundError as e:
+                rc = f"not found ({e.filename})"
+            bad += rc != 0
+            say(f"== {name}: exit {rc}, {time.monotonic() - t0:.0f} s")
+    return bad
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("stage", choices=("a", "b"))
+    ap.add_argument("--model", default="/root/w/smol.gguf",
+                    help="the real checkpoint of stage b (`bundled`: the installed SmolLM2)")
+    ap.add_argument("--out", default=os.environ.get("OUT") or "results/gpu_session")
+    ap.add_argument("--budget-s", type=float, default=540.0, help="seconds for the whole stage")
+    ap.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    ap.add_argument("--smoke", action="store_true", help="shrunk sizes on the CPU (tests)")
+    a = ap.parse_args(argv)
+    out = Path(a.out).resolve()
+    if not a.dry_run:
+        out.mkdir(parents=True, exist_ok=True)
+    cmds = stage_a(out, a.smoke) if a.stage == "a" else stage_b(out, a.smoke, a.model)
+    if a.stage == "b" and not a.dry_run and not Path(a.model).exists() and a.model != "bundled":
+        print(f"gpu_session: model {a.model} not found (join .gpu/a/part and .gpu/b/part first)",
+              file=sys.stderr)
+        return 2
+    bad = run(cmds, out / f"{a.stage}.log", a.budget_s, a.dry_run)
+    if not a.dry_run:
+        print(f"stage {a.stage}: {len(cmds) - bad}/{len(cmds)} commands succeeded; logs in {out}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
