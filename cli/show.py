@@ -38,6 +38,8 @@ def stats_line(d: dict) -> str:
         parts.append(f"mean accepted {d['mean_accepted']:.2f}")
     if d.get("rebuilds"):
         parts.append(f"rebuilds {d['rebuilds']}")
+    if d.get("graph_captures"):
+        parts.append(f"{d['graph_captures']} CUDA graphs ({d['capture_s']:.2f} s to capture)")
     parts += d.get("notes", [])
     if "overlap" in d:
         parts.append(f"overlap {d['overlap']:.2f}")

@@ -18,6 +18,7 @@ hand-made `torch.cuda.CUDAGraph` keeps the dependency surface to torch itself.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -44,13 +45,13 @@ class Step:
         self.pool = None  # one memory pool shared by this step's graphs
         self.notes: list[str] = []  # one line per capture failure
         self.replays = 0
+        self.capture_s = 0.0  # warm-ups and captures, inside the decode time a user sees
 
     def figures(self) -> dict:
-        """For Stats.extra: whether steps replayed as graphs, and capture failures."""
-        d = {"graphs": self.replays > 0}
-        if self.notes:
-            d["notes"] = list(self.notes)
-        return d
+        """For Stats.extra: whether steps replayed as graphs, how many were captured and
+        in how long (γ2 auto captures one per verification length it tries), failures."""
+        return combined([self])
+
 
     def __call__(self, ids: torch.Tensor, start: int, last_only: bool = False) -> torch.Tensor:
         if not self.static:
@@ -71,6 +72,13 @@ class Step:
         return g.out.clone()  # the next replay overwrites g.out
 
     def _capture(self, ids, last_only) -> _Graph | None:
+        t0 = time.perf_counter()
+        try:
+            return self._capture_timed(ids, last_only)
+        finally:
+            self.capture_s += time.perf_counter() - t0
+
+    def _capture_timed(self, ids, last_only) -> _Graph | None:
         static_ids = ids.clone()
         run = lambda: self.model(static_ids, self.start, self.cache, last_only)  # noqa: E731
         try:
@@ -88,3 +96,15 @@ class Step:
             self.notes.append(f"CUDA graph capture failed for {ids.shape[1]} tokens "
                               f"({type(e).__name__}: {str(e).splitlines()[0][:120]}); running eager")
             return None
+
+
+def combined(steps) -> dict:
+    """The figures of several levels' steps as one (the stats line shows them)."""
+    d = {"graphs": any(s.replays for s in steps)}
+    captures = sum(g is not None for s in steps for g in s.graphs.values())
+    if captures:
+        d.update(graph_captures=captures, capture_s=round(sum(s.capture_s for s in steps), 3))
+    notes = [n for s in steps for n in s.notes]
+    if notes:
+        d["notes"] = notes
+    return d

@@ -17,6 +17,7 @@ from .drafters import ModelLevel, NgramDrafter, check_vocab
 from .engine import AutoGamma, Engine, Rebuild
 from .errors import TriforceError
 from .generate import Stats, capacity, peak_memory_gb, prefill, stop_ids
+from .graphs import combined
 from .offloaded import finish_stats, make_full_cache
 from .retrieval import Recorder, RetrievalCache
 from .sampling import probs, sample
@@ -155,10 +156,9 @@ def speculate(kind: str, loaded, prompt, opts, full, logits, on_token=None):
         toks = eng.run(seq, opts.max_new_tokens, stop_ids(loaded, opts), on_token)
     t2 = time.perf_counter()
     st = Stats(len(prompt), len(toks), t1 - t0, t2 - t1, peak_memory_gb(loaded.device))
-    steps = [lv.step.figures() for lv in levels if hasattr(lv, "step")]
-    notes += [n for f in steps for n in f.get("notes", [])]
-    st.extra.update(eng.figures(), build_s=round(t1 - t0, 3), notes=notes,
-                    graphs=any(f["graphs"] for f in steps))
+    steps = combined([lv.step for lv in levels if hasattr(lv, "step")])
+    steps["notes"] = notes + steps.get("notes", [])  # the levels' build notes first
+    st.extra.update(eng.figures(), build_s=round(t1 - t0, 3), **steps)
     return toks, st
 
 

@@ -105,6 +105,26 @@ def test_step_is_eager_on_the_cpu_and_checks_capacity():
     assert out.shape == (1, 1, 64)
 
 
+def test_graph_figures_combine_levels_and_reach_the_stats_line():
+    """Captures (one per token count a level uses; γ2 auto adds one per length it tries)
+    and their seconds are counted over the levels; a failed capture is a note, not a graph."""
+    from types import SimpleNamespace
+    from triforce_offload.cli.show import stats_line
+    from triforce_offload.runtime.graphs import combined
+    target = SimpleNamespace(replays=9, graphs={((1, 1), False): object(), ((1, 7), False): object()},
+                             capture_s=0.25, notes=[])
+    middle = SimpleNamespace(replays=0, graphs={((1, 1), False): None}, capture_s=0.5,
+                             notes=["CUDA graph capture failed for 1 tokens (X); running eager"])
+    d = combined([target, middle])
+    assert d == {"graphs": True, "graph_captures": 2, "capture_s": 0.75, "notes": middle.notes}
+    assert combined([middle]) == {"graphs": False, "notes": middle.notes}
+    line = stats_line({"prompt_tokens": 5, "prefill_s": 0.1, "decode_ms_per_token": 2.0,
+                       "tokens_per_s": 500.0, "new_tokens": 8, "peak_memory_gb": 1.0, **d})
+    assert "2 CUDA graphs (0.75 s to capture)" in line and "running eager" in line
+    cpu = Step(tiny().model, _prefilled(tiny(), 4, True))
+    assert cpu.figures() == {"graphs": False}  # the CPU never captures
+
+
 def test_static_path_choice_is_reported(monkeypatch):
     assert A.static_path("cpu")[0] == "sdpa"
     monkeypatch.setenv("TRIFORCE_OFFLOAD_ATTENTION", "triton")
@@ -137,6 +157,8 @@ def test_cuda_graph_replay_equals_eager(dtype):
             torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
             pos += T
     assert not step.notes and step.replays == 6 and len(step.graphs) == 2
+    f = step.figures()
+    assert f["graphs"] and f["graph_captures"] == 2 and f["capture_s"] > 0
 
 
 @pytest.mark.cuda
@@ -243,7 +265,7 @@ def test_cuda_greedy_every_mode_fp32(mode, extra):
     ref, _ = generate(L, prompt, eager)
     out, st = generate(L, prompt, RunOptions(mode=mode, max_new_tokens=40, extra=dict(extra),
                                              sampling=SamplingParams()))
-    assert out == ref and st.extra["graphs"]
+    assert out == ref and st.extra["graphs"] and st.extra["graph_captures"] >= 1
 
 
 @pytest.mark.parametrize("T,S,G", [(1, 40, 2), (7, 7, 3), (16, 300, 4), (5, 129, 1)])
