@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -185,6 +186,52 @@ def _kernels():
 
 # --------------------------------------------------------------------------- launch
 
+MERGE_WARPS = 4
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Tile sizes and launch options of the split kernel for one (dtype, head size, rows)."""
+    block_m: int  # rows (query heads of a KV group x new tokens) per tile
+    block_n: int  # keys per step
+    block_d: int  # head_dim padded to a power of two
+    num_warps: int
+    num_stages: int
+    dot_f32: bool  # widen the dot operands to fp32
+
+    def constexprs(self, block_n: int | None = None) -> dict:
+        return dict(DOT_F32=self.dot_f32, PRECISION="ieee" if self.dot_f32 else None,
+                    BLOCK_M=self.block_m, BLOCK_N=block_n or self.block_n, BLOCK_D=self.block_d)
+
+
+def launch_config(dtype: torch.dtype, D: int, R: int, interpret: bool = False) -> Launch:
+    """Tiles that fit the registers: chosen from ptxas's own report (registers and spill
+    bytes per configuration, for sm_80 and sm_90, without a GPU: tests/test_triton_compile.py
+    compiles every configuration this returns and fails on any spill).
+
+    16-bit: up to 128 rows at head_dim <= 64, else 64 (more rows take another row block);
+    64 keys per step, 32 from 8K-element tiles at head_dim 256; 8 warps from 4K-element
+    (rows x head_dim) tiles. fp32 (tests, fp32 models): operands twice the size and the dot
+    in full precision, so tiles of at most 4K elements, 16 keys per step, 8 warps, 2 stages.
+    Under the interpreter bf16 operands are widened to fp32 too: its bf16 dot multiplies
+    bit patterns (triton #11584)."""
+    block_d = max(16, triton.next_power_of_2(D))
+    dot_f32 = dtype == torch.float32 or (interpret and dtype == torch.bfloat16)
+    if dtype == torch.float32:
+        max_m = max(16, 4096 // block_d)
+        block_n, warps, stages = 16, 8, 2
+    else:
+        max_m = MAX_ROWS if block_d <= 64 else MAX_ROWS // 2
+        block_n, warps, stages = 64, 4, 3
+    block_m = min(max_m, max(16, triton.next_power_of_2(R)))  # tl.dot needs >= 16 rows
+    if dtype != torch.float32:
+        if block_d >= 256 and block_m * block_d >= 8192:
+            block_n = 32
+        if block_m * block_d >= 4096:
+            warps = 8
+    return Launch(block_m, block_n, block_d, warps, stages, dot_f32)
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
@@ -248,16 +295,9 @@ def decode_attention_lse(q, k, v, length, q_pos0=None, scale=None, block_n=None,
     qpos_mode, qpos, sqp, qpos_val = _qpos_args(q_pos0, lens, B)
     scale = D ** -0.5 if scale is None else float(scale)
 
-    block_m = min(MAX_ROWS, max(16, triton.next_power_of_2(R)))  # tl.dot needs >= 16 rows
-    row_blocks = triton.cdiv(R, block_m)
-    block_d = max(16, triton.next_power_of_2(D))
-    block_n = block_n or (32 if k.dtype == torch.float32 else 64)  # fp32 tiles: half the keys
-    splits = splits or default_splits(B * n_kv, row_blocks, s_cap, block_n, k.device)
-    # tl.dot: fp32 operands in full precision (not tf32); 16-bit operands on the tensor cores
-    # with fp32 accumulation. The interpreter multiplies bf16 bit patterns (triton issue
-    # #11584, unsupported upstream), so there bf16 tiles are widened to fp32 first.
-    dot_f32 = k.dtype == torch.float32 or (_interpret() and k.dtype == torch.bfloat16)
-    big = block_m * block_d >= 128 * 128
+    cfg = launch_config(k.dtype, D, R, _interpret())
+    row_blocks = triton.cdiv(R, cfg.block_m)
+    splits = splits or default_splits(B * n_kv, row_blocks, s_cap, block_n or cfg.block_n, k.device)
 
     f32 = dict(dtype=torch.float32, device=k.device)
     acc = torch.empty(B * n_kv, splits, R, D, **f32)
@@ -272,14 +312,12 @@ def decode_attention_lse(q, k, v, length, q_pos0=None, scale=None, block_n=None,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), sl, sqp,
         n_kv, G, T, R, D, splits, scale * LOG2E,
-        QPOS_MODE=qpos_mode, CAUSAL=bool(causal), DOT_F32=dot_f32,
-        PRECISION="ieee" if dot_f32 else None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        num_warps=8 if big else 4, num_stages=2 if k.dtype == torch.float32 else 3)
+        QPOS_MODE=qpos_mode, CAUSAL=bool(causal), **cfg.constexprs(block_n),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     merge_k[(B * n_kv * R,)](
         acc, mx, sm, out, lse, out.stride(0), out.stride(1), out.stride(2),
         n_kv, G, T, R, D, splits,
-        SPLITS=triton.next_power_of_2(splits), BLOCK_D=block_d, num_warps=4)
+        SPLITS=triton.next_power_of_2(splits), BLOCK_D=cfg.block_d, num_warps=MERGE_WARPS)
     return out, lse
 
 
