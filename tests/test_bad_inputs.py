@@ -216,8 +216,8 @@ def _group_alive(pgid: int) -> list[str]:
 def test_ctrl_c_says_interrupted(tiny_model_dir, tp):
     """SIGINT to the process group (as a terminal's Ctrl-C) once the run is busy decoding."""
     cmd = [sys.executable, "-m", "triforce_offload.cli", "run", "--model", str(tiny_model_dir),
-           "--mode", "autoregressive", "--prompt-tokens", "1500", "--max-new-tokens", "1000",
-           "--tp", tp]
+           "--mode", "autoregressive", "--prompt-tokens", "1500", "--max-new-tokens", "14000",
+           "--rope-scaling", "linear:8", "--tp", tp]  # room for ~45 s of decoding: never done first
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                          start_new_session=True)
     try:
