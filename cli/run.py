@@ -61,6 +61,9 @@ def run(
     on_chip: int = typer.Option(0, help="With --offload: the first N layers keep their KV on the device."),
     transfer_chunk: Optional[int] = typer.Option(None, help="Tokens per host->device copy "
                                                  "[default: from `triforce-offload tune`, else >= 4 MB per copy]."),
+    stage_depth: int = typer.Option(2, help="With --offload: staging ring slots of one transfer "
+                                    "chunk each; also how far copies run ahead while the draft "
+                                    "levels run (2: double-buffered)."),
     profile: Optional[Path] = typer.Option(None, help="With --offload: write a Chrome trace JSON "
                                            "of the last verification (copy/compute/wait per layer)."),
     plan: Optional[str] = typer.Option(None, "--plan", help="auto: choose --budget, --gamma2, "
@@ -81,7 +84,7 @@ def run(
     loaded = tensor_parallel.shard(loaded)
     ids = (long_prompt(loaded.tokenizer, prompt_tokens, chat=chat) if text is None
            else encode_prompt(loaded.tokenizer, text, chat))
-    flat = dict(offload=offload, on_chip=on_chip, transfer_chunk=transfer_chunk,
+    flat = dict(offload=offload, on_chip=on_chip, transfer_chunk=transfer_chunk, stage_depth=stage_depth,
                 profile=str(profile) if profile else None,
                 draft=draft, budget=budget, chunk=chunk, gamma1=gamma1, gamma2=gamma2,
                 draft_sink=draft_sink, draft_window=draft_window, rebuild=rebuild)

@@ -247,6 +247,8 @@ class OffloadedCache(KVCache):
         fw = [f for f in self.forwards if f["copy_s"] > 0]
         out = {"offload": True, "on_chip": self.on_chip, "transfer_chunk": self.transfer_chunk,
                "streamed_gb": self.copier.bytes / 2 ** 30}
+        if self.sched is not None:
+            out.update(stage_depth=self.sched.n_slots, staging_mib=self.sched.nbytes() / 2 ** 20)
         if fw:
             out["overlap"] = sum(f["overlap"] for f in fw) / len(fw)
         return out

@@ -28,8 +28,9 @@ def test_run_offload_profile_and_zero_inference(tiny_model_dir, tmp_path):
     want = last_json(cli(*base))
     trace = tmp_path / "trace.json"
     got = last_json(cli(*base, "--offload", "on", "--on-chip", "1", "--transfer-chunk", "3",
-                        "--profile", trace))
+                        "--stage-depth", "5", "--profile", trace))
     assert got["text"] == want["text"] and got["offload"] is True and got["transfer_chunk"] == 3
+    assert got["stage_depth"] == 5 and got["staging_mib"] > 0
     assert json.loads(trace.read_text())["traceEvents"]
     base[base.index("autoregressive")] = "zero-inference"
     assert last_json(cli(*base))["text"] == want["text"]
@@ -37,6 +38,7 @@ def test_run_offload_profile_and_zero_inference(tiny_model_dir, tmp_path):
 
 @pytest.mark.parametrize("flags,needle", [(["--offload", "maybe"], "--offload 'maybe'"),
                                           (["--offload", "on", "--on-chip", "7"], "--on-chip 7"),
+                                          (["--offload", "on", "--stage-depth", "0"], "staging depth 0"),
                                           (["--profile", "x.json"], "--profile")])
 def test_run_offload_user_errors(tiny_model_dir, flags, needle):
     r = cli("run", "--model", tiny_model_dir, "--mode", "autoregressive", "--prompt", "Hi",
