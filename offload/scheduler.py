@@ -83,7 +83,7 @@ class PipelineScheduler:
             jobs += [(layer, c, min(c + step, end)) for c in range(0, end, step)]
         self.current = Pass(end, jobs, first)
         if self.overlap:
-            self._fill()
+            self._fill(after=self.copier.marker())  # slots the last forward read are free only after it (CUDA)
 
     def reset(self):
         """Drop the current pass; its in-flight copies land in slots nobody will read."""
@@ -116,7 +116,8 @@ class PipelineScheduler:
         p.next_layer += 1
         for j in range(lo, hi):
             if j not in p.inflight:  # serialized mode, or the ring ran dry: issue a group
-                self._fill(limit=hi if not self.overlap else None)
+                # after the compute queued so far: its slots are the ones refilled (CUDA)
+                self._fill(limit=hi if not self.overlap else None, after=self.copier.marker())
             yield self._take(p, j)
             slot = p.inflight.pop(j)[0]
             self.free.append(slot)

@@ -328,3 +328,47 @@ def test_staging_bytes_equal_the_cost_model():
     assert c.transfer_chunk == n and per_copy(n) >= 4 * 2 ** 20 > per_copy(n - 1)
     assert cm.default_transfer_chunk(2 * 32 * 128 * 2) == 512  # Llama2-7B bf16: 4 MiB per copy
     c.close()
+
+
+class MarkingCopier(ChunkCopier):
+    """A CPU copier that hands out numbered compute markers, as the CUDA one records events,
+    and checks each fetch: a staging slot that was read is refilled only with a marker
+    taken after the reader's compute was issued (else a CUDA copy would overwrite the slot
+    before the attention reading it ran)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.clock, self.read_at, self.refills = 0, {}, 0
+
+    def marker(self):
+        self.clock += 1
+        s = Signal()
+        s.event.set()
+        s.seq = self.clock
+        return s
+
+    def fetch(self, dst, src, tag, after=None):
+        ptr = dst[0].data_ptr()
+        if ptr in self.read_at:
+            assert after is not None and after.seq > self.read_at[ptr], f"slot refilled for {tag} unordered"
+            self.refills += 1
+        return super().fetch(dst, src, tag, after)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_staging_slot_is_refilled_only_after_its_reader(overlap):
+    """Two forwards (with the prefetch between them) over 3 offloaded layers of 5 chunks
+    through a 2-slot ring: every refill waits for the compute that read the slot, in the
+    overlapped pipeline and in the serialized reference."""
+    from triforce_offload.offload.scheduler import PipelineScheduler
+    spec = StoreSpec([1, 2, 3], 2, 8, 64)
+    store = HostKVStore(spec, pin=False)
+    copier = MarkingCopier("cpu")
+    sched = PipelineScheduler(store, copier, 8, "cpu", depth=2, overlap=overlap)
+    for _ in range(2):
+        for layer in spec.layers:
+            for c0, k, v in sched.stream(layer, 40):
+                copier.read_at[k.data_ptr()] = copier.clock  # the reader's compute is issued now
+        sched.start(40)  # the commit's prefetch of the next forward
+    assert copier.refills >= 2 * 3 * 5 - 2
+    copier.close()
