@@ -9,6 +9,7 @@ is refused with the numbers instead of an allocator trace half-way through.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import psutil
@@ -71,6 +72,34 @@ def check_memory(host_bytes: int, device_bytes: int, device, host_hint: str, dev
                            f"{dev_free * reserve / GB:.1f} GB is free on {device}; {device_hint}")
 
 
+CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context (flag of cudaHostRegister)
+
+
+def _unregister(cudart, ptrs: list[int]):
+    for p in ptrs:
+        cudart.cudaHostUnregister(p)
+
+
+def pin_in_place(tensors: list[torch.Tensor], owner) -> bool:
+    """Page-lock `tensors` where they are (cudaHostRegister), exactly their size, until
+    `owner` is collected. torch's `pin_memory=True` goes through its caching host
+    allocator, which rounds every block up to a power of two: a 1.03 GiB layer of a 128K
+    cache would lock 2 GiB, up to twice what `check_memory` counted. False (nothing left
+    registered) if the driver refuses; the caller then falls back to `pin_memory`."""
+    cudart, done = torch.cuda.cudart(), []
+    for t in tensors:
+        if t.numel() == 0:
+            continue
+        if int(cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(),
+                                       CUDA_HOST_REGISTER_PORTABLE)) != 0:
+            _unregister(cudart, done)
+            return False
+        done.append(t.data_ptr())
+    # unregister before the memory is freed: the finalizer holds the tensors until it ran
+    weakref.finalize(owner, lambda: (_unregister(cudart, done), tensors.clear()))
+    return True
+
+
 class HostKVStore:
     """Per offloaded layer K and V, [S, B, Hkv, D], in pinned memory when CUDA is present."""
 
@@ -80,10 +109,11 @@ class HostKVStore:
         shape = (spec.capacity, spec.batch, spec.n_kv_heads, spec.head_dim)  # [S, B, Hkv, D]
         if not spec.token_major:
             shape = (spec.batch, spec.n_kv_heads, spec.capacity, spec.head_dim)  # [B, Hkv, S, D]
-        self.k, self.v = {}, {}
-        for layer in spec.layers:
-            self.k[layer] = torch.zeros(shape, dtype=spec.dtype, pin_memory=self.pinned)
-            self.v[layer] = torch.zeros(shape, dtype=spec.dtype, pin_memory=self.pinned)
+        zeros = lambda pin: {layer: torch.zeros(shape, dtype=spec.dtype, pin_memory=pin)  # noqa: E731
+                             for layer in spec.layers}
+        self.k, self.v = zeros(False), zeros(False)
+        if self.pinned and not pin_in_place([*self.k.values(), *self.v.values()], self):
+            self.k, self.v = zeros(True), zeros(True)  # torch's pinned allocator (rounds up)
 
     @property
     def capacity(self) -> int:

@@ -372,3 +372,51 @@ def test_a_staging_slot_is_refilled_only_after_its_reader(overlap):
         sched.start(40)  # the commit's prefetch of the next forward
     assert copier.refills >= 2 * 3 * 5 - 2
     copier.close()
+
+
+class FakeCudart:
+    """Stands in for torch.cuda.cudart(): logs cudaHostRegister / Unregister calls."""
+
+    def __init__(self, fail_at: int | None = None):
+        self.calls, self.fail_at = [], fail_at
+
+    def cudaHostRegister(self, ptr, nbytes, flags):
+        self.calls.append(("reg", ptr, nbytes))
+        return 1 if len(self.calls) == self.fail_at else 0
+
+    def cudaHostUnregister(self, ptr):
+        self.calls.append(("unreg", ptr, 0))
+        return 0
+
+
+def test_host_store_pins_exactly_its_bytes_until_it_is_freed(monkeypatch):
+    """Pinned in place, each tensor at its own size (torch's pin_memory would round every
+    block up to a power of two: up to twice the host memory check_memory counted), and
+    unregistered when the store goes, before its memory is freed."""
+    import gc
+    rt = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
+    spec = StoreSpec([2, 3], 3, 64, 1000, dtype=torch.bfloat16)  # 384,000 B per tensor
+    store = HostKVStore(spec, pin=True)
+    regs = [(p, n) for kind, p, n in rt.calls if kind == "reg"]
+    tensors = [*store.k.values(), *store.v.values()]
+    assert sorted(p for p, _ in regs) == sorted(t.data_ptr() for t in tensors)
+    assert all(n == 384_000 for _, n in regs) and sum(n for _, n in regs) == spec.nbytes() == store.nbytes()
+    del store, tensors
+    gc.collect()
+    assert sorted(p for kind, p, _ in rt.calls if kind == "unreg") == sorted(p for p, _ in regs)
+
+
+def test_host_store_falls_back_to_torch_pinning_when_the_driver_refuses(monkeypatch):
+    rt = FakeCudart(fail_at=3)  # the third registration fails
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
+    pinned_calls = []
+    zeros = torch.zeros
+
+    def fake_zeros(*a, pin_memory=False, **kw):
+        pinned_calls.append(pin_memory)
+        return zeros(*a, **kw)
+    monkeypatch.setattr(torch, "zeros", fake_zeros)
+    store = HostKVStore(StoreSpec([0, 1], 2, 16, 100), pin=True)
+    assert [k for k, _, _ in rt.calls] == ["reg", "reg", "reg", "unreg", "unreg"]  # the two that took
+    assert pinned_calls == [False] * 4 + [True] * 4 and store.pinned
