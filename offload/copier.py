@@ -167,6 +167,10 @@ class ChunkCopier:
             sig.event.wait()
 
     def close(self):
+        """Let in-flight copies land (on CUDA the staging ring they write may be freed and
+        reused next: a prefetch is always in flight after the last commit); stop the thread."""
+        if self.cuda:
+            self.stream.synchronize()
         if self.thread is not None:
             self.q.put(None)
             self.thread.join()

@@ -80,7 +80,12 @@ def resolve_device(name: str) -> torch.device:
         raise TriforceError(f"--device {name!r}: allowed are auto, cpu, cuda")
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise TriforceError("--device cuda: no CUDA device is available (torch.cuda.is_available() is False)")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is not None:
+        if device.index >= torch.cuda.device_count():
+            raise TriforceError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        torch.cuda.set_device(device)  # streams, events and graph captures use the current device
+    return device
 
 
 def default_dtype(device: torch.device) -> str:

@@ -72,30 +72,30 @@ class Step:
         return g.out.clone()  # the next replay overwrites g.out
 
     def _capture(self, ids, last_only) -> _Graph | None:
+        static_ids = ids.clone()
+        run = lambda: self.model(static_ids, self.start, self.cache, last_only)  # noqa: E731
         t0 = time.perf_counter()
         try:
-            return self._capture_timed(ids, last_only)
+            return self._capture_on(self.device, static_ids, run)
+        except Exception as e:  # noqa: BLE001 - any capture failure: eager for this shape
+            self.notes.append(f"CUDA graph capture failed for {ids.shape[1]} tokens "
+                              f"({type(e).__name__}: {str(e).splitlines()[0][:120]}); running eager")
+            return None
         finally:
             self.capture_s += time.perf_counter() - t0
 
-    def _capture_timed(self, ids, last_only) -> _Graph | None:
-        static_ids = ids.clone()
-        run = lambda: self.model(static_ids, self.start, self.cache, last_only)  # noqa: E731
-        try:
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
+    def _capture_on(self, device, static_ids, run) -> _Graph:
+        with torch.cuda.device(device):  # capture streams belong to the model's device
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):  # warm-up: kernels compile, workspaces allocate
                 run()  # (writes the same KV at the same positions as the replay will)
-            torch.cuda.current_stream(self.device).wait_stream(side)
+            torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 out = run()
             self.pool = graph.pool()
             return _Graph(graph, static_ids, out)
-        except Exception as e:  # noqa: BLE001 - any capture failure: eager for this shape
-            self.notes.append(f"CUDA graph capture failed for {ids.shape[1]} tokens "
-                              f"({type(e).__name__}: {str(e).splitlines()[0][:120]}); running eager")
-            return None
 
 
 def combined(steps) -> dict:

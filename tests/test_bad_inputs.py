@@ -236,3 +236,19 @@ def test_ctrl_c_says_interrupted(tiny_model_dir, tp):
     while _group_alive(p.pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _group_alive(p.pid)
+
+
+def test_device_index_is_checked_and_made_current(monkeypatch):
+    """`--device cuda:N`: N must exist, and becomes the current device (the copy stream's
+    waits, events and graph captures follow the current device)."""
+    import torch
+    from triforce_offload.runtime.api import resolve_device
+    from triforce_offload.runtime.errors import TriforceError
+    made = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", made.append)
+    assert resolve_device("cuda:1") == torch.device("cuda:1") and made == [torch.device("cuda:1")]
+    with pytest.raises(TriforceError, match="has 2 CUDA device"):
+        resolve_device("cuda:2")
+    assert resolve_device("cuda") == torch.device("cuda") and len(made) == 1
