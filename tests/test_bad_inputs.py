@@ -218,8 +218,11 @@ def test_ctrl_c_says_interrupted(tiny_model_dir, tp):
     cmd = [sys.executable, "-m", "triforce_offload.cli", "run", "--model", str(tiny_model_dir),
            "--mode", "autoregressive", "--prompt-tokens", "1500", "--max-new-tokens", "14000",
            "--rope-scaling", "linear:8", "--tp", tp]  # room for ~45 s of decoding: never done first
+    # a terminal's process takes SIGINT; a shell's background job (`make test &`) would
+    # hand the suite SIGINT ignored, and exec keeps it so
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
+                         start_new_session=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         first = p.stderr.readline()  # the banner: loaded, prefilling or decoding now
         assert first.startswith("model "), first + p.stderr.read()
