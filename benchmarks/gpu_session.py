@@ -7,13 +7,14 @@ Usage (on the GPU machine, from the project root, after `. .gpu/bin/env.sh`; see
     python benchmarks/gpu_session.py a --dry-run           # print the commands only
     python benchmarks/gpu_session.py a --smoke             # the same commands shrunk, on the CPU
 
-Stage `a` (first call): the device, `triforce-offload info`, the tests marked `cuda`, then
-`gpu_decode.py` on the SmolLM2 and Llama-2-7B geometries (eager, graphed, triforce)
-against the HBM floor. Stage `b` (second call, once the bundled GGUF's halves are joined):
-`offload_pipeline.py` on both geometries against the PCIe floor, then the real SmolLM2
-with essay text: graphed autoregressive against triforce on the resident cache and
-`bench` with the offloaded contenders (autoregressive+offload, retrieval+offload,
-triforce+offload) at 32K. These are the issue targets' measurements (GPU decode at memory
+Stage `a` (first call): the device, `triforce-offload info`, `gpu_decode.py` on the
+SmolLM2 and Llama-2-7B geometries (eager, graphed, triforce) against the HBM floor, then
+the tests marked `cuda`. Stage `b` (second call, once the bundled GGUF's halves are
+joined): `offload_pipeline.py` against the PCIe floor (7B geometry at 16K, SmolLM2 at
+32K), the real SmolLM2 with essay text (graphed autoregressive against triforce on the
+resident cache; `bench` with the offloaded contenders autoregressive+offload,
+retrieval+offload and triforce+offload at 32K), and last the 7B geometry at 128K with its
+offloaded prefill timed. These are the issue targets' measurements (GPU decode at memory
 speed, offloaded decode at the link's speed).
 
 Each command runs under a deadline (the stage's `--budget-s`, 540 s by default, shared in
@@ -65,11 +66,12 @@ def stage_a(out: Path, smoke: bool) -> list[tuple[str, list[str], int]]:
     if not smoke:
         cmds.insert(0, ("device", ["nvidia-smi", "--query-gpu=name,memory.total,driver_version,pcie.link.gen.current",
                                    "--format=csv"], 30))
-        cmds.append(("cuda tests", [py, "-m", "pytest", "-q", "-rs", "-m", "cuda", "-p", "no:cacheprovider",
-                                    "tests"], 240))
     cmds += [("decode smollm2", [*gd, "--geometry", "smollm2", *small,
                                  "--modes", "eager", "graphed", "triforce"], 150),
              ("decode llama2-7b", [*gd, "--geometry", "llama2-7b", *big, "--modes", "eager", "graphed"], 240)]
+    if not smoke:  # -P: the bare top-level triforce_offload/ folder would shadow the installed package
+        cmds.append(("cuda tests", [py, "-P", "-m", "pytest", "-q", "-rs", "-m", "cuda", "-p",
+                                    "no:cacheprovider", "tests"], 150))
     return cmds
 
 
@@ -78,7 +80,7 @@ def stage_b(out: Path, smoke: bool, model: str) -> list[tuple[str, list[str], in
     py, jl = sys.executable, str(out / "b.jsonl")
     op = [py, "benchmarks/offload_pipeline.py", "--out", jl, "--repeats", "2"]
     gd = [py, "benchmarks/gpu_decode.py", "--out", jl, "--model", model, "--prompt-text", "essays",
-          "--modes", "graphed", "triforce"]
+          "--modes", "graphed", "triforce", "--repeats", "2"]
     bench = [*cli(), "bench", *(["--model", model] if model != "bundled" else []), "--out", str(out / "bench"), "--no-plots",
              "--modes", "autoregressive+offload,retrieval+offload,triforce+offload", "--gamma2", "6"]
     if smoke:
@@ -91,9 +93,12 @@ def stage_b(out: Path, smoke: bool, model: str) -> list[tuple[str, list[str], in
     gd += ["--contexts", "32768", "--new-tokens", "128", "--budget", "4096", "--rope-scaling", "linear:4"]
     bench += ["--device", "cuda", "--dtype", "bfloat16", "--contexts", "32768", "--new-tokens", "128",
               "--budget", "4096", "--rope-scaling", "linear:4"]
-    return [("offload llama2-7b", [*op, "--geometry", "llama2-7b", "--contexts", "16384,131072"], 240),
+    return [("offload llama2-7b 16K", [*op, "--geometry", "llama2-7b", "--contexts", "16384"], 120),
             ("offload smollm2", [*op, "--geometry", "smollm2", "--contexts", "32768"], 90),
-            ("decode real", gd, 120), ("bench offload", bench, 150)]
+            ("decode real", gd, 120), ("bench offload", bench, 150),
+            # last: two 64 GiB host stores one after the other (no --compare: a third would not fit)
+            ("offload llama2-7b 128K + prefill", [*op, "--geometry", "llama2-7b", "--contexts", "131072",
+                                                  "--no-compare", "--prefill"], 240)]
 
 
 def run(cmds, log: Path, budget_s: float, dry: bool) -> int:

@@ -5,6 +5,7 @@ Usage:
         [--chunk 1024] [--dtype float32] [--repeats 3] [--out benchmarks/results/offload_pipeline.jsonl]
     python benchmarks/offload_pipeline.py --device cuda --contexts 32768          # SmolLM2, bf16
     python benchmarks/offload_pipeline.py --device cuda --geometry llama2-7b --contexts 16384,131072 --no-compare
+    python benchmarks/offload_pipeline.py --device cuda --geometry llama2-7b --contexts 131072 --no-compare --prefill
 
 The model is the bundled SmolLM2-135M stretched to 32K with `--rope-scaling linear:4` (or
 `--model PATH`, or a random-weight `--geometry` as in gpu_decode.py: speed does not depend
@@ -35,6 +36,10 @@ drift hits them alike (it holds a second host store and the KV resident on the d
   copy:       copying every layer's KV into whole-layer staging, alone (no compute)
   compute:    the same forward with the KV resident (FullCache), no copies
   efficiency = (copy + compute - overlapped) / min(copy, compute); speedup = serialized / overlapped
+With --prefill, also an offloaded prefill of each context through `api.generate` (random
+ids, layer-major, `--prefill-chunk` tokens per forward): seconds, tokens/s and the bytes
+streamed host->device (nothing is re-streamed: only the commit's prefetch of the next
+forward's first `depth` transfer chunks).
 Rows append to `--out` (JSONL); the table goes to stdout.
 """
 from __future__ import annotations
@@ -95,6 +100,22 @@ def row(loaded, context: int, args, link: float) -> dict:
     return r
 
 
+def prefill_row(loaded, context: int, args) -> dict:
+    """An offloaded prefill of `context - 1` random tokens through `api.generate` (layer-major:
+    every prompt chunk through a layer while its KV stays on the device, nothing
+    re-streamed), and the first token: seconds, tokens/s, bytes streamed host->device."""
+    gc.collect()
+    g = torch.Generator().manual_seed(context)
+    prompt = torch.randint(0, loaded.cfg.vocab_size, (context - 1,), generator=g).tolist()
+    opts = api.RunOptions(mode="autoregressive", max_new_tokens=1, ignore_eos=True,
+                          prefill_chunk=args.prefill_chunk,
+                          extra={"offload": "on", "transfer_chunk": args.chunk})
+    _, st = api.generate(loaded, prompt, opts)
+    return {"prefill_tokens": len(prompt), "prefill_chunk": args.prefill_chunk,
+            "prefill_s": st.prefill_s, "prefill_tok_per_s": len(prompt) / st.prefill_s,
+            "prefill_streamed_gb": st.extra["streamed_gb"] * 2 ** 30 / 1e9}
+
+
 HEAD = (f"{'context':>8} {'KV GB':>6} {'link GB/s':>9} {'floor ms':>8} {'verify ms':>9} "
         f"{'x floor':>7} {'decode ms':>9} {'x floor':>7} {'overlap':>7}")
 HEAD_CMP = f" {'serial ms':>9} {'copy ms':>8} {'compute ms':>10} {'speedup':>7} {'efficiency':>10}"
@@ -141,6 +162,10 @@ def main(argv=None):
     ap.add_argument("--link-mib", type=int, default=256, help="size of the link measurement copy")
     ap.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
                     help="also the serialized / copy-alone / compute-alone reference")
+    ap.add_argument("--prefill", action="store_true",
+                    help="also time an offloaded prefill of each context (prefill_s, tokens/s, bytes streamed)")
+    ap.add_argument("--prefill-chunk", type=int, default=None,
+                    help="prompt tokens per prefill forward [default: 4096 on CUDA, 512 on the CPU]")
     ap.add_argument("--threads", type=int, default=1, help="torch compute threads (CPU)")
     ap.add_argument("--out", default="benchmarks/results/offload_pipeline.jsonl")
     args = ap.parse_args(argv)
@@ -154,6 +179,7 @@ def main(argv=None):
         elem = torch.empty(0, dtype=loaded.dtype).element_size()
         layer = 2 * loaded.cfg.n_kv_heads * loaded.cfg.head_dim * elem
         args.chunk = default_transfer_chunk(layer) if device.type == "cuda" else 1024
+    args.prefill_chunk = args.prefill_chunk or (4096 if device.type == "cuda" else 512)
     link = link_gbps(device, args.link_mib)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -162,6 +188,11 @@ def main(argv=None):
     print(HEAD + (HEAD_CMP if args.compare else ""))
     for n in args.contexts:
         r = row(loaded, n, args, link)
+        if args.prefill:
+            r.update(prefill_row(loaded, n, args))
+            print(f"# prefill of {r['prefill_tokens']} tokens: {r['prefill_s']:.1f} s "
+                  f"({r['prefill_tok_per_s']:.0f} tok/s), {r['prefill_streamed_gb']:.3f} GB streamed "
+                  f"host->device (the prefetch of the next forward's first chunks)", flush=True)
         r["time"] = time.time()
         with out.open("a") as f:
             f.write(json.dumps(r) + "\n")

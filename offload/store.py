@@ -113,6 +113,7 @@ class HostKVStore:
                              for layer in spec.layers}
         self.k, self.v = zeros(False), zeros(False)
         if self.pinned and not pin_in_place([*self.k.values(), *self.v.values()], self):
+            self.k = self.v = None  # freed first: never both copies at once
             self.k, self.v = zeros(True), zeros(True)  # torch's pinned allocator (rounds up)
 
     @property

@@ -79,12 +79,22 @@ def stop_ids(loaded, opts) -> set[int]:
 
 @torch.inference_mode()
 def prefill(model, cache, ids: torch.Tensor, start: int = 0, prefill_chunk: int = 512, progress=None):
-    """Run ids [B, T] through the model `prefill_chunk` tokens per forward; commit; last logits [B, V]."""
-    T = ids.shape[1]
+    """Run ids [B, T] through the model `prefill_chunk` tokens per forward; commit; last
+    logits [B, V]. Returns with the device idle (CUDA): the prefill's time is its own, not
+    the first decode step's."""
     if prefill_chunk < 1:
         raise TriforceError(f"--prefill-chunk {prefill_chunk}: must be >= 1")
     if hasattr(cache, "hold"):  # an offloaded cache: layer-major, nothing re-streamed
-        return prefill_layer_major(model, cache, ids, start, prefill_chunk, progress)
+        logits = prefill_layer_major(model, cache, ids, start, prefill_chunk, progress)
+    else:
+        logits = _prefill_chunks(model, cache, ids, start, prefill_chunk, progress)
+    if logits is not None and logits.device.type == "cuda":
+        torch.cuda.synchronize(logits.device)
+    return logits
+
+
+def _prefill_chunks(model, cache, ids, start, prefill_chunk, progress):
+    T = ids.shape[1]
     logits = None
     for s in range(0, T, prefill_chunk):
         e = min(s + prefill_chunk, T)

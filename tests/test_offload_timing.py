@@ -296,6 +296,18 @@ def test_offload_pipeline_bench_on_cpu(tmp_path):
     assert "x floor" in stdout and "link" in stdout and "serial ms" in stdout
 
 
+def test_offload_pipeline_prefill_streams_nothing_but_the_prefetch(tmp_path):
+    """--prefill: an offloaded prefill through api.generate; host->device bytes are at most
+    the commit's prefetch (2 transfer chunks of one layer), far below one pass over the KV."""
+    stdout, rows = pipeline_bench(tmp_path, "--chunk", "64", "--no-compare", "--prefill")
+    for r in rows:
+        assert r["prefill_tokens"] == r["context"] - 1 and r["prefill_s"] > 0
+        assert r["prefill_tok_per_s"] == pytest.approx(r["prefill_tokens"] / r["prefill_s"])
+        chunk_gb = 64 * 2 * 3 * 64 * 4 / 1e9  # K+V of 64 tokens of one layer, fp32
+        assert 0 < r["prefill_streamed_gb"] <= 2 * chunk_gb + 1e-12 < r["kv_gb"]
+    assert "# prefill of 255 tokens" in stdout
+
+
 @cuda
 def test_offload_pipeline_bench_on_cuda(tmp_path):
     stdout, rows = pipeline_bench(tmp_path, "--device", "cuda", "--no-compare")
