@@ -6,7 +6,8 @@ import torch
 
 from ..runtime import distributed
 from ..runtime import tp as tensor_parallel
-from ..runtime.loader import read_config, resolve
+from ..runtime.drafters import check_vocab
+from ..runtime.loader import load_tokenizer, peek_tokenizer, read_config, resolve
 
 
 def launch_ranks(fn, world: int, model_path, rope_scaling, device: str, kwargs: dict) -> bool:
@@ -17,16 +18,28 @@ def launch_ranks(fn, world: int, model_path, rope_scaling, device: str, kwargs: 
     distributed.check_devices(world, device)
     if world == 1 or distributed.world_size() > 1:
         return False
-    tensor_parallel.check(read_config(resolve(model_path), rope_scaling), world)  # also converts a GGUF once
+    target = resolve(model_path)  # converts a GGUF once, here
+    tensor_parallel.check(read_config(target, rope_scaling), world)
+    draft = kwargs.get("draft")
+    if draft_path(draft):  # a draft GGUF too, before ranks would convert it at once
+        check_vocab(load_tokenizer(target), peek_tokenizer(draft))  # and a mismatch before that
+        resolve(draft)
     threads = max(1, torch.get_num_threads() // world)  # one share of the cores per rank
     distributed.launch(fn, world, kwargs=kwargs, device=device, threads=threads)
     return True
 
 
-def join(world: int, device: str, model_path=None) -> str:
-    """In a rank: join the group, let rank 0 convert the model first; this rank's device."""
+def join(world: int, device: str, model_path=None, draft=None) -> str:
+    """In a rank: join the group, let rank 0 convert the models first; this rank's device."""
     distributed.setup(world, device)
     if world > 1:
         with distributed.rank0_first():
             resolve(model_path)
+            if draft_path(draft):
+                resolve(draft)
     return distributed.rank_device(device)
+
+
+def draft_path(draft) -> bool:
+    """Whether --draft names a model (n-gram and self drafts have none to load)."""
+    return draft not in (None, "ngram", "self")

@@ -79,9 +79,9 @@ def run(
     if launch_ranks(run, tp, model, rope_scaling, device,
                     {**params, "prompt": text, "prompt_file": None}):
         return  # the ranks ran this command; rank 0 printed
-    device = join(tp, device, model)
-    loaded = api.load(model, dtype, device, rope_scaling, progress=lambda m: err.print(m))
-    loaded = tensor_parallel.shard(loaded)
+    device = join(tp, device, model, draft)
+    loaded = api.load(model, dtype, device, rope_scaling, progress=lambda m: err.print(m),
+                      shard=tensor_parallel.shard_fn())
     ids = (long_prompt(loaded.tokenizer, prompt_tokens, chat=chat) if text is None
            else encode_prompt(loaded.tokenizer, text, chat))
     flat = dict(offload=offload, on_chip=on_chip, transfer_chunk=transfer_chunk, stage_depth=stage_depth,

@@ -153,9 +153,16 @@ def static_attention(q, k, v, length: torch.Tensor):
 
 def flash_attn_fits(q) -> bool:
     """flash-attn's kernels take fp16/bf16 and head sizes that are multiples of 8 up to 256
-    (others it refuses, or pads a copy of the whole cache on every call)."""
+    (others it refuses, or pads a copy of the whole cache on every call), on sm_80 and newer."""
     D = q.shape[-1]
-    return q.dtype in (torch.float16, torch.bfloat16) and D % 8 == 0 and D <= 256
+    ok = q.dtype in (torch.float16, torch.bfloat16) and D % 8 == 0 and D <= 256
+    return ok and (q.device.type != "cuda" or sm80(q.device.index))
+
+
+@functools.lru_cache(maxsize=None)
+def sm80(index: int | None) -> bool:
+    """Compute capability 8.0 or newer (Ampere on): what flash attention kernels need."""
+    return torch.cuda.get_device_capability(index) >= (8, 0)
 
 
 def _masked_attention(q, k, v, length):

@@ -25,11 +25,9 @@ which precede every query, and for a forward's own tokens): no -inf guards are n
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from .attention import _fold, _unfold, attention_lse
+from .attention import _fold, _unfold, attention_lse, sm80
 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention
@@ -43,16 +41,11 @@ def default_path(device) -> str:
     return "cpu" if _FLASH_CPU is not None else "reference"
 
 
-@functools.lru_cache(maxsize=None)
-def _sm80(index: int | None) -> bool:
-    return torch.cuda.get_device_capability(index) >= (8, 0)
-
-
 def _flash_ok(q: torch.Tensor) -> bool:
     """The flash kernel: 16-bit, head_dim a multiple of 8 up to 256, sm80+ (on CUDA)."""
     D = q.shape[-1]
     ok = q.dtype in (torch.float16, torch.bfloat16) and D % 8 == 0 and D <= 256
-    return ok and (q.device.type != "cuda" or _sm80(q.device.index))
+    return ok and (q.device.type != "cuda" or sm80(q.device.index))
 
 
 def _efficient_ok(q: torch.Tensor) -> bool:

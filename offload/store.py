@@ -9,6 +9,7 @@ is refused with the numbers instead of an allocator trace half-way through.
 """
 from __future__ import annotations
 
+import os
 import weakref
 from dataclasses import dataclass
 
@@ -54,19 +55,29 @@ def device_available(device) -> int | None:
     return torch.cuda.mem_get_info(device)[0]
 
 
+def ranks_on_host() -> int:
+    """Processes of this job that allocate host memory on this machine at the same time
+    (tensor-parallel ranks: torchrun's LOCAL_WORLD_SIZE, our launcher's WORLD_SIZE)."""
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or 1))
+
+
 def check_memory(host_bytes: int, device_bytes: int, device, host_hint: str, device_hint: str,
                  reserve: float = 0.9):
     """Refuse a placement that cannot fit, naming GB needed vs available and the flag to lower.
 
-    On the CPU the device is host memory, so both needs add up against host RAM.
+    On the CPU the device is host memory, so both needs add up against host RAM. Host
+    memory is shared by the job's ranks on this machine, which allocate at once: each may
+    take its share.
     """
     dev_free = device_available(device)
     if dev_free is None:
         host_bytes, device_bytes = host_bytes + device_bytes, 0
-    avail = host_available() * reserve
+    ranks = ranks_on_host()
+    avail = host_available() * reserve / ranks
     if host_bytes > avail:
+        share = f" (this rank's share of {ranks})" if ranks > 1 else ""
         raise OffloadError(f"the KV cache needs {host_bytes / GB:.1f} GB of host memory but "
-                           f"{avail / GB:.1f} GB is available; {host_hint}")
+                           f"{avail / GB:.1f} GB is available{share}; {host_hint}")
     if dev_free is not None and device_bytes > dev_free * reserve:
         raise OffloadError(f"on-device KV and staging need {device_bytes / GB:.1f} GB but "
                            f"{dev_free * reserve / GB:.1f} GB is free on {device}; {device_hint}")

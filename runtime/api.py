@@ -93,15 +93,22 @@ def default_dtype(device: torch.device) -> str:
     a one-token decode then agree exactly, so greedy speculative output equals
     autoregressive output (bf16 rounds them differently and can flip near-ties)."""
     if device.type == "cuda":
-        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+        # emulated bf16 (pre-Ampere: T4, V100) is slow: those get fp16
+        return "bfloat16" if torch.cuda.is_bf16_supported(including_emulation=False) else "float16"
     return "float32"
 
 
 def load(model_path=None, dtype: str | None = None, device: str = "auto",
-         rope_scaling: str | None = None, progress=None) -> Loaded:
+         rope_scaling: str | None = None, progress=None, shard=None) -> Loaded:
+    """Load a model onto `device`. `shard(model, cfg) -> cfg` (tensor parallelism: this
+    rank's slice, `tp.shard_fn()`) runs on the host before the move, so a GPU never holds
+    the whole model (13B in bf16 does not fit a 24 GB card; its half does)."""
     dev = resolve_device(device)
     dt = parse_dtype(dtype or default_dtype(dev))
-    model, cfg, tok = load_model(model_path, dt, dev, rope_scaling, progress)
+    model, cfg, tok = load_model(model_path, dt, dev if shard is None else "cpu", rope_scaling, progress)
+    if shard is not None:
+        cfg = shard(model, cfg)
+        model.to(dev)
     return Loaded(model, cfg, tok, dev, dt)
 
 

@@ -37,6 +37,7 @@ from ..offload.timeline import Span, Timeline, device_clock
 from ..offload.tune import profile_chunk
 from .cache import FullCache, KVCache
 from .errors import TriforceError
+from .tp import agree
 
 OFFLOAD_CHOICES = ("auto", "on", "off")
 HOST_HINT = "lower --max-context or --max-new-tokens (or shorten the prompt)"
@@ -296,7 +297,9 @@ def use_offload(o: OffloadOptions, cfg, capacity: int, dtype, device) -> bool:
 def make_full_cache(loaded, capacity: int, opts) -> KVCache:
     """The full cache for `--offload`: FullCache on the device, or an OffloadedCache."""
     o = opts.offload
-    if not use_offload(o, loaded.cfg, capacity, loaded.dtype, loaded.device):
+    # tensor-parallel ranks decide together (rank 0's free memory): one offloading and the
+    # other not would run different collectives (layer-major prefill against chunked)
+    if not agree(int(use_offload(o, loaded.cfg, capacity, loaded.dtype, loaded.device))):
         if o.profile:
             raise TriforceError("--profile times the offload pipeline: add --offload on")
         return FullCache(loaded.cfg, capacity, dtype=loaded.dtype, device=loaded.device)

@@ -132,6 +132,15 @@ def shard_model(model: nn.Module, cfg: ModelConfig, r: int, world: int) -> Model
     return model.config
 
 
+def shard_fn():
+    """`shard(model, cfg) -> cfg` for this process's rank (what `api.load(shard=)` takes),
+    or None outside a process group of several ranks."""
+    if not _multi():
+        return None
+    r, world = dist.get_rank(), dist.get_world_size()
+    return lambda model, cfg: shard_model(model, cfg, r, world)
+
+
 def shard(loaded):
     """Shard a loaded model (runtime.api.Loaded) for this process's rank; returns it.
 

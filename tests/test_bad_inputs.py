@@ -171,6 +171,31 @@ def test_draft_with_another_tokenizer_fails_before_its_weights_load(tiny_model_d
     assert not cache.exists() or not any(cache.iterdir())
 
 
+def test_draft_with_another_tokenizer_and_tp_fails_before_ranks_start(tiny_model_dir, tiny_gguf, tmp_path):
+    """With --tp 2 the launcher converts a draft GGUF once, before the ranks would all at
+    once: it compares the tokenizers first, so the mismatch is still one line and no rank
+    starts."""
+    cache = tmp_path / "cache"
+    r = cli_env("run", "--model", tiny_model_dir, "--draft", tiny_gguf, "--prompt", "Hello there",
+                "--max-new-tokens", "4", "--tp", "2", cache=cache)
+    assert_user_error(r, "--draft model's tokenizer differs", "49152 vs 257 tokens")
+    assert not cache.exists() or not any(cache.iterdir())
+
+
+def test_host_memory_is_shared_by_the_ranks_on_a_machine(monkeypatch):
+    """Tensor-parallel ranks allocate their host stores at once: each may take its share."""
+    from triforce_offload.offload import store
+    from triforce_offload.offload.errors import OffloadError
+    monkeypatch.setattr(store, "host_available", lambda: 100 * store.GB)
+    monkeypatch.setattr(store, "device_available", lambda d: 50 * store.GB)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    store.check_memory(60 * store.GB, 0, "cuda", "h", "d")  # alone: 90 GB of 100 may go
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(OffloadError, match=r"45.0 GB is available \(this rank's share of 2\)"):
+        store.check_memory(60 * store.GB, 0, "cuda", "h", "d")
+
+
 # --- plan ------------------------------------------------------------------------------------
 
 def test_plan_refuses_context_beyond_the_model():

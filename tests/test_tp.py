@@ -161,3 +161,23 @@ def test_tp2_greedy_identical_in_every_mode():
         assert a["tokens"] == b["tokens"] == ref["tokens"], case
         assert len(ref["tokens"]) == 16
         assert a["offloaded"] == (case[2].get("offload") == "on")
+
+
+def test_load_shards_on_the_host_before_the_move(tiny_model_dir, monkeypatch):
+    """`api.load(shard=)`: the weights load on the host, the rank's slice is cut there, and
+    only the slice moves to the device (a GPU never holds the whole model)."""
+    from triforce_offload.runtime import api
+    monkeypatch.setattr(api, "resolve_device", lambda name: torch.device("meta"))  # stands in for a GPU
+    seen = {}
+
+    def shard(model, cfg):
+        seen["device"] = next(model.parameters()).device
+        return tp.shard_model(model, cfg, 1, 2)
+
+    loaded = api.load(str(tiny_model_dir), "float32", "cuda:1", shard=shard)
+    assert seen["device"] == torch.device("cpu")
+    assert next(loaded.model.parameters()).device == torch.device("meta")
+    from triforce_offload.runtime.loader import read_config, resolve
+    full = read_config(resolve(str(tiny_model_dir)))
+    assert loaded.cfg.n_heads == loaded.model.model.layers[0].self_attn.n_heads == full.n_heads // 2
+    assert loaded.model.tp == (1, 2)
