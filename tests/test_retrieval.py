@@ -138,3 +138,15 @@ def test_streaming_cache_rollback_leaves_no_trace():
     out = sc.attend(0, q, Ks[:, :, 10:11], Vs[:, :, 10:11], 10)
     keep = [0, 1] + list(range(6, 11))  # evicted tokens stay evicted: 6..9 remain, + 10
     assert torch.allclose(out, attention(q, Ks[:, :, keep], Vs[:, :, keep], 10, 4), atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_chunk_means_of_a_token_major_view_equal_the_fp32_reference(dtype):
+    """The host store's [S, B, Hkv, D] layout seen as [B, Hkv, S, D]: fp32 accumulation
+    without an fp32 copy gives the reference's means bit for bit (a partial chunk at the
+    end is left out)."""
+    store = torch.randn(203, 1, 3, 16, generator=torch.Generator().manual_seed(0)).to(dtype)
+    k = store.permute(1, 2, 0, 3)
+    ref = k[:, :, :200].float().reshape(1, 3, 25, 8, 16).mean(3)
+    got = chunk_means(k, 8)
+    assert got.dtype == torch.float32 and got.shape == (1, 3, 25, 16) and torch.equal(got, ref)
