@@ -228,6 +228,20 @@ class OffloadedCache(KVCache):
             self.write_backs[layer].synchronize()
         return self.store.view(layer, end)
 
+    def device_keys(self, layer: int, end: int | None = None):
+        """`keys` on the device, one layer at a time (the device memory a prefill's held
+        layer takes): on-chip layers' views, else a copy of the host store's token-major
+        prefix, one contiguous block each for K and V, at the link's full speed. What the
+        retrieval cache scores and gathers from: on the host a build would read every
+        layer's KV at host-memory speed (a 7B at 128K: 64 GB). On the CPU, the store itself."""
+        end = self.length if end is None else end
+        if layer < self.on_chip:
+            return self.chip.keys(layer, end)
+        if layer in self.write_backs:
+            self.write_backs[layer].synchronize()
+        k, v = (t[layer][:end].to(self.device, non_blocking=True) for t in (self.store.k, self.store.v))
+        return k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)  # [S, B, Hkv, D] -> [B, Hkv, S, D]
+
     def recent(self, layer: int, lo: int, hi: int):
         """K, V [B, Hkv, hi-lo, D] of positions lo..hi-1 on the device: from the latest
         forward's own tensors when it wrote all of them (the verified tokens the retrieval

@@ -84,8 +84,9 @@ class RetrievalCache(KVCache):
         c = self.retrieval_chunk
         n_full = length // c
         self.holds_all = self.fits(length, self.n_chunks * c, c)
+        keys = getattr(full, "device_keys", full.keys)  # an offloaded cache: scored on the device
         for layer in range(self.n_layers):
-            K, V = full.keys(layer, length)  # [B, Hkv, S, D], maybe on the host
+            K, V = keys(layer, length)  # [B, Hkv, S, D]
             if self.holds_all:
                 k, v = K, V
             else:

@@ -420,3 +420,25 @@ def test_host_store_falls_back_to_torch_pinning_when_the_driver_refuses(monkeypa
     store = HostKVStore(StoreSpec([0, 1], 2, 16, 100), pin=True)
     assert [k for k, _, _ in rt.calls] == ["reg", "reg", "reg", "unreg", "unreg"]  # the two that took
     assert pinned_calls == [False] * 4 + [True] * 4 and store.pinned
+
+
+def test_retrieval_build_from_an_offloaded_cache_scores_device_copies(model, monkeypatch):
+    """The retrieval cache built from an offloaded full cache reads each layer through
+    `device_keys` (on a GPU: one contiguous copy per layer, scored there, not on the host)
+    and selects exactly what a build from the resident cache selects."""
+    ids = torch.randint(0, CFG.vocab_size, (1, 90), generator=torch.Generator().manual_seed(5))
+    full, off = Recorder(FullCache(CFG, CAP)), Recorder(OffloadedCache(CFG, CAP, transfer_chunk=7, on_chip=1))
+    with torch.inference_mode():
+        for c in (full, off):
+            prefill(model, c, ids, prefill_chunk=32)
+    calls = []
+    real = OffloadedCache.device_keys
+    monkeypatch.setattr(OffloadedCache, "device_keys",
+                        lambda self, layer, end=None: calls.append(layer) or real(self, layer, end))
+    a, b = (RetrievalCache(CFG, 32, 8, 16) for _ in range(2))
+    a.build(full, full.q, 90)
+    b.build(off, off.q, 90)
+    assert calls == list(range(CFG.n_layers)) and not a.holds_all
+    for layer in range(CFG.n_layers):
+        assert torch.equal(a.k[layer], b.k[layer]) and torch.equal(a.v[layer], b.v[layer])
+    off.inner.close()
