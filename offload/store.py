@@ -103,6 +103,9 @@ def pin_in_place(tensors: list[torch.Tensor], owner) -> bool:
             continue
         if int(cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(),
                                        CUDA_HOST_REGISTER_PORTABLE)) != 0:
+            # e.g. 712, already registered: small tensors sharing a page. Clear the error,
+            # or the next kernel launch check would raise it.
+            getattr(cudart, "cudaGetLastError", lambda: 0)()
             _unregister(cudart, done)
             return False
         done.append(t.data_ptr())
