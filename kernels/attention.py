@@ -152,8 +152,9 @@ def static_attention(q, k, v, length: torch.Tensor):
 
 
 def flash_attn_fits(q) -> bool:
-    """flash-attn's kernels take fp16/bf16 and head sizes that are multiples of 8 up to 256
-    (others it refuses, or pads a copy of the whole cache on every call), on sm_80 and newer."""
+    """Flash attention kernels (flash-attn's, and SDPA's flash backend) take fp16/bf16 and
+    head sizes that are multiples of 8 up to 256 (others they refuse, or pad a copy of the
+    whole cache on every call), on sm_80 and newer."""
     D = q.shape[-1]
     ok = q.dtype in (torch.float16, torch.bfloat16) and D % 8 == 0 and D <= 256
     return ok and (q.device.type != "cuda" or sm80(q.device.index))

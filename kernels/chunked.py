@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import _fold, _unfold, attention_lse, sm80
+from .attention import _fold, _unfold, attention_lse, flash_attn_fits
 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention
@@ -41,13 +41,6 @@ def default_path(device) -> str:
     return "cpu" if _FLASH_CPU is not None else "reference"
 
 
-def _flash_ok(q: torch.Tensor) -> bool:
-    """The flash kernel: 16-bit, head_dim a multiple of 8 up to 256, sm80+ (on CUDA)."""
-    D = q.shape[-1]
-    ok = q.dtype in (torch.float16, torch.bfloat16) and D % 8 == 0 and D <= 256
-    return ok and (q.device.type != "cuda" or sm80(q.device.index))
-
-
 def _efficient_ok(q: torch.Tensor) -> bool:
     """The memory-efficient kernel: rows of a multiple of 16 bytes."""
     return q.dtype.is_floating_point and (q.shape[-1] * q.element_size()) % 16 == 0
@@ -58,7 +51,7 @@ def fused_lse(q, k, v, scale: float, path: str, causal: bool = False):
     equal head counts; `causal` (q and k the same positions) aligns the diagonal."""
     if path == "cpu":
         return _FLASH_CPU(q, k, v, 0.0, causal, scale=scale)
-    if _flash_ok(q):
+    if flash_attn_fits(q):
         o, lse = _FLASH(q, k, v, 0.0, causal, False, scale=scale)[:2]
         return o, lse
     o, lse = _EFFICIENT(q, k, v, None, True, 0.0, causal, scale=scale)[:2]
@@ -74,7 +67,7 @@ class StreamedAttention:
         self.q, self.n_kv, self.group = q, n_kv, group
         self.scale = q.shape[-1] ** -0.5 if scale is None else scale
         self.path = path or default_path(q.device)
-        if self.path == "cuda" and not (_flash_ok(q) or _efficient_ok(q)):
+        if self.path == "cuda" and not (flash_attn_fits(q) or _efficient_ok(q)):
             self.path = "reference"
         self.qf = _fold(q, n_kv).contiguous()  # [B, Hkv, G*T, D], folded once for all blocks
         self.outs, self.lses = [], []  # pending block results, folded layout
