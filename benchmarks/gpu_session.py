@@ -106,7 +106,7 @@ def run(cmds, log: Path, budget_s: float, dry: bool) -> int:
     Returns the number of commands that failed or were skipped."""
     if dry:
         for name, argv, limit in cmds:
-            print(f"# {name} (timeout {limit} s)\n" + " ".join(shlex.quote(a) for a in argv))
+            print(f"# {name} (timeout {limit} s)\n{shlex.join(argv)}")
         return 0
     deadline = time.monotonic() + budget_s
     bad = 0
@@ -116,7 +116,7 @@ def run(cmds, log: Path, budget_s: float, dry: bool) -> int:
             f.write(text + "\n")
             f.flush()
         for name, argv, limit in cmds:
-            line = " ".join(shlex.quote(a) for a in argv)
+            line = shlex.join(argv)
             left = deadline - time.monotonic()
             if left < min(MIN_START_S, limit):
                 say(f"== {name}: skipped, {left:.0f} s left of the stage's budget\n   {line}")

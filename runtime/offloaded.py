@@ -234,13 +234,10 @@ class OffloadedCache(KVCache):
         prefix, one contiguous block each for K and V, at the link's full speed. What the
         retrieval cache scores and gathers from: on the host a build would read every
         layer's KV at host-memory speed (a 7B at 128K: 64 GB). On the CPU, the store itself."""
-        end = self.length if end is None else end
-        if layer < self.on_chip:
-            return self.chip.keys(layer, end)
-        if layer in self.write_backs:
-            self.write_backs[layer].synchronize()
-        k, v = (t[layer][:end].to(self.device, non_blocking=True) for t in (self.store.k, self.store.v))
-        return k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)  # [S, B, Hkv, D] -> [B, Hkv, S, D]
+        # keys' [B, Hkv, S, D] views -> the store's [S, B, Hkv, D] block -> device -> back;
+        # no copy where the view is on the device already (on-chip layers, the CPU)
+        return tuple(t.permute(2, 0, 1, 3).to(self.device, non_blocking=True).permute(1, 2, 0, 3)
+                     for t in self.keys(layer, end))
 
     def recent(self, layer: int, lo: int, hi: int):
         """K, V [B, Hkv, hi-lo, D] of positions lo..hi-1 on the device: from the latest
