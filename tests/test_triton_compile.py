@@ -37,17 +37,21 @@ def configs():
     return sorted(seen, key=str)
 
 
+def compile_for(fn, pointers: dict, const: dict, cap: int, **options):
+    """Compile jitted `fn` for sm_`cap`: integer arguments i32, `pointers` typed, `const` baked in."""
+    sig = {name: "i32" for name in fn.arg_names}
+    sig.update(pointers)
+    sig.update({k: "constexpr" for k in const})
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
+    return triton.compile(src, target=GPUTarget("cuda", cap, 32), options=options)
+
+
 def compile_split(dtype, cfg: ta.Launch, cap: int):
     split, _ = ta._kernels()
-    sig = {name: "i32" for name in split.arg_names}
-    sig.update(Q=PTR[dtype], K=PTR[dtype], V=PTR[dtype], Lens="*i64", QPos="*i64",
-               Acc="*fp32", Mx="*fp32", Sm="*fp32", **SCALARS)
-    const = dict(QPOS_MODE=0, CAUSAL=True, **cfg.constexprs())
-    sig.update({k: "constexpr" for k in const})
-    src = ASTSource(fn=split, signature=sig,
-                    constexprs={(split.arg_names.index(k),): v for k, v in const.items()})
-    return triton.compile(src, target=GPUTarget("cuda", cap, 32),
-                          options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    pointers = dict(Q=PTR[dtype], K=PTR[dtype], V=PTR[dtype], Lens="*i64", QPos="*i64",
+                    Acc="*fp32", Mx="*fp32", Sm="*fp32", **SCALARS)
+    return compile_for(split, pointers, dict(QPOS_MODE=0, CAUSAL=True, **cfg.constexprs()), cap,
+                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def ptxas_report(ptx: str, cap: int, tmp_path) -> tuple[int, int]:
@@ -87,11 +91,7 @@ def test_split_kernel_compiles_without_spills(dtype, cfg, tmp_path):
 def test_merge_kernel_compiles(D, tmp_path):
     _, merge = ta._kernels()
     for splits in (1, 8, 64):
-        sig = {name: "i32" for name in merge.arg_names}
-        sig.update(Acc="*fp32", Mx="*fp32", Sm="*fp32", Out="*bf16", Lse="*fp32")
-        const = dict(SPLITS=triton.next_power_of_2(splits), BLOCK_D=D)
-        sig.update({k: "constexpr" for k in const})
-        src = ASTSource(fn=merge, signature=sig,
-                        constexprs={(merge.arg_names.index(k),): v for k, v in const.items()})
-        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=ta.MERGE_WARPS))
+        k = compile_for(merge, dict(Acc="*fp32", Mx="*fp32", Sm="*fp32", Out="*bf16", Lse="*fp32"),
+                        dict(SPLITS=triton.next_power_of_2(splits), BLOCK_D=D), 90,
+                        num_warps=ta.MERGE_WARPS)
         assert ptxas_report(k.asm["ptx"], 90, tmp_path)[1] == 0
