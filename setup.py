@@ -4,7 +4,7 @@ from setuptools import setup
 # One import root: the top-level folders are mapped into `triforce_offload`, and the
 # benchmark library beside the benchmark scripts becomes `triforce_offload.bench`.
 SUBPACKAGES = {"runtime": "runtime", "offload": "offload", "kernels": "kernels", "cli": "cli",
-               "bench": "benchmarks/lib"}
+               "server": "server", "bench": "benchmarks/lib"}
 
 setup(
     name="triforce-offload",
@@ -31,7 +31,9 @@ setup(
         "gpu": ["flash-attn", "nvidia-ml-py"],
         "bench": ["matplotlib", "llama-cpp-python"],
         "deepspeed": ["deepspeed"],
-        "test": ["pytest", "scipy", "matplotlib", "triton; platform_system == 'Linux'"],
+        "serve": ["fastapi", "uvicorn"],
+        "test": ["pytest", "scipy", "matplotlib", "triton; platform_system == 'Linux'",
+                 "fastapi", "uvicorn", "openai", "httpx"],
     },
     entry_points={"console_scripts": ["triforce-offload=triforce_offload.cli.app:main"]},
 )

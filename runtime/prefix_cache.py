@@ -1,0 +1,132 @@
+"""Full caches that outlive their runs: KV reuse across requests (`serve`).
+
+After a run its full cache (FullCache, or OffloadedCache with its KV in host memory) is
+kept with the token ids whose KV it holds (prompt + generated tokens). A later prompt that
+shares a prefix with a kept entry starts from that KV and prefills only the rest; always
+at least its last token, whose forward gives the first logits and the queries the
+retrieval level is built from. The levels above the full cache (retrieval cache, drafters)
+are rebuilt from it as after any prefill, so the output is the cold start's.
+
+An entry is taken over when the prompt reuses most of it (this run's entry supersedes it)
+and it has room; otherwise the shared prefix is copied into a new cache and the entry
+stays for other prompts. Entries are evicted least recently used first to stay within
+`max_bytes`.
+"""
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(eq=False)  # compared by identity (numpy ids have no truth value)
+class Entry:
+    ids: np.ndarray  # token ids whose KV the cache holds, [n] int64
+    cache: object  # a full cache committed to len(ids)
+
+
+class PrefixCache:
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes  # kept caches' bytes at most (cache.nbytes())
+        self.entries: list[Entry] = []  # least recently used first
+        self.lock = threading.Lock()  # /metrics reads nbytes from another thread
+
+    def nbytes(self) -> int:
+        with self.lock:
+            return sum(e.cache.nbytes() for e in self.entries)
+
+    def match(self, prompt: list[int]) -> tuple[Entry | None, int]:
+        """The entry sharing the longest prefix with `prompt` and that length, at most
+        len(prompt) - 1 (the last prompt token is always prefilled)."""
+        p = np.asarray(prompt, dtype=np.int64)
+        best, n_best = None, 0
+        for e in self.entries:
+            m = min(len(e.ids), len(p) - 1)
+            diff = np.flatnonzero(e.ids[:m] != p[:m])
+            n = int(diff[0]) if diff.size else m
+            if n > n_best:
+                best, n_best = e, n
+        return best, n_best
+
+    def take(self, prompt: list[int], capacity: int, make) -> tuple[object, int]:
+        """(a full cache of `capacity` tokens holding the KV of prompt[:n], n); `make(capacity)`
+        builds a new one."""
+        with self.lock:
+            e, n = self.match(prompt)
+            if e is None:
+                return make(capacity), 0
+            self.entries.remove(e)
+            superseded = 2 * n >= len(e.ids)  # this run's entry will hold most of it
+            if not superseded:
+                self.entries.append(e)  # most recently used
+        if superseded and e.cache.capacity >= capacity:
+            e.cache.commit(n)  # roll back to the shared prefix
+            return e.cache, n
+        cache = make(capacity)
+        copy_prefix(e.cache, cache, n)
+        if superseded:
+            _close(e.cache)
+        return cache, n
+
+    def keep(self, cache, ids: list[int]):
+        """Keep `cache` holding the KV of ids[:cache.length]; drops entries it contains and
+        evicts the least recently used ones beyond max_bytes."""
+        if getattr(cache, "held", None) is not None:
+            cache.hold(None)  # a layer-major prefill that was cancelled
+        n = min(cache.length, len(ids))
+        if n == 0 or cache.nbytes() > self.max_bytes:
+            return _close(cache)
+        new = Entry(np.asarray(ids[:n], dtype=np.int64), cache)
+        with self.lock:
+            gone = [e for e in self.entries if len(e.ids) <= n and np.array_equal(e.ids, new.ids[:len(e.ids)])]
+            self.entries = [e for e in self.entries if e not in gone] + [new]
+            while sum(e.cache.nbytes() for e in self.entries) > self.max_bytes:
+                gone.append(self.entries.pop(0))
+        for e in gone:
+            _close(e.cache)
+
+    def clear(self):
+        with self.lock:
+            gone, self.entries = self.entries, []
+        for e in gone:
+            _close(e.cache)
+
+
+def copy_prefix(src, dst, n: int):
+    """Copy the KV of positions [0, n) from one full cache to another and commit n."""
+    for layer in range(src.n_layers):
+        k, v = src.keys(layer, n)  # [B, Hkv, n, D]
+        dst.put(layer, 0, k, v)
+    dst.commit(n)
+
+
+def _close(cache):
+    if hasattr(cache, "close"):
+        cache.close()
+
+
+class Lease:
+    """One run's full cache: `cache` holds the KV of prompt[:start]; the run sets `ids` to
+    the tokens its cache holds at the end (prompt + generated) to keep them."""
+
+    def __init__(self, cache, start: int, ids: list[int]):
+        self.cache, self.start, self.ids = cache, start, ids
+
+
+@contextmanager
+def lease(loaded, prompt: list[int], capacity: int, make):
+    """A Lease from `loaded.prefix` (a PrefixCache; None: a new cache from position 0),
+    handed back on exit, also after an error or a cancel (then with what it holds of the
+    prompt: the committed length bounds what is kept)."""
+    store = getattr(loaded, "prefix", None)
+    if store is None:
+        yield Lease(make(capacity), 0, prompt)
+        return
+    cache, start = store.take(prompt, capacity, make)
+    out = Lease(cache, start, prompt)
+    try:
+        yield out
+    finally:
+        store.keep(out.cache, out.ids)
