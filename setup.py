@@ -1,8 +1,9 @@
 """triforce-offload: lossless hierarchical speculative decoding with an offloaded KV cache."""
 from setuptools import setup
 
-# One import root: the top-level folders are mapped into `triforce_offload`, and the
-# benchmark library beside the benchmark scripts becomes `triforce_offload.bench`.
+# One import root: package/ is `triforce_offload` itself (a checkout-root folder named
+# triforce_offload would shadow the installed package), the top-level folders are mapped
+# into it, and the benchmark library beside the benchmark scripts becomes `triforce_offload.bench`.
 SUBPACKAGES = {"runtime": "runtime", "offload": "offload", "kernels": "kernels", "cli": "cli",
                "bench": "benchmarks/lib"}
 
@@ -13,7 +14,7 @@ setup(
     "with the KV cache in host memory",
     python_requires=">=3.10",
     packages=["triforce_offload"] + [f"triforce_offload.{p}" for p in SUBPACKAGES],
-    package_dir={"triforce_offload": "triforce_offload",
+    package_dir={"triforce_offload": "package",
                  **{f"triforce_offload.{p}": d for p, d in SUBPACKAGES.items()}},
     package_data={"triforce_offload.kernels": ["*.c"]},  # the native kernel, compiled on first use
     install_requires=[

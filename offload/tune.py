@@ -9,7 +9,6 @@ memory favour small chunks, so the best size is measured per machine. `tune` wri
 from __future__ import annotations
 
 import json
-import os
 import platform
 import re
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 import torch
 
 from .copier import ChunkCopier
+from ..settings import environment
 
 SIZES = tuple(2 ** i for i in range(6, 15))  # 64 .. 16384 tokens
 
@@ -43,8 +43,7 @@ def _cpu_model() -> str:
 
 
 def profile_path(device) -> Path:
-    root = os.environ.get("TRIFORCE_OFFLOAD_CACHE") or Path.home() / ".cache" / "triforce-offload"
-    return Path(root) / "profiles" / f"{device_name(device)}.json"
+    return environment().cache_root() / "profiles" / f"{device_name(device)}.json"
 
 
 def load_profile(device) -> dict | None:
