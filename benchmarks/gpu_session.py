@@ -1,7 +1,7 @@
 """Everything a GPU should measure for this project, in two calls of at most ten minutes.
 
 Usage (on the GPU machine, from the project root, after `. .gpu/bin/env.sh`; see
-../shared/gpu/README.md and the README's "Measuring on a GPU"):
+docs/gpu.md, "Measuring on a GPU"):
     python benchmarks/gpu_session.py a                     # cuda tests, resident decode
     python benchmarks/gpu_session.py b --model /root/w/smol.gguf   # offloaded, real weights
     python benchmarks/gpu_session.py a --dry-run           # print the commands only

@@ -56,7 +56,7 @@ def cpu_splits(batch_heads: int, free_keys: int, threads: int | None = None) -> 
 # ---- GPU: which kernel attention runs on ----
 #
 # SDPA picks the cuDNN backend on Hopper, and cuDNN builds a new plan for every key count:
-# 57-79 ms per call while a cache grows by one token a step (gpu/README.md). So on CUDA
+# 57-79 ms per call while a cache grows by one token a step (docs/gpu.md). So on CUDA
 # SDPA is restricted to its flash / memory-efficient backends, and the fixed-capacity
 # (CUDA-graph) path below uses flash-attn's kvcache kernel or our Triton kernel.
 
