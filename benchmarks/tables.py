@@ -42,13 +42,12 @@ def read_rows(name: str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def invocation(name: str, time: float | None = None) -> list[dict]:
-    """Rows of one `bench` invocation (they share its start `time`); the latest if None."""
-    rows = read_rows(name)
-    t = max(r["time"] for r in rows) if time is None else time
-    picked = [r for r in rows if r["time"] == t]
+def rows_between(name: str, t0: float, t1: float | None = None) -> list[dict]:
+    """Rows whose `time` lies in [t0, t1]: one `bench` invocation shares its start time
+    (t1 None: exactly t0); niah.py stamps each row as it is written."""
+    picked = [r for r in read_rows(name) if t0 <= r["time"] <= (t0 if t1 is None else t1)]
     if not picked:
-        raise SystemExit(f"results/{name}: no rows with time {t}")
+        raise SystemExit(f"results/{name}: no rows with time in [{t0}, {t1 or t0}]")
     return picked
 
 
@@ -94,7 +93,8 @@ def bench_table(rows: list[dict]) -> list[str]:
     skipped contenders are listed under the table with their reason."""
     summary = bench_summary(rows)
     offload = any("offload_speedup" in s for s in summary)
-    header = ["mode", "context", "T", "ms/token", "tok/s", "speedup"] + (["vs AR+offload"] if offload else [])
+    header = (["mode", "context", "T", "ms/token", "tok/s", "speedup"] + ["vs AR+offload"] * offload
+              + ["acceptance", "mean accepted", "peak GB", "lossless"])
     body = []
     for s in summary:
         cells = [s["mode"], str(s["context"]), f"{s['temperature']:g}", f"{s['ms_per_token']:.1f}",
@@ -105,7 +105,6 @@ def bench_table(rows: list[dict]) -> list[str]:
                              f"{s['mean_accepted']:.2f}" if "mean_accepted" in s else "-",
                              f"{s['peak_gb']:.2f}", lossless_cell(s)])
     skipped = [f"- `{r['mode']}`: skipped ({r['skipped']})" for r in rows if "skipped" in r]
-    header += ["acceptance", "mean accepted", "peak GB", "lossless"]
     return markdown(header, body) + ([""] + skipped if skipped else [])
 
 
@@ -149,10 +148,10 @@ def _rebuild_key(key):
     return top_p, budget, chunk, 0 if rebuild == "never" else int(rebuild.split(":")[1])
 
 
-def niah_table() -> list[str]:
+def niah_table(rows: list[dict]) -> list[str]:
     yes = lambda b: "yes" if b else "no"  # noqa: E731
     body = [[str(r["length"]), f"{r['depth']:g}%", yes(r["found"]), yes(r["found_triforce"]),
-             yes(r["identical"])] for r in read_rows("niah.jsonl")]
+             yes(r["identical"])] for r in rows]
     return markdown(["haystack", "depth", "autoregressive found", "triforce found", "identical"], body)
 
 
@@ -172,29 +171,28 @@ def costmodel_table() -> list[str]:
     return lines
 
 
-PLAN_ARGS = ("2x4090", "llama2-7b-128k", "128k")
+PLAN = ("2x4090", "llama2-7b-128k", 131072)  # --gpus, --model, --context of the plan shown
 
 
 def plan_table() -> list[str]:
-    """What `triforce-offload plan --gpus 2x4090 --model llama2-7b-128k --context 128k` prints."""
-    from triforce_offload.cli import plan as cp
+    """What `triforce-offload plan --gpus 2x4090 --model llama2-7b-128k --context 128k` prints:
+    the cost model's plan search (offload/plan.py) and the `run` command the CLI builds from it."""
+    from triforce_offload.cli.plan import run_command
     from triforce_offload.offload import costmodel as cm
     from triforce_offload.offload.plan import search_plan
-    gpus, model, context = PLAN_ARGS
-    p = search_plan(cp.parse_gpus(gpus), cp.parse_model(model), cp.parse_context(context),
-                    draft=cm.LLAMA_68M)
-    d = cp.plan_dict(p)
-    labels = {"tp": "tensor-parallel ranks", "on_chip": "on-chip layers", "budget": "budget",
-              "chunk": "retrieval chunk", "gamma1": "gamma1", "gamma2": "gamma2",
-              "transfer_chunk": "transfer chunk"}
-    body = [[label, str(d[k])] for k, label in labels.items()]
-    body += [["L1 acceptance at budget", f"{d['alpha1']:.3f}"],
-             ["GPU memory", f"{d['gpu_gb']:.1f} GiB per GPU"], ["host memory", f"{d['host_gb']:.1f} GiB"],
-             ["predicted TriForce", f"{d['ms_per_token']:.0f} ms/token"],
-             ["predicted autoregressive offload", f"{d['baseline_ms']:.0f} ms/token"],
-             ["predicted speedup", f"{d['baseline_ms'] / d['ms_per_token']:.1f}x"]]
+    gpus, model, context = PLAN
+    p = search_plan(cm.HARDWARE[gpus], cm.MODELS[model], context, draft=cm.LLAMA_68M)
+    s = p.settings
+    body = [["tensor-parallel ranks", str(p.tp)], ["on-chip layers", str(s.on_chip)],
+            ["budget", str(s.budget)], ["retrieval chunk", str(s.retrieval_chunk)],
+            ["gamma1", str(s.gamma1)], ["gamma2", str(s.gamma2)],
+            ["transfer chunk", str(s.transfer_chunk)], ["L1 acceptance at budget", f"{s.alpha1:.3f}"],
+            ["GPU memory", f"{p.gpu_gb:.1f} GiB per GPU"], ["host memory", f"{p.host_gb:.1f} GiB"],
+            ["predicted TriForce", f"{p.ms_per_token:.0f} ms/token"],
+            ["predicted autoregressive offload", f"{p.baseline_ms:.0f} ms/token"],
+            ["predicted speedup", f"{p.baseline_ms / p.ms_per_token:.1f}x"]]
     return markdown(["setting", "value"], body) + ["", "The `run` command it prints:", "",
-                                                   "```", cp.run_command(p, model, "path/to/llama-68m"), "```"]
+                                                   "```", run_command(p, model, "path/to/llama-68m"), "```"]
 
 
 # ---- the tables ----
@@ -215,8 +213,12 @@ class Table:
         return [head, ""] + self.render()
 
 
-BENCH_MAIN = 1795326338.958677  # the invocations of results/bench.jsonl the docs show
-BENCH_OFFLOAD = 1795405511.8065646
+# The runs the docs show, by their rows' `time`: a file may hold older and newer runs, and
+# appending one must not change a table whose caption names the run's device and command.
+BENCH_MAIN = 1795326338.958677  # results/bench.jsonl
+BENCH_OFFLOAD = 1795405511.8065646  # results/bench.jsonl
+BENCH_TEMPERATURE = 1795316029.9072285  # results/temperature/bench.jsonl
+NIAH = (1795316652.0, 1795316653.0)  # results/niah.jsonl, one row per cell
 SPEEDUP = "python benchmarks/speedup.py --prefill-cache '/tmp/speedup-{context}.pt'"
 EXPECTED = "python benchmarks/retrieval_expected.py --prefill-cache /tmp/p32k.pt"
 
@@ -227,37 +229,40 @@ TABLES = {
                      lambda: speedup_table(speedup_runs()[0])),
     "speedup-budget": Table(
         "results/speedup.jsonl", AVX2_VM,
-        (SPEEDUP + " --contexts 32768 --temperatures 0.6 --budget 8192 --modes autoregressive retrieval triforce",),
+        (SPEEDUP + " --contexts 32768 --temperatures 0.6 --budget 8192 "
+         "--modes autoregressive retrieval triforce",),
         lambda: speedup_table(speedup_runs()[1])),
-    "retrieval-expected": Table(
+    "retrieval-expected": Table(  # the whole file: more seeds of a configuration average in
         "results/retrieval_expected.jsonl", "2-core AMD EPYC VM with AVX2 (acceptance, not time)",
         (EXPECTED + " --seeds 0 1 --budgets 4096 8192",
-         EXPECTED + " --top-p 0.9 --seeds 0 1 2 3 --budgets 4096 8192 --chunks 8 --rebuilds never every:16"),
+         EXPECTED + " --top-p 0.9 --seeds 0 1 2 3 --budgets 4096 8192 --chunks 8 "
+         "--rebuilds never every:16"),
         retrieval_expected_table),
     "bench": Table(
         "results/bench.jsonl", AVX512_VM + ", quiet, one thread per contender",
         ("triforce-offload bench --contexts 2048,8192 --new-tokens 64 --threads 1 --budget 512 "
          "--modes autoregressive,autoregressive+offload,zero-inference,draft,retrieval,triforce,"
          "hf,llama.cpp --baseline deepspeed",),
-        lambda: bench_table(invocation("bench.jsonl", BENCH_MAIN))),
+        lambda: bench_table(rows_between("bench.jsonl", BENCH_MAIN))),
     "bench-offload": Table(
         "results/bench.jsonl", AVX512_VM + ", quiet, torch's 2 threads",
         ("triforce-offload bench --contexts 8192 --new-tokens 64 --budget 1024 --modes "
          "autoregressive,autoregressive+offload,zero-inference,draft+offload,retrieval+offload,"
          "triforce+offload",),
-        lambda: bench_table(invocation("bench.jsonl", BENCH_OFFLOAD))),
+        lambda: bench_table(rows_between("bench.jsonl", BENCH_OFFLOAD))),
     "bench-temperature": Table(
         "results/temperature/bench.jsonl", AVX512_VM + ", loaded by other jobs, before the CPU kernels",
-        ("triforce-offload bench --contexts 2048 --new-tokens 48 --temperatures 0,0.5,1.0 "
-         "--modes autoregressive,draft,retrieval,triforce --threads 1 --budget 512 --out results/temperature",),
-        lambda: bench_table(invocation("temperature/bench.jsonl"))),
+        ("triforce-offload bench --contexts 2048 --new-tokens 48 --temperatures 0,0.5,1.0 --modes "
+         "autoregressive,draft,retrieval,triforce --threads 1 --budget 512 --out results/temperature",),
+        lambda: bench_table(rows_between("temperature/bench.jsonl", BENCH_TEMPERATURE))),
     "niah": Table("results/niah.jsonl", AVX512_VM + ", OMP_NUM_THREADS=1",
                   ("python benchmarks/niah.py --lengths 2048 4096 8000 --depths 0 50 100 "
-                   "--new-tokens 24 --budget 512",), niah_table),
-    "costmodel": Table("offload/costmodel.py", "predicted", ("python benchmarks/tables.py --print costmodel",),
-                       costmodel_table),
+                   "--new-tokens 24 --budget 512",),
+                  lambda: niah_table(rows_between("niah.jsonl", *NIAH))),
+    "costmodel": Table("offload/costmodel.py", "predicted",
+                       ("python benchmarks/tables.py --print costmodel",), costmodel_table),
     "plan": Table("offload/costmodel.py", "predicted",
-                  ("triforce-offload plan --gpus {} --model {} --context {}".format(*PLAN_ARGS),), plan_table),
+                  ("triforce-offload plan --gpus 2x4090 --model llama2-7b-128k --context 128k",), plan_table),
 }
 
 
