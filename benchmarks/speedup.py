@@ -85,8 +85,8 @@ def run_mode(mode, L, prompt, full, logits, qs, a, temp):
     if mode == "autoregressive":
         toks, dt, margins = autoregressive(L, full, logits, len(prompt), sp, a.new_tokens)
         return toks, {"decode_s": dt, "margins": margins}
-    extra = dict(budget=a.budget, chunk=a.chunk, gamma1=a.gamma1, gamma2=a.gamma2, rebuild=a.rebuild)
-    opts = RunOptions(mode=mode, sampling=sp, max_new_tokens=a.new_tokens, ignore_eos=True, extra=extra)
+    extra = dict(budget=a.budget, retrieval_chunk=a.chunk, gamma1=a.gamma1, gamma2=a.gamma2, rebuild=a.rebuild)
+    opts = RunOptions.of(mode=mode, sampling=sp, max_new_tokens=a.new_tokens, ignore_eos=True, **extra)
     toks, st = speculate(mode, L, prompt, opts, full, logits)
     return toks, {"decode_s": st.decode_s, "rebuild": a.rebuild, **{k: st.extra[k] for k in
                   ("acceptance", "acceptance_per_token", "mean_accepted", "gammas", "rebuilds", "build_s",
