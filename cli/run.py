@@ -10,7 +10,7 @@ import typer
 from ..bench import zero_inference  # noqa: F401  (registers --mode zero-inference)
 from ..runtime import api
 from ..runtime import tp as tensor_parallel
-from ..runtime.data import encode_prompt, long_prompt
+from ..runtime.data import builtin_prompt, check_builtin_prompt, encode_prompt
 from ..runtime.errors import TriforceError
 from ..runtime.options import (GenerationOptions, ModelOptions, OffloadOptions, ParallelOptions,
                                RetrievalOptions, RunOptions)
@@ -36,6 +36,8 @@ def run(
                                          "[default: ~4K tokens of essays + a summary request]"),
     prompt_file: Optional[Path] = typer.Option(None, help="Read the prompt from a file ('-' for stdin)."),
     prompt_tokens: int = typer.Option(DEFAULT_PROMPT_TOKENS, help="Length of the built-in essay prompt."),
+    builtin_prompt: str = typer.Option("summary", help="Built-in prompt without --prompt: summary "
+                                       "(essays + a summary request) or continue (essay text to continue)."),
     chat: bool = typer.Option(True, "--chat/--no-chat", help="Wrap the prompt in the chat template."),
     plan: Optional[str] = typer.Option(None, "--plan", help="auto: choose --budget, --gamma2, "
                                        "--on-chip, --transfer-chunk with the cost model for this "
@@ -47,11 +49,12 @@ def run(
     """Generate from a prompt; ends with a stats line (or a JSON object with --json)."""
     if prompt_tokens < 1:
         raise TriforceError(f"--prompt-tokens {prompt_tokens}: must be >= 1")
+    check_builtin_prompt(builtin_prompt)  # before any loading
     if compare is not None:
         gen.but(mode=compare)  # checks the name before any loading
     text = read_prompt(prompt, prompt_file)  # here: ranks have no stdin
-    job = Job(model, RunOptions(gen, retrieval, offload), text, prompt_tokens, chat, plan,
-              compare, as_json)
+    job = Job(model, RunOptions(gen, retrieval, offload), text, (builtin_prompt, prompt_tokens),
+              chat, plan, compare, as_json)
     if not launch_ranks(run_job, parallel.tp, model, gen.draft, dict(job=job, tp=parallel.tp)):
         run_job(job, parallel.tp)  # else the ranks ran it; rank 0 printed
 
@@ -59,15 +62,15 @@ def run(
 class Job:
     """One `run` invocation, as the ranks of `--tp` receive it (picklable)."""
 
-    def __init__(self, model, opts, text, prompt_tokens, chat, plan, compare, as_json):
-        self.model, self.opts, self.text, self.prompt_tokens = model, opts, text, prompt_tokens
+    def __init__(self, model, opts, text, builtin, chat, plan, compare, as_json):
+        self.model, self.opts, self.text, self.builtin = model, opts, text, builtin  # (kind, tokens)
         self.chat, self.plan, self.compare, self.as_json = chat, plan, compare, as_json
 
 
 def run_job(job: Job, tp: int):
     model = job.model.but(device=join(tp, job.model.device, job.model.model, job.opts.generation.draft))
     loaded = api.load(model, progress=lambda m: err.print(m), shard=tensor_parallel.shard_fn())
-    ids = (long_prompt(loaded.tokenizer, job.prompt_tokens, chat=job.chat) if job.text is None
+    ids = (builtin_prompt(loaded.tokenizer, *job.builtin, chat=job.chat) if job.text is None
            else encode_prompt(loaded.tokenizer, job.text, job.chat))
     opts = job.opts
     if job.plan is not None:
