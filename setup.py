@@ -32,7 +32,8 @@ setup(
         "gpu": ["flash-attn", "nvidia-ml-py"],
         "bench": ["matplotlib", "llama-cpp-python"],
         "deepspeed": ["deepspeed"],
-        "test": ["pytest", "scipy", "matplotlib", "triton; platform_system == 'Linux'"],
+        "serve": ["fastapi", "uvicorn"],
+        "test": ["pytest", "scipy", "matplotlib", "triton; platform_system == 'Linux'", "openai", "httpx"],
     },
     entry_points={"console_scripts": ["triforce-offload=triforce_offload.cli.app:main"]},
 )

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from .copier import ChunkCopier
+from .costmodel import default_transfer_chunk
 from ..settings import environment
 
 SIZES = tuple(2 ** i for i in range(6, 15))  # 64 .. 16384 tokens
@@ -58,6 +59,12 @@ def profile_chunk(device) -> int | None:
     """The tuned transfer chunk for this device, or None when `tune` has not run here."""
     prof = load_profile(device)
     return int(prof["transfer_chunk"]) if prof and "transfer_chunk" in prof else None
+
+
+def transfer_chunk_for(device, kv_layer_bytes: float, given: int | None = None) -> int:
+    """The transfer chunk every offloaded cache uses: `given` (--transfer-chunk or a plan),
+    else the profile `tune` saved for this device, else >= MIN_COPY_BYTES per copy."""
+    return given or profile_chunk(device) or default_transfer_chunk(kv_layer_bytes)
 
 
 def save_profile(device, rows: list[dict], chunk: int, meta: dict) -> Path:

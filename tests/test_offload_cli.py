@@ -63,8 +63,8 @@ def test_smollm2_offloaded_greedy_equal():
     loaded = api.load(None, "float32", "cpu")
     ids = long_prompt(loaded.tokenizer, 250)
     run = lambda mode, **extra: api.generate(
-        loaded, ids, api.RunOptions(mode=mode, max_new_tokens=8, prefill_chunk=128,
-                                    sampling=SamplingParams(), extra=extra))
+        loaded, ids, api.RunOptions.of(mode=mode, max_new_tokens=8, prefill_chunk=128,
+                                    sampling=SamplingParams(), **extra))
     want, _ = run("autoregressive")
     got, st = run("autoregressive", offload="on", on_chip=4, transfer_chunk=100)
     assert got == want and st.extra["streamed_gb"] > 0
