@@ -53,10 +53,11 @@ def rows_between(name: str, t0: float, t1: float | None = None) -> list[dict]:
 
 def speedup_runs(name: str = "speedup.jsonl") -> list[list[dict]]:
     """speedup.py's rows split into invocations (its rows carry no time): a row whose
-    (context, temperature, top-p, mode) the current invocation has already seen starts the next."""
+    (context, temperature, top-p, mode, budget) the current invocation has already seen
+    starts the next."""
     runs, seen = [], set()
     for r in read_rows(name):
-        key = (r["context"], r["temperature"], r["top_p"], r["mode"])
+        key = (r["context"], r["temperature"], r["top_p"], r["mode"], r.get("budget_spec"))
         if not runs or key in seen:
             runs.append([])
             seen = set()
@@ -109,9 +110,11 @@ def bench_table(rows: list[dict]) -> list[str]:
 
 
 def speedup_table(rows: list[dict], contexts: tuple = ()) -> list[str]:
-    """speedup.py's rows: speedup over autoregressive at the same context and sampling."""
+    """speedup.py's rows: speedup over autoregressive at the same context and sampling; a
+    budget column where the rows record their budget (speedup.py compares several)."""
     base = {(r["context"], r["temperature"], r["top_p"]): r["ms_per_token"]
             for r in rows if r["mode"] == "autoregressive"}
+    budgets = any("budget" in r for r in rows)
     body = []
     for r in rows:
         if contexts and r["context"] not in contexts:
@@ -122,11 +125,13 @@ def speedup_table(rows: list[dict], contexts: tuple = ()) -> list[str]:
         if "matches_ar" in r:
             same = "yes" if r["matches_ar"] else (f"no (at token {r['first_divergence']}, "
                                                   f"margin {r['ar_margin_at_divergence']:g})")
-        body.append([f"{r['context']} ({r['prompt_tokens']})", t, r["mode"], f"{r['ms_per_token']:.1f}",
-                     f"{base[key] / r['ms_per_token']:.2f}x", acceptance(r.get("acceptance")),
+        budget = [] if not budgets else [f"{r['budget']} ({r['budget_spec']})" if r.get("budget") else "-"]
+        body.append([f"{r['context']} ({r['prompt_tokens']})", t, r["mode"]] + budget +
+                    [f"{r['ms_per_token']:.1f}", f"{base[key] / r['ms_per_token']:.2f}x",
+                     acceptance(r.get("acceptance")),
                      f"{r['mean_accepted']:.2f}" if "mean_accepted" in r else "-", same])
-    return markdown(["context (prompt)", "T", "mode", "ms/token", "speedup", "acceptance",
-                     "mean accepted", "= autoregressive (greedy)"], body)
+    return markdown(["context (prompt)", "T", "mode"] + ["budget"] * budgets +
+                    ["ms/token", "speedup", "acceptance", "mean accepted", "= autoregressive (greedy)"], body)
 
 
 def retrieval_expected_table() -> list[str]:
@@ -219,13 +224,14 @@ BENCH_MAIN = 1795326338.958677  # results/bench.jsonl
 BENCH_OFFLOAD = 1795405511.8065646  # results/bench.jsonl
 BENCH_TEMPERATURE = 1795316029.9072285  # results/temperature/bench.jsonl
 NIAH = (1795316652.0, 1795316653.0)  # results/niah.jsonl, one row per cell
+# Commands as they reproduce the rows with today's scripts (speedup.py's budget default was 4096 then).
 SPEEDUP = "python benchmarks/speedup.py --prefill-cache '/tmp/speedup-{context}.pt'"
 EXPECTED = "python benchmarks/retrieval_expected.py --prefill-cache /tmp/p32k.pt"
 
 TABLES = {
-    "speedup-32k": Table("results/speedup.jsonl", AVX2_VM, (SPEEDUP,),
+    "speedup-32k": Table("results/speedup.jsonl", AVX2_VM, (SPEEDUP + " --budget 4096",),
                          lambda: speedup_table(speedup_runs()[0], contexts=(32768,))),
-    "speedup": Table("results/speedup.jsonl", AVX2_VM, (SPEEDUP,),
+    "speedup": Table("results/speedup.jsonl", AVX2_VM, (SPEEDUP + " --budget 4096",),
                      lambda: speedup_table(speedup_runs()[0])),
     "speedup-budget": Table(
         "results/speedup.jsonl", AVX2_VM,
