@@ -24,7 +24,8 @@ setup: $(STAMP)
 # essay prompt, side by side: acceptance per level, ms/token, speedup, identical text.
 # Settings chosen by measurement: docs/speculative.md ("The demo").
 demo: $(STAMP)
-	$(BIN)/triforce-offload run --demo
+	$(BIN)/triforce-offload run --builtin-prompt continue --prompt-tokens 3700 --max-new-tokens 128 \
+		--compare autoregressive
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -m "slow or not slow" tests

@@ -75,7 +75,7 @@ def bench(
     loaded = api.load(model, progress=lambda m: err.print(m))
     meta = run_meta(loaded, o, model.model)
     with runs_bar() as progress:
-        rows = run_bench(loaded, o, model, progress, row_writer(out_dir / "bench.jsonl", meta))
+        rows = run_bench(loaded, o, model.model, progress, row_writer(out_dir / "bench.jsonl", meta))
     summary = summarize(rows)
     pngs = write_plots(summary, out_dir) if plots else []
     for s in summary:

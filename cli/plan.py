@@ -101,7 +101,7 @@ def run_command(p: pl.Plan, model_path: str, draft_path: str | None,
         head += f"--rope-scaling {shlex.quote(rope_scaling)} "
     mode = (f"--mode triforce --draft {shlex.quote(draft_path)} --gamma1 {s.gamma1} "
             if draft_path else "--mode retrieval ")
-    return (head + mode + f"--budget {s.budget} --chunk {s.retrieval_chunk} --gamma2 {s.gamma2} "
+    return (head + mode + f"--budget {s.budget} --retrieval-chunk {s.retrieval_chunk} --gamma2 {s.gamma2} "
             f"--offload on --on-chip {s.on_chip} --transfer-chunk {s.transfer_chunk} "
             f"--tp {p.tp} --max-context {s.context}")
 
