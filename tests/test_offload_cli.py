@@ -38,7 +38,7 @@ def test_run_offload_profile_and_zero_inference(tiny_model_dir, tmp_path):
 
 @pytest.mark.parametrize("flags,needle", [(["--offload", "maybe"], "--offload 'maybe'"),
                                           (["--offload", "on", "--on-chip", "7"], "--on-chip 7"),
-                                          (["--offload", "on", "--stage-depth", "0"], "staging depth 0"),
+                                          (["--offload", "on", "--stage-depth", "0"], "--stage-depth 0: must be >= 1"),
                                           (["--profile", "x.json"], "--profile")])
 def test_run_offload_user_errors(tiny_model_dir, flags, needle):
     r = cli("run", "--model", tiny_model_dir, "--mode", "autoregressive", "--prompt", "Hi",
