@@ -1,8 +1,9 @@
 """triforce-offload: lossless hierarchical speculative decoding with an offloaded KV cache."""
 from setuptools import setup
 
-# One import root: the top-level folders are mapped into `triforce_offload`, and the
-# benchmark library beside the benchmark scripts becomes `triforce_offload.bench`.
+# One import root: package/ is `triforce_offload` itself (a checkout-root folder named
+# triforce_offload would shadow the installed package), the top-level folders are mapped
+# into it, and the benchmark library beside the benchmark scripts becomes `triforce_offload.bench`.
 SUBPACKAGES = {"runtime": "runtime", "offload": "offload", "kernels": "kernels", "cli": "cli",
                "server": "server", "bench": "benchmarks/lib"}
 
@@ -13,7 +14,7 @@ setup(
     "with the KV cache in host memory",
     python_requires=">=3.10",
     packages=["triforce_offload"] + [f"triforce_offload.{p}" for p in SUBPACKAGES],
-    package_dir={"triforce_offload": "triforce_offload",
+    package_dir={"triforce_offload": "package",
                  **{f"triforce_offload.{p}": d for p, d in SUBPACKAGES.items()}},
     package_data={"triforce_offload.kernels": ["*.c"]},  # the native kernel, compiled on first use
     install_requires=[
@@ -32,8 +33,7 @@ setup(
         "bench": ["matplotlib", "llama-cpp-python"],
         "deepspeed": ["deepspeed"],
         "serve": ["fastapi", "uvicorn"],
-        "test": ["pytest", "scipy", "matplotlib", "triton; platform_system == 'Linux'",
-                 "fastapi", "uvicorn", "openai", "httpx"],
+        "test": ["pytest", "scipy", "matplotlib", "triton; platform_system == 'Linux'", "openai", "httpx"],
     },
     entry_points={"console_scripts": ["triforce-offload=triforce_offload.cli.app:main"]},
 )

@@ -26,7 +26,7 @@ import torch
 def our_ms(L, prompt, n):
     from triforce_offload.runtime import api
     from triforce_offload.runtime.sampling import SamplingParams
-    opts = api.RunOptions(mode="autoregressive", max_new_tokens=n, sampling=SamplingParams())
+    opts = api.RunOptions.of(mode="autoregressive", max_new_tokens=n, sampling=SamplingParams())
     opts.ignore_eos = True
     toks, st = api.generate(L, prompt, opts)
     return st.decode_s * 1000 / max(len(toks) - 1, 1), toks

@@ -222,10 +222,10 @@ def make_prompt(L, a, n: int) -> list[int]:
 def options(mode: str, a, n: int):
     from triforce_offload.runtime import api
     if mode == "triforce":
-        return api.RunOptions(mode="triforce", max_new_tokens=n, ignore_eos=True, graphs=True,
-                              extra={"budget": a.budget, "gamma2": a.gamma2, "offload": "off"})
-    return api.RunOptions(mode="autoregressive", max_new_tokens=n, ignore_eos=True,
-                          graphs=mode == "graphed", extra={"offload": "off"})
+        return api.RunOptions.of(mode="triforce", max_new_tokens=n, ignore_eos=True, graphs=True,
+                              **{"budget": a.budget, "gamma2": a.gamma2, "offload": "off"})
+    return api.RunOptions.of(mode="autoregressive", max_new_tokens=n, ignore_eos=True,
+                          graphs=mode == "graphed", **{"offload": "off"})
 
 
 def steady_ms(marks: list[float]) -> float | None:

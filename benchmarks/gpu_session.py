@@ -1,7 +1,7 @@
 """Everything a GPU should measure for this project, in two calls of at most ten minutes.
 
 Usage (on the GPU machine, from the project root, after `. .gpu/bin/env.sh`; see
-../shared/gpu/README.md and the README's "Measuring on a GPU"):
+docs/gpu.md, "Measuring on a GPU"):
     python benchmarks/gpu_session.py a                     # cuda tests, resident decode
     python benchmarks/gpu_session.py b --model /root/w/smol.gguf   # offloaded, real weights
     python benchmarks/gpu_session.py a --dry-run           # print the commands only
@@ -41,9 +41,7 @@ MIN_START_S = 60  # a command that cannot get this long is not started
 
 def cli() -> list[str]:
     """The console script: on PATH, beside this interpreter, or in a `pip install --target`
-    folder on PYTHONPATH (the GPU kit's /tmp/site/bin). `python -m triforce_offload.cli`
-    would not do from the project root without an editable install: the bare top-level
-    `triforce_offload/` folder shadows the installed package."""
+    folder on PYTHONPATH (the GPU kit's /tmp/site/bin), else `python -m triforce_offload.cli`."""
     dirs = [Path(sys.executable).parent] + [Path(p) / "bin" for p in
                                             os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     for exe in [shutil.which("triforce-offload")] + [d / "triforce-offload" for d in dirs]:
@@ -69,8 +67,8 @@ def stage_a(out: Path, smoke: bool) -> list[tuple[str, list[str], int]]:
     cmds += [("decode smollm2", [*gd, "--geometry", "smollm2", *small,
                                  "--modes", "eager", "graphed", "triforce"], 150),
              ("decode llama2-7b", [*gd, "--geometry", "llama2-7b", *big, "--modes", "eager", "graphed"], 240)]
-    if not smoke:  # -P: the bare top-level triforce_offload/ folder would shadow the installed package
-        cmds.append(("cuda tests", [py, "-P", "-m", "pytest", "-q", "-rs", "-m", "cuda", "-p",
+    if not smoke:
+        cmds.append(("cuda tests", [py, "-m", "pytest", "-q", "-rs", "-m", "cuda", "-p",
                                     "no:cacheprovider", "tests"], 150))
     return cmds
 

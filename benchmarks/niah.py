@@ -45,8 +45,8 @@ def cell(loaded, length: int, depth: float, o) -> dict:
     ids = encode_prompt(loaded.tokenizer, f"{body}\n\n{QUESTION}", chat=True)
     out = {"length": length, "depth": depth, "prompt_tokens": len(ids)}
     for mode in ("autoregressive", "triforce"):
-        opts = api.RunOptions(mode=mode, max_new_tokens=o.new_tokens,
-                              extra={"offload": "off", "budget": o.budget})
+        opts = api.RunOptions.of(mode=mode, max_new_tokens=o.new_tokens,
+                              **{"offload": "off", "budget": o.budget})
         toks, st = api.generate(loaded, ids, opts)
         text = loaded.tokenizer.decode(toks, skip_special_tokens=True)
         out[mode] = {"tokens": toks, "text": text, "found": KEY in text.lower(),

@@ -107,9 +107,9 @@ def prefill_row(loaded, context: int, args) -> dict:
     gc.collect()
     g = torch.Generator().manual_seed(context)
     prompt = torch.randint(0, loaded.cfg.vocab_size, (context - 1,), generator=g).tolist()
-    opts = api.RunOptions(mode="autoregressive", max_new_tokens=1, ignore_eos=True,
+    opts = api.RunOptions.of(mode="autoregressive", max_new_tokens=1, ignore_eos=True,
                           prefill_chunk=args.prefill_chunk,
-                          extra={"offload": "on", "transfer_chunk": args.chunk})
+                          **{"offload": "on", "transfer_chunk": args.chunk})
     _, st = api.generate(loaded, prompt, opts)
     return {"prefill_tokens": len(prompt), "prefill_chunk": args.prefill_chunk,
             "prefill_s": st.prefill_s, "prefill_tok_per_s": len(prompt) / st.prefill_s,

@@ -68,9 +68,9 @@ def run(L, prompt, full, logits, qs, a, budget, chunk, rebuild):
     sel = Selections()
     try:
         sp = SamplingParams(temperature=a.temperature, top_p=a.top_p, seed=a.seed)
-        extra = dict(budget=budget, chunk=chunk, gamma2=a.gamma2, rebuild=rebuild)
-        opts = RunOptions(mode="retrieval", sampling=sp, max_new_tokens=a.new_tokens, ignore_eos=True,
-                          extra=extra)
+        extra = dict(budget=budget, retrieval_chunk=chunk, gamma2=a.gamma2, rebuild=rebuild)
+        opts = RunOptions.of(mode="retrieval", sampling=sp, max_new_tokens=a.new_tokens, ignore_eos=True,
+                          **extra)
         toks, st = speculate("retrieval", L, prompt, opts, full, logits)
     finally:
         sel.mod.top_chunks = sel.orig

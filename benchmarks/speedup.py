@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -38,7 +39,9 @@ def args_():
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--dtype", default="bf16")
-    ap.add_argument("--budget", type=int, default=4096)
+    ap.add_argument("--budget", nargs="+", default=["auto"],
+                    help="retrieval budgets to compare: tokens (4096), a fraction of the prompt (1/8), "
+                         "or auto (the runtime's default); retrieval and triforce run once per budget")
     ap.add_argument("--chunk", type=int, default=8)
     ap.add_argument("--gamma1", type=int, default=4)
     ap.add_argument("--gamma2", default="6")
@@ -75,7 +78,17 @@ def top_p(a, temp: float) -> float:
     return a.top_p if temp > 0 else 1.0
 
 
-def run_mode(mode, L, prompt, full, logits, qs, a, temp):
+def budget_tokens(spec: str, n_prompt: int, chunk: int) -> int | None:
+    """--budget value -> tokens (None: the runtime's auto default)."""
+    if spec == "auto":
+        return None
+    if "/" in spec:
+        num, den = (float(x) for x in spec.split("/"))
+        return max(2 * chunk, math.ceil(n_prompt * num / den / chunk) * chunk)
+    return int(spec)
+
+
+def run_mode(mode, L, prompt, full, logits, qs, a, temp, budget=None):
     from triforce_offload.runtime.api import RunOptions
     from triforce_offload.runtime.sampling import SamplingParams
     from triforce_offload.runtime.spec_modes import speculate
@@ -85,10 +98,11 @@ def run_mode(mode, L, prompt, full, logits, qs, a, temp):
     if mode == "autoregressive":
         toks, dt, margins = autoregressive(L, full, logits, len(prompt), sp, a.new_tokens)
         return toks, {"decode_s": dt, "margins": margins}
-    extra = dict(budget=a.budget, chunk=a.chunk, gamma1=a.gamma1, gamma2=a.gamma2, rebuild=a.rebuild)
-    opts = RunOptions(mode=mode, sampling=sp, max_new_tokens=a.new_tokens, ignore_eos=True, extra=extra)
+    extra = dict(budget=budget, retrieval_chunk=a.chunk, gamma1=a.gamma1, gamma2=a.gamma2, rebuild=a.rebuild)
+    opts = RunOptions.of(mode=mode, sampling=sp, max_new_tokens=a.new_tokens, ignore_eos=True, **extra)
     toks, st = speculate(mode, L, prompt, opts, full, logits)
-    return toks, {"decode_s": st.decode_s, "rebuild": a.rebuild, **{k: st.extra[k] for k in
+    b = opts.retrieval.budget_for(len(prompt)) if mode != "draft" else None
+    return toks, {"decode_s": st.decode_s, "rebuild": a.rebuild, "budget": b, **{k: st.extra[k] for k in
                   ("acceptance", "acceptance_per_token", "mean_accepted", "gammas", "rebuilds", "build_s",
                    "level_time_s")}}
 
@@ -106,9 +120,12 @@ def bench_context(ctx, a, out: Path) -> list[dict]:
     rows = []
     for temp in a.temperatures:
         ref = None
-        for mode in a.modes:
-            toks, r = run_mode(mode, L, prompt, full, logits, qs, a, temp)
+        runs = [(m, b) for m in a.modes for b in (a.budget if m in ("retrieval", "triforce") else [None])]
+        for mode, b in runs:
+            toks, r = run_mode(mode, L, prompt, full, logits, qs, a, temp,
+                               budget_tokens(b, len(prompt), a.chunk) if b else None)
             row = {"context": ctx, "prompt_tokens": len(prompt), "dtype": a.dtype, "temperature": temp,
+                   "budget_spec": b,
                    "top_p": top_p(a, temp),
                    "mode": mode, "new_tokens": len(toks), "prefill_s": round(pre_s, 2),
                    "ms_per_token": round(1000 * r.pop("decode_s") / len(toks), 2), **r}
@@ -126,8 +143,8 @@ def bench_context(ctx, a, out: Path) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     base = {(r["context"], r["temperature"]): r["ms_per_token"] for r in rows if r["mode"] == "autoregressive"}
-    lines = ["| context | T | mode | ms/token | speedup | acceptance | mean accepted | = AR (greedy) |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| context | T | mode | budget | ms/token | speedup | acceptance | mean accepted | = AR (greedy) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         b = base.get((r["context"], r["temperature"]))
         acc = ", ".join(f"{k} {v:.2f}" for k, v in r.get("acceptance", {}).items())
@@ -135,7 +152,8 @@ def table(rows: list[dict]) -> str:
         same = {True: "yes", False: f"no (at {r.get('first_divergence')})"}.get(r.get("matches_ar"), "")
         sp = f"{b / r['ms_per_token']:.2f}x" if b else ""
         t = r["temperature"] if r.get("top_p", 1.0) == 1.0 else f"{r['temperature']}, top-p {r['top_p']}"
-        lines.append(f"| {r['prompt_tokens']} | {t} | {r['mode']} | {r['ms_per_token']:.1f} "
+        bud = "" if r.get("budget") is None else f"{r['budget']} ({r.get('budget_spec')})"
+        lines.append(f"| {r['prompt_tokens']} | {t} | {r['mode']} | {bud} | {r['ms_per_token']:.1f} "
                      f"| {sp} | {acc} | {ma} | {same} |")
     return "\n".join(lines)
 

@@ -55,8 +55,8 @@ def decode_ms(dtype: str, context: int, new: int) -> dict:
     """Rank body: warm-up generate, timed generate; ms/token and the tokens."""
     L = build(dtype)
     prompt = torch.randint(3, CFG["vocab_size"], (context,), generator=torch.Generator().manual_seed(1))
-    opts = api.RunOptions(max_new_tokens=new, sampling=SamplingParams(), ignore_eos=True)
-    api.generate(L, prompt.tolist()[:64], api.RunOptions(max_new_tokens=4, ignore_eos=True))
+    opts = api.RunOptions.of(max_new_tokens=new, sampling=SamplingParams(), ignore_eos=True)
+    api.generate(L, prompt.tolist()[:64], api.RunOptions.of(max_new_tokens=4, ignore_eos=True))
     toks, st = api.generate(L, prompt.tolist(), opts)
     return {"ms_per_token": st.decode_ms_per_token, "prefill_s": st.prefill_s, "tokens": toks,
             "threads": torch.get_num_threads()}

@@ -6,7 +6,7 @@ import platform
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import torch
 import typer
@@ -19,7 +19,9 @@ from ..bench.runner import (DEFAULT_MODES, EXTRA_BASELINES, BenchOptions, check_
                             run_bench, summarize)
 from ..runtime import api
 from ..runtime.errors import TriforceError
+from ..runtime.options import GenerationOptions, ModelOptions, RetrievalOptions
 from .app import app
+from .options import options, pick
 from .show import err, out
 
 
@@ -35,9 +37,11 @@ def parse_list(text: str, kind, flag: str) -> list:
 
 
 @app.command()
+@options
 def bench(
-    model: Optional[str] = typer.Option(None, help="HF model directory or .gguf file "
-                                        "[default: bundled SmolLM2-135M-Instruct]"),
+    model: ModelOptions,
+    gen: Annotated[GenerationOptions, pick("draft", "gamma1", "gamma2")],
+    retrieval: Annotated[RetrievalOptions, pick("budget", "retrieval_chunk")],
     gguf: Optional[str] = typer.Option(None, help="GGUF for the llama.cpp rows "
                                        "[default: --model if it is a .gguf, or the bundled one]"),
     contexts: str = typer.Option("2048", help="Contexts (prompt + new tokens), e.g. 2048,4096,8192."),
@@ -49,14 +53,6 @@ def bench(
                                  f"{', '.join(EXTRA_BASELINES)} (real DeepSpeed ZeRO-Inference; "
                                  "needs CUDA and `pip install triforce-offload[deepspeed]`)."),
     seed: int = typer.Option(0, help="Sampling seed."),
-    dtype: Optional[str] = typer.Option(None, help="float32|bfloat16|float16 [default as run]"),
-    device: str = typer.Option("auto", help="auto|cpu|cuda"),
-    rope_scaling: Optional[str] = typer.Option(None, help="Stretch our model's context, e.g. linear:4 "
-                                               "(the peers keep the checkpoint's)."),
-    draft: str = typer.Option("ngram", help="Drafter of draft/triforce: ngram, self or a model path."),
-    budget: int = typer.Option(1024, help="Retrieval cache tokens (retrieval, triforce)."),
-    gamma1: int = typer.Option(4, help="Drafter tokens per check."),
-    gamma2: str = typer.Option("6", help="Retrieval-level tokens per verification, or auto."),
     lookup: int = typer.Option(10, help="Prompt-lookup draft length of transformers and llama.cpp."),
     threads: int = typer.Option(0, help="CPU threads of every contender (torch and llama.cpp) "
                                 "[default: torch's]."),
@@ -70,15 +66,16 @@ def bench(
     o = BenchOptions(parse_list(contexts, int, "--contexts"), new_tokens,
                      parse_list(temperatures, float, "--temperatures"), repeats,
                      names + [b for b in extra if b not in names], seed, gguf=gguf,
-                     spec=dict(draft=draft, budget=budget, gamma1=gamma1, gamma2=gamma2),
+                     spec=dict(draft=gen.draft, gamma1=gen.gamma1, gamma2=gen.gamma2,
+                               budget=retrieval.budget, retrieval_chunk=retrieval.retrieval_chunk),
                      lookup=lookup, threads=threads)
     o.check()
     if threads:
         torch.set_num_threads(threads)  # the same CPU share for our modes and the peers
-    loaded = api.load(model, dtype, device, rope_scaling, progress=lambda m: err.print(m))
-    meta = run_meta(loaded, o, model)
+    loaded = api.load(model, progress=lambda m: err.print(m))
+    meta = run_meta(loaded, o, model.model)
     with runs_bar() as progress:
-        rows = run_bench(loaded, o, model, progress, row_writer(out_dir / "bench.jsonl", meta))
+        rows = run_bench(loaded, o, model.model, progress, row_writer(out_dir / "bench.jsonl", meta))
     summary = summarize(rows)
     pngs = write_plots(summary, out_dir) if plots else []
     for s in summary:

@@ -10,22 +10,21 @@ from ..runtime.drafters import check_vocab
 from ..runtime.loader import load_tokenizer, peek_tokenizer, read_config, resolve
 
 
-def launch_ranks(fn, world: int, model_path, rope_scaling, device: str, kwargs: dict) -> bool:
+def launch_ranks(fn, world: int, model, draft, kwargs: dict) -> bool:
     """In the first process (not yet a rank, not under torchrun): check --tp against the
-    model and the devices, run fn(**kwargs) on `world` spawned ranks and return True.
-    Returns False where the caller itself is to run (world 1, or already a rank).
+    model (ModelOptions) and the devices, run fn(**kwargs) on `world` spawned ranks and
+    return True. Returns False where the caller itself is to run (world 1, or already a rank).
     """
-    distributed.check_devices(world, device)
+    distributed.check_devices(world, model.device)
     if world == 1 or distributed.world_size() > 1:
         return False
-    target = resolve(model_path)  # converts a GGUF once, here
-    tensor_parallel.check(read_config(target, rope_scaling), world)
-    draft = kwargs.get("draft")
+    target = resolve(model.model)  # converts a GGUF once, here
+    tensor_parallel.check(read_config(target, model.rope_scaling), world)
     if draft_path(draft):  # a draft GGUF too, before ranks would convert it at once
         check_vocab(load_tokenizer(target), peek_tokenizer(draft))  # and a mismatch before that
         resolve(draft)
     threads = max(1, torch.get_num_threads() // world)  # one share of the cores per rank
-    distributed.launch(fn, world, kwargs=kwargs, device=device, threads=threads)
+    distributed.launch(fn, world, kwargs=kwargs, device=model.device, threads=threads)
     return True
 
 

@@ -10,7 +10,7 @@ import shlex
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Optional
+from typing import Annotated, Optional
 
 import torch
 import typer
@@ -20,7 +20,9 @@ from ..offload import costmodel as cm
 from ..offload import plan as pl
 from ..runtime.config import parse_rope_scaling
 from ..runtime.errors import TriforceError
+from ..runtime.options import ModelOptions
 from .app import app
+from .options import options, pick
 from .show import err, out
 
 
@@ -33,14 +35,14 @@ def _value(fn, *args):
 
 
 @app.command()
+@options
 def plan(
+    model_opts: Annotated[ModelOptions, pick("rope_scaling")],
     gpus: str = typer.Option("2x4090", help="[N x]GPU: 4090, 2x4090, a100-80g ..."),
     model: str = typer.Option("llama2-7b-128k", help=f"Preset ({', '.join(cm.MODELS)}) "
                               "or a HF model folder / config.json."),
     context: str = typer.Option("128k", help="Context in tokens: 131072, 128k, 1M (at most "
                                 "the model's, unless --rope-scaling stretches it)."),
-    rope_scaling: Optional[str] = typer.Option(None, help="Stretch the model's context, e.g. "
-                                               "linear:8 (passed on to the printed command)."),
     gpu_mem: Optional[float] = typer.Option(None, help="GiB per GPU [default: the card's]."),
     host_mem: Optional[float] = typer.Option(None, help="GiB of host RAM [default: 256]."),
     alpha0: float = typer.Option(0.6, help="Acceptance of L0 drafts by L1 (measured by bench)."),
@@ -55,6 +57,7 @@ def plan(
 ):
     """Search on-chip layers, budget, gamma2 and transfer chunk for the lowest predicted
     ms/token that fits memory; print the plan and the command line to run it."""
+    rope_scaling = model_opts.rope_scaling
     hw = _value(parse_gpus, gpus)
     spec = _value(parse_model, model)
     ctx = _value(parse_context, context)
@@ -98,7 +101,7 @@ def run_command(p: pl.Plan, model_path: str, draft_path: str | None,
         head += f"--rope-scaling {shlex.quote(rope_scaling)} "
     mode = (f"--mode triforce --draft {shlex.quote(draft_path)} --gamma1 {s.gamma1} "
             if draft_path else "--mode retrieval ")
-    return (head + mode + f"--budget {s.budget} --chunk {s.retrieval_chunk} --gamma2 {s.gamma2} "
+    return (head + mode + f"--budget {s.budget} --retrieval-chunk {s.retrieval_chunk} --gamma2 {s.gamma2} "
             f"--offload on --on-chip {s.on_chip} --transfer-chunk {s.transfer_chunk} "
             f"--tp {p.tp} --max-context {s.context}")
 
@@ -132,7 +135,7 @@ def plan_table(p: pl.Plan) -> Table:
 
 
 def auto_plan(cfg, context: int, device: torch.device) -> tuple[dict, str]:
-    """`run --plan auto`: (RunOptions.extra updates, a note for stderr).
+    """`run --plan auto`: (RunOptions.of flat options updates, a note for stderr).
 
     The plan models GPUs with a PCIe link; on a machine without CUDA it leaves the
     defaults alone and says so."""
@@ -162,7 +165,7 @@ def auto_plan(cfg, context: int, device: torch.device) -> tuple[dict, str]:
 
 
 def plan_settings(spec: str, loaded, context: int) -> dict:
-    """`run --plan SPEC`: the RunOptions.extra updates (only `auto` exists)."""
+    """`run --plan SPEC`: the RunOptions.of flat options updates (only `auto` exists)."""
     if spec != "auto":
         raise TriforceError(f"--plan {spec!r}: allowed is auto (see `triforce-offload plan` "
                             "for other machines)")

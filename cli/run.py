@@ -10,97 +10,93 @@ import typer
 from ..bench import zero_inference  # noqa: F401  (registers --mode zero-inference)
 from ..runtime import api
 from ..runtime import tp as tensor_parallel
-from ..runtime.data import encode_prompt, long_prompt
-from ..runtime.sampling import SamplingParams
+from ..runtime.data import builtin_prompt, check_builtin_prompt, encode_prompt
+from ..runtime.errors import TriforceError
+from ..runtime.options import (GenerationOptions, ModelOptions, OffloadOptions, ParallelOptions,
+                               RetrievalOptions, RunOptions)
 from .app import app, read_prompt
 from .launch import join, launch_ranks
+from .options import options
 from .plan import plan_settings
 from .progress import bar, print_stream
-from .show import err, stats_line
+from .show import compare_table, err, stats_line
 
 DEFAULT_PROMPT_TOKENS = 4000
 
 
 @app.command()
+@options
 def run(
-    model: Optional[str] = typer.Option(None, help="HF model directory or .gguf file "
-                                        "[default: bundled SmolLM2-135M-Instruct]"),
+    model: ModelOptions,
+    gen: GenerationOptions,
+    retrieval: RetrievalOptions,
+    offload: OffloadOptions,
+    parallel: ParallelOptions,
     prompt: Optional[str] = typer.Option(None, help="Prompt text ('-' reads stdin) "
                                          "[default: ~4K tokens of essays + a summary request]"),
     prompt_file: Optional[Path] = typer.Option(None, help="Read the prompt from a file ('-' for stdin)."),
     prompt_tokens: int = typer.Option(DEFAULT_PROMPT_TOKENS, help="Length of the built-in essay prompt."),
+    builtin_prompt: str = typer.Option("summary", help="Built-in prompt without --prompt: summary "
+                                       "(essays + a summary request) or continue (essay text to continue)."),
     chat: bool = typer.Option(True, "--chat/--no-chat", help="Wrap the prompt in the chat template."),
-    mode: str = typer.Option("triforce", help="triforce|retrieval|draft|autoregressive "
-                             "(and other registered modes)."),
-    max_new_tokens: int = typer.Option(256, help="Stop after this many new tokens."),
-    temperature: float = typer.Option(0.0, help="0 is greedy."),
-    top_p: float = typer.Option(1.0, help="Nucleus sampling mass."),
-    top_k: int = typer.Option(0, help="Keep the k most likely tokens (0: all)."),
-    seed: Optional[int] = typer.Option(None, help="Seed for sampling."),
-    dtype: Optional[str] = typer.Option(None, help="float32|bfloat16|float16 (fp32/bf16/fp16) "
-                                        "[default: float32 on CPU, bfloat16 on GPUs (float16 without bf16)]"),
-    device: str = typer.Option("auto", help="auto|cpu|cuda"),
-    rope_scaling: Optional[str] = typer.Option(None, help="Stretch the context, e.g. linear:4 "
-                                               "(kinds: linear, dynamic, yarn, llama3)."),
-    prefill_chunk: int = typer.Option(512, help="Tokens per prefill forward."),
-    max_context: Optional[int] = typer.Option(None, help="Cap the cache capacity (tokens)."),
-    draft: str = typer.Option("ngram", help="Bottom drafter: ngram (prompt lookup), self (the "
-                              "target over a streaming cache) or a draft model path (same tokenizer)."),
-    budget: int = typer.Option(4096, help="Retrieval cache tokens per layer and KV head."),
-    chunk: int = typer.Option(8, help="Tokens per retrieval chunk."),
-    gamma1: int = typer.Option(4, help="Tokens the drafter proposes per check."),
-    gamma2: str = typer.Option("6", help="Tokens the retrieval level proposes per verification, "
-                               "or 'auto' (adapt to acceptance and cost)."),
-    draft_sink: int = typer.Option(16, help="Streaming draft cache: first tokens kept."),
-    draft_window: int = typer.Option(240, help="Streaming draft cache: recent tokens kept."),
-    rebuild: str = typer.Option("never", help="Retrieval cache rebuild: never|every:N|adaptive."),
-    tp: int = typer.Option(1, "--tp", help="Tensor-parallel ranks: split heads and MLP over N "
-                           "processes (gloo on CPU, NCCL one GPU each); also works under torchrun."),
-    offload: str = typer.Option("auto", help="auto|on|off: keep the full KV in host memory and "
-                                "stream it (auto: on when it does not fit the device; off on CPU)."),
-    on_chip: int = typer.Option(0, help="With --offload: the first N layers keep their KV on the device."),
-    transfer_chunk: Optional[int] = typer.Option(None, help="Tokens per host->device copy "
-                                                 "[default: from `triforce-offload tune`, else >= 4 MB per copy]."),
-    stage_depth: int = typer.Option(2, help="With --offload: staging ring slots of one transfer "
-                                    "chunk each; also how far copies run ahead while the draft "
-                                    "levels run (2: double-buffered)."),
-    profile: Optional[Path] = typer.Option(None, help="With --offload: write a Chrome trace JSON "
-                                           "of the last verification (copy/compute/wait per layer)."),
     plan: Optional[str] = typer.Option(None, "--plan", help="auto: choose --budget, --gamma2, "
                                        "--on-chip, --transfer-chunk with the cost model for this "
                                        "GPU (overrides them; on a CPU the defaults stay)."),
-    graphs: bool = typer.Option(True, "--graphs/--no-graphs", help="Replay fixed-shape decode and "
-                                "verification steps as CUDA graphs (GPU only; prefill stays eager)."),
+    compare: Optional[str] = typer.Option(None, help="Then run this mode (e.g. autoregressive) on "
+                                          "the same prompt and print both side by side."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text + figures) last."),
 ):
     """Generate from a prompt; ends with a stats line (or a JSON object with --json)."""
-    params = dict(locals())
+    if prompt_tokens < 1:
+        raise TriforceError(f"--prompt-tokens {prompt_tokens}: must be >= 1")
+    check_builtin_prompt(builtin_prompt)  # before any loading
+    if compare is not None:
+        gen.but(mode=compare)  # checks the name before any loading
     text = read_prompt(prompt, prompt_file)  # here: ranks have no stdin
-    if launch_ranks(run, tp, model, rope_scaling, device,
-                    {**params, "prompt": text, "prompt_file": None}):
-        return  # the ranks ran this command; rank 0 printed
-    device = join(tp, device, model, draft)
-    loaded = api.load(model, dtype, device, rope_scaling, progress=lambda m: err.print(m),
-                      shard=tensor_parallel.shard_fn())
-    ids = (long_prompt(loaded.tokenizer, prompt_tokens, chat=chat) if text is None
-           else encode_prompt(loaded.tokenizer, text, chat))
-    flat = dict(offload=offload, on_chip=on_chip, transfer_chunk=transfer_chunk, stage_depth=stage_depth,
-                profile=str(profile) if profile else None,
-                draft=draft, budget=budget, chunk=chunk, gamma1=gamma1, gamma2=gamma2,
-                draft_sink=draft_sink, draft_window=draft_window, rebuild=rebuild)
-    if plan is not None:
-        flat.update(plan_settings(plan, loaded, len(ids) + max_new_tokens))
-    opts = api.RunOptions(mode=mode, max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk,
-                          max_context=max_context, graphs=graphs, extra=flat,
-                          sampling=SamplingParams(temperature, top_p, top_k, seed))
+    job = Job(model, RunOptions(gen, retrieval, offload), text, (builtin_prompt, prompt_tokens),
+              chat, plan, compare, as_json)
+    if not launch_ranks(run_job, parallel.tp, model, gen.draft, dict(job=job, tp=parallel.tp)):
+        run_job(job, parallel.tp)  # else the ranks ran it; rank 0 printed
+
+
+class Job:
+    """One `run` invocation, as the ranks of `--tp` receive it (picklable)."""
+
+    def __init__(self, model, opts, text, builtin, chat, plan, compare, as_json):
+        self.model, self.opts, self.text, self.builtin = model, opts, text, builtin  # (kind, tokens)
+        self.chat, self.plan, self.compare, self.as_json = chat, plan, compare, as_json
+
+
+def run_job(job: Job, tp: int):
+    model = job.model.but(device=join(tp, job.model.device, job.model.model, job.opts.generation.draft))
+    loaded = api.load(model, progress=lambda m: err.print(m), shard=tensor_parallel.shard_fn())
+    ids = (builtin_prompt(loaded.tokenizer, *job.builtin, chat=job.chat) if job.text is None
+           else encode_prompt(loaded.tokenizer, job.text, job.chat))
+    opts = job.opts
+    if job.plan is not None:
+        opts = opts.but(**plan_settings(job.plan, loaded, len(ids) + opts.max_new_tokens))
     err.print(f"model {loaded.cfg.arch} {loaded.cfg.n_layers} layers, {loaded.dtype} on "
-              f"{loaded.device}; mode {mode}; prompt {len(ids)} tokens", highlight=False)
-    stream = None if as_json else print_stream(loaded.tokenizer)
-    with bar("prefill", enabled=len(ids) > prefill_chunk) as progress:
-        toks, st = api.generate(loaded, ids, opts, on_token=stream, progress=progress)
-    d = st.as_dict()
-    if as_json:
-        print(json.dumps({"text": loaded.tokenizer.decode(toks, skip_special_tokens=True), **d}))
+              f"{loaded.device}; mode {opts.mode}; prompt {len(ids)} tokens", highlight=False)
+    text, d = generate(loaded, ids, opts, stream=not job.as_json)
+    if job.compare is None:
+        if job.as_json:
+            print(json.dumps({"text": text, **d}))
+        return
+    err.print(f"now {job.compare} on the same prompt:", highlight=False)
+    text2, d2 = generate(loaded, ids, opts.but(mode=job.compare), stream=False)
+    if job.as_json:
+        print(json.dumps({"text": text, **d, "compare": {"text": text2, **d2}}))
     else:
+        err.print(compare_table(d, d2, text == text2, opts.sampling.greedy))
+
+
+def generate(loaded, ids, opts: RunOptions, stream: bool):
+    """Run one mode on ids, streaming the text to stdout; (text, figures)."""
+    on_token = print_stream(loaded.tokenizer) if stream else None
+    with bar("prefill", enabled=len(ids) > opts.prefill_chunk) as progress:
+        toks, st = api.generate(loaded, ids, opts, on_token=on_token, progress=progress)
+    d = st.as_dict()
+    if stream:
         print(flush=True)
         err.print(stats_line(d), highlight=False)
+    return loaded.tokenizer.decode(toks, skip_special_tokens=True), d

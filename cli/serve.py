@@ -1,11 +1,11 @@
 """`triforce-offload serve`: the OpenAI-compatible server (server/) over one loaded model.
 
-Its generation, retrieval and offload options are `run`'s own (taken from run's signature,
-so the two cannot drift); `run_options` turns them into the engine's options.
+Its model, generation, retrieval and offload options are `run`'s, built from the same
+option types (runtime/options.py); the sampling ones are the defaults of requests that do
+not set them.
 """
 from __future__ import annotations
 
-import inspect
 import re
 import signal
 import socket
@@ -18,27 +18,12 @@ import typer
 
 from ..runtime import api
 from ..runtime.errors import TriforceError
+from ..runtime.options import (GenerationOptions, ModelOptions, OffloadOptions, RetrievalOptions,
+                               RunOptions)
 from ..runtime.prefix_cache import PrefixCache
-from ..runtime.sampling import SamplingParams
 from .app import app
-from .run import run
+from .options import options
 from .show import err
-
-# run's options that serve takes as they are (sampling ones are defaults for requests)
-SHARED = ("model", "mode", "max_new_tokens", "temperature", "top_p", "top_k", "dtype", "device",
-          "rope_scaling", "prefill_chunk", "max_context", "draft", "budget", "chunk", "gamma1",
-          "gamma2", "draft_sink", "draft_window", "rebuild", "offload", "on_chip",
-          "transfer_chunk", "stage_depth", "graphs")
-SPEC_OFFLOAD = ("offload", "on_chip", "transfer_chunk", "stage_depth", "draft", "budget", "chunk",
-                "gamma1", "gamma2", "draft_sink", "draft_window", "rebuild")
-
-
-def run_options(p: dict) -> api.RunOptions:
-    """The engine's options from run's flat CLI values (checked here, before the model loads)."""
-    return api.RunOptions(mode=p["mode"], max_new_tokens=p["max_new_tokens"],
-                          prefill_chunk=p["prefill_chunk"], max_context=p["max_context"],
-                          graphs=p["graphs"], extra={k: p[k] for k in SPEC_OFFLOAD},
-                          sampling=SamplingParams(p["temperature"], p["top_p"], p["top_k"]))
 
 
 def parse_bytes(text: str, what: str) -> int:
@@ -50,7 +35,13 @@ def parse_bytes(text: str, what: str) -> int:
         raise TriforceError(f"{what} {text!r}: give a size such as 4G, 512M or a byte count") from None
 
 
-def _own(
+@app.command()
+@options
+def serve(
+    model: ModelOptions,
+    gen: GenerationOptions,
+    retrieval: RetrievalOptions,
+    offload: OffloadOptions,
     host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0: every interface)."),
     port: int = typer.Option(8000, help="Port to listen on (0: a free one, printed at start)."),
     served_model_name: Optional[str] = typer.Option(None, help="Model id in /v1/models and requests "
@@ -62,31 +53,29 @@ def _own(
     kv_cache_mem: str = typer.Option("4G", help="Host memory for the KV of finished requests, kept "
                                      "for prompts that share their prefix (0: no reuse)."),
 ):
-    """serve's own options (the signature typer reads; see `serve`)."""
-
-
-def serve(**p):
-    """Serve the OpenAI API (chat and completions, streamed or not) with KV reuse across requests."""
+    """Serve the OpenAI API (chat and completions, streamed or not) with KV reuse across
+    requests; --max-new-tokens, --temperature, --top-p, --top-k and --seed are the defaults
+    of requests that do not set them."""
     try:
+        import uvicorn
         from ..server.app import Served, build
         from ..server.metrics import Metrics
         from ..server.worker import Worker
-        import uvicorn
     except ImportError as e:
         raise TriforceError(f"serve needs fastapi and uvicorn ({e.name} is missing): "
                             "pip install 'triforce-offload[serve]'") from None
-    opts = run_options(p)
-    if p["max_queue"] < 1 or p["request_timeout"] <= 0:
+    if max_queue < 1 or request_timeout <= 0:
         raise TriforceError("--max-queue must be >= 1 and --request-timeout > 0")
     if api.world_size() > 1:
-        raise TriforceError("serve runs on one process; tensor parallelism (--tp, torchrun) is run's")
-    sock = listen(p["host"], p["port"])
-    loaded = api.load(p["model"], p["dtype"], p["device"], p["rope_scaling"], progress=lambda m: err.print(m))
-    loaded.prefix = PrefixCache(parse_bytes(p["kv_cache_mem"], "--kv-cache-mem"))
-    metrics = Metrics()
-    worker = Worker(loaded, p["max_queue"], metrics)
-    name = p["served_model_name"] or model_name(p["model"])
-    served = Served(loaded, opts, name, worker, metrics, p["api_key"], p["request_timeout"], int(time.time()))
+        raise TriforceError("serve runs in one process; tensor parallelism (--tp, torchrun) is run's")
+    kv_bytes = parse_bytes(kv_cache_mem, "--kv-cache-mem")
+    sock = listen(host, port)  # a taken port is an error before the model loads
+    loaded = api.load(model, progress=lambda m: err.print(m))
+    loaded.prefix = PrefixCache(kv_bytes)
+    opts, metrics = RunOptions(gen, retrieval, offload), Metrics()
+    worker = Worker(loaded, max_queue, metrics)
+    name = served_model_name or model_name(model.model)
+    served = Served(loaded, opts, name, worker, metrics, api_key, request_timeout, int(time.time()))
     config = uvicorn.Config(build(served), log_level="warning", timeout_graceful_shutdown=5)
     host, port = sock.getsockname()[:2]
     err.print(f"serving {name} ({opts.mode}, {loaded.dtype} on {loaded.device}) on "
@@ -127,9 +116,3 @@ def run_server(config, worker):
             super().handle_exit(sig, frame)
 
     return Server(config)
-
-
-_params = [*inspect.signature(run, eval_str=True).parameters.values()]
-serve.__signature__ = inspect.Signature(
-    [p for p in _params if p.name in SHARED] + list(inspect.signature(_own, eval_str=True).parameters.values()))
-app.command()(serve)

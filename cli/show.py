@@ -44,3 +44,24 @@ def stats_line(d: dict) -> str:
     if "overlap" in d:
         parts.append(f"overlap {d['overlap']:.2f}")
     return " | ".join(parts)
+
+
+def compare_table(a: dict, b: dict, same_text: bool, greedy: bool) -> Table:
+    """`run --compare`: the two modes side by side, the speedup, whether the texts agree."""
+    t = Table(title="side by side, same prompt", title_justify="left")
+    for col in ("", a["mode"], b["mode"]):
+        t.add_column(col, justify="right" if col else "left")
+    rows = [("decode ms/token", lambda d: f"{d['decode_ms_per_token']:.1f}"),
+            ("new tokens", lambda d: str(d["new_tokens"])),
+            ("prefill s", lambda d: f"{d['prefill_s']:.2f}"),
+            ("acceptance per level", lambda d: ", ".join(f"{k} {v:.2f}" for k, v in
+                                                         d.get("acceptance", {}).items()) or "-"),
+            ("mean tokens per verification", lambda d: f"{d['mean_accepted']:.2f}" if "mean_accepted" in d else "-")]
+    for name, f in rows:
+        t.add_row(name, f(a), f(b))
+    t.add_row("speedup", f"{b['decode_ms_per_token'] / a['decode_ms_per_token']:.2f}x", "1.00x")
+    if greedy:
+        t.add_row("texts identical", "yes" if same_text else "NO", "")
+    else:
+        t.add_row("texts identical", "(sampled: equal in distribution, not token for token)", "")
+    return t

@@ -12,7 +12,9 @@ from ..bench.offload_timing import tune_rows
 from ..offload.errors import OffloadError
 from ..offload.tune import save_profile
 from ..runtime import api
+from ..runtime.options import ModelOptions
 from .app import app
+from .options import options
 from .show import err, out
 
 
@@ -32,15 +34,12 @@ def parse_sizes(spec: str) -> list[int]:
 
 
 @app.command()
+@options
 def tune(
-    model: Optional[str] = typer.Option(None, help="HF model directory or .gguf file "
-                                        "[default: bundled SmolLM2-135M-Instruct]"),
+    model: ModelOptions,
     context: int = typer.Option(8192, help="Context (tokens) of the timed verification."),
     tokens: int = typer.Option(6, help="Tokens per verification forward (gamma2)."),
     sizes: str = typer.Option("64-16384", help="Chunk sizes: 64,256,1024 or a range 64-16384."),
-    dtype: Optional[str] = typer.Option(None, help="float32|bfloat16|float16 [default as run]"),
-    device: str = typer.Option("auto", help="auto|cpu|cuda"),
-    rope_scaling: Optional[str] = typer.Option(None, help="Stretch the context, e.g. linear:4."),
     repeats: int = typer.Option(2, help="Timed verifications per size (best is kept)."),
     plot: Optional[Path] = typer.Option(None, help="Write a PNG of GB/s and latency per chunk."),
     save: bool = typer.Option(True, "--save/--no-save", help="Write the device profile `run` reads."),
@@ -48,7 +47,7 @@ def tune(
 ):
     """Measure link GB/s and verify latency per transfer chunk; pick the fastest."""
     chunks = parse_sizes(sizes)
-    loaded = api.load(model, dtype, device, rope_scaling, progress=lambda m: err.print(m))
+    loaded = api.load(model, progress=lambda m: err.print(m))
     rows, best = tune_rows(loaded, context, tokens, chunks, repeats,
                            progress=lambda r: err.print(f"chunk {r['chunk']}: "
                                                         f"{r['verify_ms']:.1f} ms", highlight=False))

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 
 import torch
 import torch.nn.functional as F
 
 from . import native
+from ..settings import environment
 
 
 def _fold(q: torch.Tensor, n_kv: int) -> torch.Tensor:
@@ -56,7 +56,7 @@ def cpu_splits(batch_heads: int, free_keys: int, threads: int | None = None) -> 
 # ---- GPU: which kernel attention runs on ----
 #
 # SDPA picks the cuDNN backend on Hopper, and cuDNN builds a new plan for every key count:
-# 57-79 ms per call while a cache grows by one token a step (gpu/README.md). So on CUDA
+# 57-79 ms per call while a cache grows by one token a step (docs/gpu.md). So on CUDA
 # SDPA is restricted to its flash / memory-efficient backends, and the fixed-capacity
 # (CUDA-graph) path below uses flash-attn's kvcache kernel or our Triton kernel.
 
@@ -100,7 +100,7 @@ def static_path(device) -> tuple[str, str]:
     `triton` on CPU tensors); by default CUDA takes flash-attn when installed, else the
     Triton kernel, else SDPA over the whole buffer with a length mask (flash/efficient
     backends, never cuDNN); the CPU takes the masked SDPA."""
-    return _static_path(os.environ.get("TRIFORCE_OFFLOAD_ATTENTION", "auto"), torch.device(device).type)
+    return _static_path(environment().attention, torch.device(device).type)
 
 
 @functools.lru_cache(maxsize=None)

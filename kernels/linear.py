@@ -13,17 +13,17 @@ non-x86 wheel) or disagrees with `F.linear`, everything uses `F.linear`.
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from ..settings import environment
 
 _onednn: bool | None = None
 
 
 def _probe() -> bool:
-    if os.environ.get("TRIFORCE_OFFLOAD_LINEAR", "").lower() == "torch":
+    if environment().linear == "torch":
         return False
     op = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
     if op is None or not torch.backends.mkldnn.is_available():

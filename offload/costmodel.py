@@ -51,7 +51,7 @@ GPU_RESERVE_FRAC = 0.05  # ... or this fraction of the card, whichever is larger
 HOST_RESERVE_FRAC = 0.1  # OS, page cache, the process itself (assumption)
 MODES = ("autoregressive", "deepspeed", "triforce")
 STAGE_DEPTH = 2  # staging ring slots of one transfer chunk each (2: double-buffered)
-MIN_COPY_BYTES = 4 * 2 ** 20  # pinned copies reach the link's speed from ~4 MB (gpu/README.md)
+MIN_COPY_BYTES = 4 * 2 ** 20  # pinned copies reach the link's speed from ~4 MB (docs/gpu.md)
 
 
 def staging_bytes(transfer_chunk: int, kv_layer_bytes: float, depth: int = STAGE_DEPTH) -> float:

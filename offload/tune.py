@@ -9,7 +9,6 @@ memory favour small chunks, so the best size is measured per machine. `tune` wri
 from __future__ import annotations
 
 import json
-import os
 import platform
 import re
 import time
@@ -18,6 +17,8 @@ from pathlib import Path
 import torch
 
 from .copier import ChunkCopier
+from .costmodel import default_transfer_chunk
+from ..settings import environment
 
 SIZES = tuple(2 ** i for i in range(6, 15))  # 64 .. 16384 tokens
 
@@ -43,8 +44,7 @@ def _cpu_model() -> str:
 
 
 def profile_path(device) -> Path:
-    root = os.environ.get("TRIFORCE_OFFLOAD_CACHE") or Path.home() / ".cache" / "triforce-offload"
-    return Path(root) / "profiles" / f"{device_name(device)}.json"
+    return environment().cache_root() / "profiles" / f"{device_name(device)}.json"
 
 
 def load_profile(device) -> dict | None:
@@ -59,6 +59,12 @@ def profile_chunk(device) -> int | None:
     """The tuned transfer chunk for this device, or None when `tune` has not run here."""
     prof = load_profile(device)
     return int(prof["transfer_chunk"]) if prof and "transfer_chunk" in prof else None
+
+
+def transfer_chunk_for(device, kv_layer_bytes: float, given: int | None = None) -> int:
+    """The transfer chunk every offloaded cache uses: `given` (--transfer-chunk or a plan),
+    else the profile `tune` saved for this device, else >= MIN_COPY_BYTES per copy."""
+    return given or profile_chunk(device) or default_transfer_chunk(kv_layer_bytes)
 
 
 def save_profile(device, rows: list[dict], chunk: int, meta: dict) -> Path:

@@ -7,7 +7,7 @@ comparison modes with `register_mode` (the benchmark library's `zero-inference`)
 """
 from __future__ import annotations
 
-from dataclasses import InitVar, dataclass, field, fields, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -15,10 +15,10 @@ from .config import ModelConfig
 from .errors import TriforceError
 from .generate import autoregressive, capacity, stop_ids
 from .loader import load_model, parse_dtype
-from .offloaded import OffloadOptions, finish_stats, make_full_cache
+from .offloaded import finish_stats, make_full_cache
+from .options import ModelOptions, RunOptions
 from .prefix_cache import lease
-from .sampling import SamplingParams
-from .spec_modes import SPEC_MODES, SpecOptions
+from .spec_modes import SPEC_MODES
 from .distributed import world_size
 from .tp import sync_sampling
 
@@ -41,45 +41,10 @@ class Loaded:
         return ids
 
 
-@dataclass
-class RunOptions:
-    mode: str = "autoregressive"  # see MODES
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    max_new_tokens: int = 256  # stop after this many new tokens
-    prefill_chunk: int = 512  # tokens per prefill forward
-    max_context: int | None = None  # cache capacity; default prompt + max_new_tokens
-    ignore_eos: bool = False  # generate exactly max_new_tokens (benchmarks)
-    graphs: bool = True  # replay fixed-shape steps as CUDA graphs (CUDA only; --no-graphs)
-    spec: SpecOptions = field(default_factory=SpecOptions)  # speculative levels (budget, gammas, ...)
-    offload: OffloadOptions = field(default_factory=OffloadOptions)  # the full cache's host offload
-    extra: InitVar[dict | None] = None  # flat options by CLI name, routed into spec/offload once
-
-    def __post_init__(self, extra):
-        if extra:
-            self.spec, self.offload = option_groups(extra, self.spec, self.offload)
-
-
-def option_groups(flat: dict, spec: SpecOptions | None = None, offload: OffloadOptions | None = None):
-    """Route flat options (`budget`, `transfer_chunk`, ... as the CLI names them; None means
-    the default) into (SpecOptions, OffloadOptions) on top of `spec`/`offload`, checked once;
-    a name neither group knows is refused (a typo must not silently do nothing)."""
-    groups = {SpecOptions: {}, OffloadOptions: {}}
-    for k, v in flat.items():
-        owner = next((g for g in groups if k in {f.name for f in fields(g)}), None)
-        if owner is None:
-            known = sorted(f.name for g in groups for f in fields(g))
-            raise TriforceError(f"unknown option {k!r}; known are {', '.join(known)}")
-        if v is not None:
-            groups[owner][k] = v
-    return (replace(spec or SpecOptions(), **groups[SpecOptions]),
-            replace(offload or OffloadOptions(), **groups[OffloadOptions]))
-
-
 def resolve_device(name: str) -> torch.device:
+    """The device for --device `name` (checked by ModelOptions): present, and current."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
-        raise TriforceError(f"--device {name!r}: allowed are auto, cpu, cuda")
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise TriforceError("--device cuda: no CUDA device is available (torch.cuda.is_available() is False)")
     device = torch.device(name)
@@ -100,14 +65,16 @@ def default_dtype(device: torch.device) -> str:
     return "float32"
 
 
-def load(model_path=None, dtype: str | None = None, device: str = "auto",
+def load(model: ModelOptions | str | None = None, dtype: str | None = None, device: str = "auto",
          rope_scaling: str | None = None, progress=None, shard=None) -> Loaded:
-    """Load a model onto `device`. `shard(model, cfg) -> cfg` (tensor parallelism: this
-    rank's slice, `tp.shard_fn()`) runs on the host before the move, so a GPU never holds
-    the whole model (13B in bf16 does not fit a 24 GB card; its half does)."""
-    dev = resolve_device(device)
-    dt = parse_dtype(dtype or default_dtype(dev))
-    model, cfg, tok = load_model(model_path, dt, dev if shard is None else "cpu", rope_scaling, progress)
+    """Load a model: `load(ModelOptions(...))`, or `load(path, dtype, device, rope_scaling)`
+    (the same fields). `shard(model, cfg) -> cfg` (tensor parallelism: this rank's slice,
+    `tp.shard_fn()`) runs on the host before the move, so a GPU never holds the whole model
+    (13B in bf16 does not fit a 24 GB card; its half does)."""
+    o = model if isinstance(model, ModelOptions) else ModelOptions(model, dtype, device, rope_scaling)
+    dev = resolve_device(o.device)
+    dt = parse_dtype(o.dtype or default_dtype(dev))
+    model, cfg, tok = load_model(o.model, dt, dev if shard is None else "cpu", o.rope_scaling, progress)
     if shard is not None:
         cfg = shard(model, cfg)
         model.to(dev)
@@ -149,13 +116,9 @@ def register_mode(name: str, runner) -> None:
 
 def generate(loaded: Loaded, prompt: list[int], opts: RunOptions, on_token=None, progress=None):
     """Generate with the chosen mode. Returns (new token ids, Stats)."""
-    if opts.mode not in MODES:
-        raise TriforceError(f"--mode {opts.mode!r}: allowed are {', '.join(MODES)}")
-    if opts.max_new_tokens < 1:
-        raise TriforceError(f"--max-new-tokens {opts.max_new_tokens}: must be >= 1")
     if not prompt:
         raise TriforceError("the prompt is empty")
-    opts = replace(opts, sampling=sync_sampling(opts.sampling))  # tensor-parallel ranks in lockstep
+    opts = opts.but(seed=sync_sampling(opts.sampling).seed)  # tensor-parallel ranks in lockstep
     toks, st = MODES[opts.mode](loaded, prompt, opts, on_token, progress)
     if world_size() > 1:
         st.extra.setdefault("tp", world_size())

@@ -18,13 +18,13 @@ host, so the forward can be captured and replayed as a CUDA graph (runtime/graph
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
 from ..kernels.attention import attention, static_attention
 from .config import ModelConfig
 from .errors import TriforceError
+from ..settings import environment
 
 
 class KVCache:
@@ -82,7 +82,7 @@ class FullCache(KVCache):
         # the static path (default on CUDA; TRIFORCE_OFFLOAD_STATIC=1 anywhere) reads whole
         # buffers through the length-masked reference: slots must then hold finite values
         if static is None:
-            static = torch.device(device).type == "cuda" or os.environ.get("TRIFORCE_OFFLOAD_STATIC") == "1"
+            static = torch.device(device).type == "cuda" or environment().static
         self.static = static
         alloc = torch.zeros if self.static else torch.empty
         shape = (batch, cfg.n_kv_heads, capacity, cfg.head_dim)  # [B, Hkv, S, D]

@@ -32,6 +32,21 @@ def long_prompt(tokenizer, n_tokens: int = 4000, ask: str = SUMMARY_ASK, chat: b
     return encode_prompt(tokenizer, f"{body}\n\n{ask}", chat)
 
 
+def builtin_prompt(tokenizer, kind: str, n_tokens: int, chat: bool = True) -> list[int]:
+    """The built-in prompt: `summary` (essays + a summary request) or `continue` (essay text
+    to continue, no request and no chat template: the model's own repetitions are what a
+    prompt-lookup drafter catches)."""
+    if check_builtin_prompt(kind) == "summary":
+        return long_prompt(tokenizer, n_tokens, chat=chat)
+    return tokenizer(tokenizer.decode(essay_tokens(tokenizer, n_tokens))).input_ids
+
+
+def check_builtin_prompt(kind: str) -> str:
+    if kind not in ("summary", "continue"):
+        raise TriforceError(f"--builtin-prompt {kind!r}: allowed are summary, continue")
+    return kind
+
+
 def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
     if chat and getattr(tokenizer, "chat_template", None):
         return encode_chat(tokenizer, [{"role": "user", "content": text}])

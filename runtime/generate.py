@@ -82,8 +82,6 @@ def prefill(model, cache, ids: torch.Tensor, start: int = 0, prefill_chunk: int 
     """Run ids [B, T] through the model `prefill_chunk` tokens per forward; commit; last
     logits [B, V]. Returns with the device idle (CUDA): the prefill's time is its own, not
     the first decode step's."""
-    if prefill_chunk < 1:
-        raise TriforceError(f"--prefill-chunk {prefill_chunk}: must be >= 1")
     if hasattr(cache, "hold"):  # an offloaded cache: layer-major, nothing re-streamed
         logits = prefill_layer_major(model, cache, ids, start, prefill_chunk, progress)
     else:

@@ -17,11 +17,11 @@ hand-made `torch.cuda.CUDAGraph` keeps the dependency surface to torch itself.
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 
 import torch
+from ..settings import environment
 
 
 @dataclass
@@ -39,7 +39,7 @@ class Step:
         self.device = next(model.parameters()).device
         static = getattr(cache, "static", False)
         self.graphed = bool(graphs and static and self.device.type == "cuda")
-        self.static = self.graphed or (static and os.environ.get("TRIFORCE_OFFLOAD_STATIC") == "1")
+        self.static = self.graphed or (static and environment().static)
         self.start = torch.zeros(1, dtype=torch.int64, device=self.device)  # static start
         self.graphs: dict[tuple, _Graph | None] = {}  # None: capture failed, run eager
         self.pool = None  # one memory pool shared by this step's graphs

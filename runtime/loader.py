@@ -20,6 +20,7 @@ from . import gguf_check
 from .config import ModelConfig, apply_rope_override
 from .errors import TriforceError
 from .model import Rotary, Transformer
+from ..settings import environment
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -44,8 +45,7 @@ def default_model_path() -> Path:
 
 
 def cache_root() -> Path:
-    root = os.environ.get("TRIFORCE_OFFLOAD_CACHE") or Path.home() / ".cache" / "triforce-offload"
-    return Path(root)
+    return environment().cache_root()
 
 
 def file_key(path: Path, block: int = 1 << 24) -> str:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import weakref
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,36 +29,17 @@ import torch
 from ..kernels.attention import attention
 from ..kernels.chunked import StreamedAttention
 from ..offload.copier import ChunkCopier
-from ..offload.costmodel import STAGE_DEPTH, default_transfer_chunk, staging_bytes
+from ..offload.costmodel import STAGE_DEPTH, staging_bytes
 from ..offload.scheduler import PipelineScheduler
 from ..offload.store import HostKVStore, StoreSpec, check_memory, device_available
 from ..offload.timeline import Span, Timeline, device_clock
-from ..offload.tune import profile_chunk
+from ..offload.tune import transfer_chunk_for
 from .cache import FullCache, KVCache
 from .errors import TriforceError
 from .tp import agree
 
-OFFLOAD_CHOICES = ("auto", "on", "off")
 HOST_HINT = "lower --max-context or --max-new-tokens (or shorten the prompt)"
 DEVICE_HINT = "lower --on-chip or --transfer-chunk"
-
-
-@dataclass
-class OffloadOptions:
-    offload: str = "auto"  # auto|on|off; auto: on when the full KV does not fit the device
-    on_chip: int = 0  # first layers whose KV stays on the device
-    transfer_chunk: int | None = None  # tokens per copy; None: tuned profile, else >= 4 MB per copy
-    stage_depth: int = STAGE_DEPTH  # staging ring slots of one transfer chunk (2: double-buffered)
-    overlap: bool = True  # False: serialized reference (copy, then compute)
-    profile: str | None = None  # write a Chrome trace of the last verification forward here
-
-    def __post_init__(self):
-        if self.offload not in OFFLOAD_CHOICES:
-            raise TriforceError(f"--offload {self.offload!r}: allowed are {', '.join(OFFLOAD_CHOICES)}")
-        if self.transfer_chunk is not None and self.transfer_chunk < 1:
-            raise TriforceError(f"--transfer-chunk {self.transfer_chunk}: must be >= 1 token")
-        if self.stage_depth < 1:
-            raise TriforceError(f"staging depth {self.stage_depth}: must be >= 1 slot")
 
 
 class OffloadedCache(KVCache):
@@ -71,11 +51,9 @@ class OffloadedCache(KVCache):
         super().__init__(cfg, batch)
         if not 0 <= on_chip <= cfg.n_layers:
             raise TriforceError(f"--on-chip {on_chip}: must be between 0 and {cfg.n_layers} layers")
-        if transfer_chunk is not None and transfer_chunk < 1:
-            raise TriforceError(f"--transfer-chunk {transfer_chunk}: must be >= 1 token")
         spec = StoreSpec(list(range(on_chip, cfg.n_layers)), cfg.n_kv_heads, cfg.head_dim,
                          capacity, batch, dtype)
-        transfer_chunk = min(transfer_chunk or default_transfer_chunk(spec.bytes_per_token()), capacity)
+        transfer_chunk = min(transfer_chunk_for(device, spec.bytes_per_token(), transfer_chunk), capacity)
         self.capacity, self.on_chip, self.device = capacity, on_chip, device
         self.transfer_chunk = transfer_chunk  # tokens per host-to-device copy
         self._check(spec, depth)
@@ -301,7 +279,7 @@ def prefill_layer_major(model, cache, ids: torch.Tensor, start: int, prefill_chu
     return model.lm_head(body.norm(x[:, -1:]))[:, -1]
 
 
-def use_offload(o: OffloadOptions, cfg, capacity: int, dtype, device) -> bool:
+def use_offload(o, cfg, capacity: int, dtype, device) -> bool:
     """`auto`: offload when the full KV would not fit in 80% of the free device memory;
     on a CPU the device is the host, so auto means off."""
     if o.offload != "auto":
@@ -322,9 +300,8 @@ def make_full_cache(loaded, capacity: int, opts) -> KVCache:
         if o.profile:
             raise TriforceError("--profile times the offload pipeline: add --offload on")
         return FullCache(loaded.cfg, capacity, dtype=loaded.dtype, device=loaded.device)
-    transfer_chunk = o.transfer_chunk or profile_chunk(loaded.device)  # else >= 4 MB per copy
     return OffloadedCache(loaded.cfg, capacity, dtype=loaded.dtype, device=loaded.device,
-                          on_chip=o.on_chip, transfer_chunk=transfer_chunk, depth=o.stage_depth,
+                          on_chip=o.on_chip, transfer_chunk=o.transfer_chunk, depth=o.stage_depth,
                           overlap=o.overlap)
 
 

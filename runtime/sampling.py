@@ -2,36 +2,9 @@
 argmax, so speculative acceptance needs no special case for it."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from .errors import TriforceError
-
-
-@dataclass
-class SamplingParams:
-    temperature: float = 0.0  # 0 means greedy
-    top_p: float = 1.0  # nucleus mass kept, in (0, 1]
-    top_k: int = 0  # keep the k most likely tokens; 0 keeps all
-    seed: int | None = None  # for reproducible sampling
-
-    def __post_init__(self):
-        if self.temperature < 0:
-            raise TriforceError(f"--temperature {self.temperature}: must be >= 0 (0 is greedy)")
-        if not 0 < self.top_p <= 1:
-            raise TriforceError(f"--top-p {self.top_p}: must be in (0, 1]")
-        if self.top_k < 0:
-            raise TriforceError(f"--top-k {self.top_k}: must be >= 0 (0 keeps all tokens)")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    def generator(self, device="cpu") -> torch.Generator:
-        g = torch.Generator(device=device)
-        g.manual_seed(self.seed if self.seed is not None else torch.seed())
-        return g
+from .options import SamplingParams  # noqa: F401  (defined with the other options)
 
 
 def probs(logits: torch.Tensor, sp: SamplingParams) -> torch.Tensor:

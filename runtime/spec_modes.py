@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
 
 import torch
 
@@ -23,52 +22,11 @@ from .prefix_cache import lease
 from .retrieval import Recorder, RetrievalCache
 from .sampling import probs, sample
 from .streaming import StreamingCache
+from .options import GenerationOptions
 from .tp import agree
 
 
-@dataclass
-class SpecOptions:
-    """Options of the speculative modes. `chunk` (`--chunk`) is the retrieval chunk: the
-    tokens the retrieval cache scores and selects as one (RetrievalCache.retrieval_chunk),
-    not the transfer chunk (OffloadOptions.transfer_chunk) nor the prefill chunk
-    (RunOptions.prefill_chunk)."""
-
-    draft: str = "ngram"  # ngram | self | path of a draft model with the target's tokenizer
-    budget: int = 4096  # retrieval cache tokens per layer and KV head
-    chunk: int = 8  # the retrieval chunk: tokens per scored and selected chunk
-    gamma1: int = 4  # tokens the drafter proposes per check by the middle level (or target)
-    gamma2: str = "6"  # tokens the middle level proposes per verification, or "auto"
-    draft_sink: int = 16  # streaming cache: first tokens always kept
-    draft_window: int = 240  # streaming cache: recent tokens kept (256 minus gamma room)
-    rebuild: str = "never"  # never | every:N | adaptive
-    ngram: int = 3  # longest n-gram the prompt-lookup drafter matches
-
-    def __post_init__(self):
-        self.gamma2 = str(self.gamma2)
-        self.check()
-
-    def check(self):
-        if self.chunk < 1:
-            raise TriforceError(f"--chunk {self.chunk}: must be >= 1")
-        if self.budget < 2 * self.chunk:
-            raise TriforceError(f"--budget {self.budget}: must be at least 2 chunks "
-                                f"(2 x --chunk {self.chunk} = {2 * self.chunk} tokens)")
-        if self.gamma1 < 1:
-            raise TriforceError(f"--gamma1 {self.gamma1}: must be >= 1")
-        if self.gamma2 != "auto" and (not self.gamma2.isdigit() or int(self.gamma2) < 1):
-            raise TriforceError(f"--gamma2 {self.gamma2!r}: must be an integer >= 1 or 'auto'")
-        if self.draft_sink < 0 or self.draft_window < 1:
-            raise TriforceError(f"--draft-sink {self.draft_sink} / --draft-window {self.draft_window}: "
-                                "need sink >= 0 and window >= 1")
-        Rebuild.parse(self.rebuild)
-
-    @property
-    def gamma2_start(self) -> int:
-        """gamma2 of the first verification ('auto' starts at 6 and adapts)."""
-        return 6 if self.gamma2 == "auto" else int(self.gamma2)
-
-
-def make_drafter(o: SpecOptions, loaded, prompt, full):
+def make_drafter(o: GenerationOptions, loaded, prompt, full):
     """The bottom level: n-gram lookup, the target over a streaming cache, or a draft model."""
     if o.draft == "ngram":
         return NgramDrafter(loaded.cfg.vocab_size, o.ngram, loaded.device)
@@ -86,7 +44,7 @@ def make_drafter(o: SpecOptions, loaded, prompt, full):
     return lv
 
 
-def check_draft(o: SpecOptions, loaded):
+def check_draft(o: GenerationOptions, loaded):
     """Compare a draft model's tokenizer with the target's before its weights load (a GGUF
     draft's first conversion prints progress bars: a mismatch stays one line)."""
     if o.draft not in ("ngram", "self"):
@@ -94,30 +52,34 @@ def check_draft(o: SpecOptions, loaded):
         check_vocab(loaded.tokenizer, peek_tokenizer(o.draft))
 
 
-def build_levels(kind, o: SpecOptions, loaded, prompt, full, notes: list, graphs: bool = True):
-    n = len(prompt)
-    top = ModelLevel(loaded.model, full, "full", graphs, held=n)
+def build_levels(kind, opts, loaded, prompt, full, notes: list):
+    """[drafter?, target+retrieval?, target+full] and their gammas for `kind`."""
+    g, r, n = opts.generation, opts.retrieval, len(prompt)
+    top = ModelLevel(loaded.model, full, "full", g.graphs, held=n)
     levels, gammas = [top], []
     if kind in ("triforce", "retrieval"):
-        if o.budget % o.chunk:
-            notes.append(f"budget {o.budget} rounded down to {o.budget // o.chunk * o.chunk} "
-                         f"(a multiple of chunk {o.chunk})")
-        if kind == "triforce" and RetrievalCache.fits(n, o.budget, o.chunk):
+        budget, chunk = r.budget_for(n), r.retrieval_chunk
+        if budget % chunk:
+            notes.append(f"budget {budget} rounded down to {budget // chunk * chunk} "
+                         f"(a multiple of --retrieval-chunk {chunk})")
+        if kind == "triforce" and RetrievalCache.fits(n, budget, chunk):
             # the middle level would run the full model over a copy of the full cache: pure cost
-            notes.append(f"prompt of {n} tokens fits the budget {o.budget}: no retrieval level, "
+            notes.append(f"prompt of {n} tokens fits the budget {budget}: no retrieval level, "
                          f"the drafter drafts for the full cache directly (lower --budget to keep it)")
         else:
             extra = full.capacity - n + 64
-            ret = RetrievalCache(loaded.cfg, o.budget, o.chunk, extra, dtype=loaded.dtype, device=loaded.device)
+            ret = RetrievalCache(loaded.cfg, budget, chunk, extra, dtype=loaded.dtype, device=loaded.device)
             ret.build(full, full.q, n)
             if ret.holds_all:
                 notes.append(f"prompt of {n} tokens fits the budget: the retrieval cache holds all of it")
-            mid = ModelLevel(loaded.model, ret, "retrieval", graphs, held=n)
+            mid = ModelLevel(loaded.model, ret, "retrieval", g.graphs, held=n)
             levels.insert(0, mid)
-            gammas.insert(0, o.gamma2_start)
+            gammas.insert(0, g.gamma2_start)
+            notes.append(f"retrieval level: budget {budget} tokens of {n} "
+                         f"({'auto' if r.budget is None else '--budget'})")
     if kind in ("triforce", "draft"):
-        levels.insert(0, make_drafter(o, loaded, prompt, full))
-        gammas.insert(0, o.gamma1)
+        levels.insert(0, make_drafter(g, loaded, prompt, full))
+        gammas.insert(0, g.gamma1)
     return levels, gammas
 
 
@@ -125,7 +87,7 @@ def run_speculative(kind: str, loaded, prompt, opts, on_token=None, progress=Non
     """Prefill the full cache (recording the last prompt token's queries), then speculate.
     A kept cache of loaded.prefix may hold a prefix of the prompt: only the rest (at least
     its last token, for the queries) is prefilled."""
-    check_draft(opts.spec, loaded)  # a draft model
+    check_draft(opts.generation, loaded)  # a draft model
     # with another tokenizer fail before the long prefill
     cap, max_new = capacity(loaded, len(prompt), opts)
     # in memory, or offloaded with --offload; with loaded.prefix maybe holding a prefix already
@@ -134,7 +96,7 @@ def run_speculative(kind: str, loaded, prompt, opts, on_token=None, progress=Non
         t0 = time.perf_counter()
         ids = torch.tensor([prompt[kv.start:]], device=loaded.device)
         logits = prefill(loaded.model, full, ids, kv.start, opts.prefill_chunk, progress)
-        toks, st = speculate(kind, loaded, prompt, replace(opts, max_new_tokens=max_new), full,
+        toks, st = speculate(kind, loaded, prompt, opts.but(max_new_tokens=max_new), full,
                              logits, on_token)
         st.prefill_s = time.perf_counter() - t0 - st.decode_s
         finish_stats(full.inner, st, opts)
@@ -150,14 +112,14 @@ def speculate(kind: str, loaded, prompt, opts, full, logits, on_token=None):
     Stats.prefill_s covers building the retrieval cache and the drafter here; benchmarks
     reuse one prefill for several modes (roll `full` back and restore its queries).
     """
-    o = opts.spec
+    o = opts.generation
     t0 = time.perf_counter()
     notes = []
-    levels, gammas = build_levels(kind, o, loaded, prompt, full, notes, opts.graphs)
+    levels, gammas = build_levels(kind, opts, loaded, prompt, full, notes)
     sp = opts.sampling
     gen = sp.generator(loaded.device)
     auto = AutoGamma(o.gamma2_start) if o.gamma2 == "auto" and kind != "draft" else None  # adapts gamma2
-    eng = Engine(levels, gammas, sp, gen, auto, Rebuild.parse(o.rebuild), agree=agree)
+    eng = Engine(levels, gammas, sp, gen, auto, Rebuild.parse(opts.retrieval.rebuild), agree=agree)
     t1 = time.perf_counter()
     seq = list(prompt) + [int(sample(probs(logits[0], sp), gen))]
     with torch.inference_mode():

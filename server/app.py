@@ -13,7 +13,7 @@ import queue
 import secrets
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
@@ -24,7 +24,6 @@ from starlette.exceptions import HTTPException
 from ..runtime import api
 from ..runtime.data import encode_chat
 from ..runtime.errors import TriforceError
-from ..runtime.sampling import SamplingParams
 from .metrics import Metrics
 from .schema import ApiError, ChatRequest, CompletionRequest, Request
 from .worker import Job, Worker
@@ -158,14 +157,11 @@ def make_job(s: Served, req: Request, ids: list[int], max_tokens: int | None) ->
     if max_tokens is not None and n + max_tokens > limit:
         raise ApiError(400, f"max_tokens {max_tokens} + the prompt's {n} tokens exceed the context "
                        f"of {limit} tokens", "max_tokens", "context_length_exceeded")
-    o = s.opts
-    try:
-        sp = SamplingParams(o.sampling.temperature if req.temperature is None else req.temperature,
-                            o.sampling.top_p if req.top_p is None else req.top_p,
-                            o.sampling.top_k if req.top_k is None else req.top_k, req.seed)
+    try:  # unset fields (None) keep the server's defaults
+        opts = s.opts.but(temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, seed=req.seed,
+                          max_new_tokens=min(max_tokens or s.opts.max_new_tokens, limit - n))
     except TriforceError as e:
         raise ApiError(400, str(e)) from None
-    opts = replace(o, sampling=sp, max_new_tokens=min(max_tokens or o.max_new_tokens, limit - n))
     return Job(ids, opts, req.stops(), asyncio.get_running_loop(), time.monotonic() + s.timeout)
 
 

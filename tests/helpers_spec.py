@@ -31,6 +31,6 @@ def repetitive_prompt(n: int, vocab: int, seed: int = 0) -> list[int]:
 
 
 def run(loaded, prompt, mode, n=32, temperature=0.0, seed=0, **extra):
-    opts = RunOptions(mode=mode, max_new_tokens=n, extra=extra,
+    opts = RunOptions.of(mode=mode, max_new_tokens=n, **extra,
                       sampling=SamplingParams(temperature=temperature, seed=seed))
     return generate(loaded, prompt, opts)

@@ -97,10 +97,10 @@ class _NoTokenizer:
 # (model, mode, extra): every mode through api.generate, greedy
 MODE_CASES = [
     ("llama-gqa", "autoregressive", {}),
-    ("llama-gqa", "triforce", dict(budget=16, chunk=4, gamma1=2, gamma2="3")),
-    ("qwen2-bias", "triforce", dict(budget=16, chunk=4, draft="self", gamma2="auto")),
-    ("llama-kv1", "retrieval", dict(budget=16, chunk=4, offload="on", on_chip=1, transfer_chunk=8)),
-    ("llama-gqa", "triforce", dict(budget=16, chunk=4, offload="on", transfer_chunk=8)),
+    ("llama-gqa", "triforce", dict(budget=16, retrieval_chunk=4, gamma1=2, gamma2="3")),
+    ("qwen2-bias", "triforce", dict(budget=16, retrieval_chunk=4, draft="self", gamma2="auto")),
+    ("llama-kv1", "retrieval", dict(budget=16, retrieval_chunk=4, offload="on", on_chip=1, transfer_chunk=8)),
+    ("llama-gqa", "triforce", dict(budget=16, retrieval_chunk=4, offload="on", transfer_chunk=8)),
     ("llama-mha", "autoregressive", dict(offload="on", on_chip=1, transfer_chunk=8)),
 ]
 
@@ -112,7 +112,7 @@ def run_modes(prompt: list[int], n_new: int) -> list[dict]:
     for name, mode, extra in MODE_CASES:
         m = build(name)
         loaded = tp.shard(api.Loaded(m, m.config, _NoTokenizer(), torch.device("cpu"), torch.float32))
-        opts = api.RunOptions(mode=mode, max_new_tokens=n_new, extra=dict(extra), ignore_eos=True)
+        opts = api.RunOptions.of(mode=mode, max_new_tokens=n_new, **dict(extra), ignore_eos=True)
         toks, st = api.generate(loaded, prompt, opts)
         out.append({"tokens": toks, "kv_heads": loaded.cfg.n_kv_heads,
                     "offloaded": bool(st.extra.get("offload"))})

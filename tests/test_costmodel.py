@@ -108,7 +108,7 @@ def test_plan_fits_memory_and_beats_baseline():
     from triforce_offload.cli.plan import run_command
     cmd = run_command(p, "/models/llama 7b", "/models/llama-68m")
     assert cmd.startswith("triforce-offload run --model '/models/llama 7b' --mode triforce")
-    for flag in ("--budget", "--chunk 8", "--gamma1", "--gamma2", "--on-chip",
+    for flag in ("--budget", "--retrieval-chunk 8", "--gamma1", "--gamma2", "--on-chip",
                  "--transfer-chunk", "--offload on", "--tp 2"):
         assert flag in cmd
     no_draft = run_command(p, "/models/llama 7b", None)  # no L0 model: the retrieval mode,

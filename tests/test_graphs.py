@@ -261,9 +261,9 @@ def test_cuda_greedy_every_mode_fp32(mode, extra):
     L = tiny(scale=3.0, seed=1)
     L = Loaded(L.model.to("cuda"), L.cfg, L.tokenizer, torch.device("cuda"), torch.float32)
     prompt = repetitive_prompt(300, L.cfg.vocab_size, seed=3)
-    eager = RunOptions(mode="autoregressive", max_new_tokens=40, graphs=False, sampling=SamplingParams())
+    eager = RunOptions.of(mode="autoregressive", max_new_tokens=40, graphs=False, sampling=SamplingParams())
     ref, _ = generate(L, prompt, eager)
-    out, st = generate(L, prompt, RunOptions(mode=mode, max_new_tokens=40, extra=dict(extra),
+    out, st = generate(L, prompt, RunOptions.of(mode=mode, max_new_tokens=40, **dict(extra),
                                              sampling=SamplingParams()))
     assert out == ref and st.extra["graphs"] and st.extra["graph_captures"] >= 1
 

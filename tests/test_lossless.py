@@ -34,7 +34,7 @@ MODES = [
     ("draft", {"draft": "self", "draft_sink": 4, "draft_window": 16}),
     ("retrieval", {"budget": 64}),
     ("triforce", {"budget": 64}),
-    ("triforce", {"budget": 32, "chunk": 4, "draft": "self", "draft_window": 8, "gamma2": "auto"}),
+    ("triforce", {"budget": 32, "retrieval_chunk": 4, "draft": "self", "draft_window": 8, "gamma2": "auto"}),
     ("triforce", {"budget": 60, "rebuild": "every:7", "gamma1": 2, "gamma2": "3"}),
     ("triforce", {"budget": 48, "rebuild": "adaptive"}),
     ("triforce", {"budget": 4096}),  # prompt shorter than the budget
@@ -70,7 +70,7 @@ def test_notes_for_small_prompt_and_rounded_budget():
     assert list(st.extra["acceptance"]) == ["ngram"]  # drafter -> full, the middle level dropped
     _, st = run(L, repetitive_prompt(40, 64), "retrieval", 4, budget=4096)
     assert any("holds all of it" in n for n in st.extra["notes"])  # the ablation keeps its level
-    _, st = run(L, repetitive_prompt(100, 64), "triforce", 4, budget=20, chunk=8)
+    _, st = run(L, repetitive_prompt(100, 64), "triforce", 4, budget=20, retrieval_chunk=8)
     assert any("rounded down to 16" in n for n in st.extra["notes"])
 
 
@@ -109,9 +109,9 @@ def chi2_p(counts, probs_, min_expected=5.0):
 
 
 SAMPLING_MODES = [
-    ("triforce", {"budget": 8, "chunk": 4}),  # n-gram -> retrieval -> full
-    ("triforce", {"budget": 8, "chunk": 4, "draft": "self", "draft_sink": 1, "draft_window": 2}),
-    ("retrieval", {"budget": 8, "chunk": 4, "gamma2": "2"}),
+    ("triforce", {"budget": 8, "retrieval_chunk": 4}),  # n-gram -> retrieval -> full
+    ("triforce", {"budget": 8, "retrieval_chunk": 4, "draft": "self", "draft_sink": 1, "draft_window": 2}),
+    ("retrieval", {"budget": 8, "retrieval_chunk": 4, "gamma2": "2"}),
     ("draft", {"draft": "self", "draft_sink": 1, "draft_window": 2}),
 ]
 

@@ -42,7 +42,7 @@ def test_smollm2_greedy_equals_autoregressive(setup, mode, extra):
     L, prompt, full, logits, qs, ref = setup
     full.commit(len(prompt))
     full.q = dict(qs)
-    opts = api.RunOptions(mode=mode, max_new_tokens=N_NEW, ignore_eos=True, extra=dict(extra),
+    opts = api.RunOptions.of(mode=mode, max_new_tokens=N_NEW, ignore_eos=True, **dict(extra),
                           sampling=SamplingParams())
     out, st = speculate(mode, L, prompt, opts, full, logits)
     assert len(ref) == N_NEW

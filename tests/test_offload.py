@@ -166,7 +166,7 @@ class FakeLoaded:
 
 def test_make_full_cache_choices(tmp_path, monkeypatch):
     monkeypatch.setenv("TRIFORCE_OFFLOAD_CACHE", str(tmp_path))
-    mk = lambda **kw: make_full_cache(FakeLoaded, CAP, RunOptions(extra=kw))
+    mk = lambda **kw: make_full_cache(FakeLoaded, CAP, RunOptions.of(**kw))
     assert type(mk()) is FullCache  # auto on a CPU: the device is the host
     assert type(mk(offload="off")) is FullCache
     c = mk(offload="on")  # >= 4 MB per copy, at most the capacity
@@ -182,7 +182,7 @@ def test_make_full_cache_choices(tmp_path, monkeypatch):
 
 def test_profile_trace_and_overlap_stats(model, tmp_path):
     path = tmp_path / "trace.json"
-    opts = RunOptions(extra={"offload": "on", "transfer_chunk": 8, "profile": str(path)})
+    opts = RunOptions.of(**{"offload": "on", "transfer_chunk": 8, "profile": str(path)})
     cache = make_full_cache(FakeLoaded, CAP, opts)
     prompt = list(range(1, 50))
     _, st = autoregressive(model, cache, prompt, SamplingParams(), 5, set(), prefill_chunk=64)

@@ -38,7 +38,7 @@ def test_run_offload_profile_and_zero_inference(tiny_model_dir, tmp_path):
 
 @pytest.mark.parametrize("flags,needle", [(["--offload", "maybe"], "--offload 'maybe'"),
                                           (["--offload", "on", "--on-chip", "7"], "--on-chip 7"),
-                                          (["--offload", "on", "--stage-depth", "0"], "staging depth 0"),
+                                          (["--offload", "on", "--stage-depth", "0"], "--stage-depth 0: must be >= 1"),
                                           (["--profile", "x.json"], "--profile")])
 def test_run_offload_user_errors(tiny_model_dir, flags, needle):
     r = cli("run", "--model", tiny_model_dir, "--mode", "autoregressive", "--prompt", "Hi",
@@ -63,8 +63,8 @@ def test_smollm2_offloaded_greedy_equal():
     loaded = api.load(None, "float32", "cpu")
     ids = long_prompt(loaded.tokenizer, 250)
     run = lambda mode, **extra: api.generate(
-        loaded, ids, api.RunOptions(mode=mode, max_new_tokens=8, prefill_chunk=128,
-                                    sampling=SamplingParams(), extra=extra))
+        loaded, ids, api.RunOptions.of(mode=mode, max_new_tokens=8, prefill_chunk=128,
+                                    sampling=SamplingParams(), **extra))
     want, _ = run("autoregressive")
     got, st = run("autoregressive", offload="on", on_chip=4, transfer_chunk=100)
     assert got == want and st.extra["streamed_gb"] > 0

@@ -195,9 +195,9 @@ def test_triforce_offload_trace_shows_prefetch(tiny_model_dir, tmp_path, depth):
     loaded = api.load(str(tiny_model_dir), "float32", "cpu")
     prompt = torch.randint(5, 1000, (300,), generator=torch.Generator().manual_seed(4)).tolist()
     trace = tmp_path / "trace.json"
-    opts = api.RunOptions(mode="triforce", max_new_tokens=12, prefill_chunk=128, ignore_eos=True,
+    opts = api.RunOptions.of(mode="triforce", max_new_tokens=12, prefill_chunk=128, ignore_eos=True,
                           sampling=SamplingParams(),
-                          extra={"offload": "on", "transfer_chunk": 16, "stage_depth": depth,
+                          **{"offload": "on", "transfer_chunk": 16, "stage_depth": depth,
                                  "profile": str(trace), "budget": 64})
     toks, st = api.generate(loaded, prompt, opts)
     assert len(toks) >= 12 and st.extra["offload"] and 0.0 <= st.extra["overlap"] <= 1.0

@@ -36,7 +36,7 @@ def smol():
 
 
 def _greedy(L, prompt, mode, chunk):
-    opts = api.RunOptions(mode=mode, max_new_tokens=N_NEW, ignore_eos=True, prefill_chunk=chunk,
+    opts = api.RunOptions.of(mode=mode, max_new_tokens=N_NEW, ignore_eos=True, prefill_chunk=chunk,
                           sampling=SamplingParams())
     return api.generate(L, prompt, opts)[0]
 

@@ -12,7 +12,7 @@ MODES = ["autoregressive", "triforce", "retrieval", "draft"]
 
 
 def opts(mode, n=16, **extra):
-    return api.RunOptions(mode=mode, max_new_tokens=n, ignore_eos=True, extra=extra)
+    return api.RunOptions.of(mode=mode, max_new_tokens=n, ignore_eos=True, **extra)
 
 
 def cold(L, prompt, o):
@@ -92,7 +92,7 @@ def test_on_token_true_stops_and_cancel_keeps_the_prompt(mode):
 
     def cancel(done, total):
         raise KeyboardInterrupt  # the server's cancel during a prefill
-    one_by_one = api.RunOptions(mode=mode, max_new_tokens=8, prefill_chunk=1, extra=dict(budget=32))
+    one_by_one = api.RunOptions.of(mode=mode, max_new_tokens=8, prefill_chunk=1, budget=32)
     store.clear()
     with pytest.raises(KeyboardInterrupt):
         api.generate(L, prompt + [1, 2], one_by_one, progress=cancel)

@@ -34,9 +34,9 @@ def decode(prefilled, rebuild, n=48):
     L, prompt, full, logits, qs = prefilled
     full.commit(len(prompt))
     full.q = dict(qs)
-    opts = RunOptions(mode="retrieval", max_new_tokens=n, ignore_eos=True,
+    opts = RunOptions.of(mode="retrieval", max_new_tokens=n, ignore_eos=True,
                       sampling=SamplingParams(temperature=0.6, seed=0),
-                      extra=dict(budget=32, chunk=8, gamma2="4", rebuild=rebuild))
+                      **dict(budget=32, retrieval_chunk=8, gamma2="4", rebuild=rebuild))
     return speculate("retrieval", L, prompt, opts, full, logits)
 
 

@@ -36,7 +36,7 @@ def test_logits_match_transformers(smol, hf):
 
 def test_greedy_run_equals_transformers_generate(smol, hf):
     prompt = long_prompt(smol.tokenizer, 1000)
-    opts = api.RunOptions(mode="autoregressive", max_new_tokens=32, prefill_chunk=256,
+    opts = api.RunOptions.of(mode="autoregressive", max_new_tokens=32, prefill_chunk=256,
                           sampling=SamplingParams())
     ours, st = api.generate(smol, prompt, opts)
     with torch.no_grad():

@@ -7,7 +7,7 @@ import torch
 from triforce_offload.runtime.drafters import NgramDrafter, check_vocab
 from triforce_offload.runtime.engine import AutoGamma, LevelStats, Rebuild
 from triforce_offload.runtime.errors import TriforceError
-from triforce_offload.runtime.spec_modes import SpecOptions
+from triforce_offload.runtime.options import RunOptions
 from triforce_offload.runtime.acceptance import accept, n_accepted, one_hot, residual
 
 
@@ -90,15 +90,20 @@ def test_rebuild_policy():
 
 
 @pytest.mark.parametrize("extra,msg", [
-    ({"budget": 15, "chunk": 8}, "--budget 15: must be at least 2 chunks"),
+    ({"budget": 15, "retrieval_chunk": 8}, "--budget 15: must be at least 2 chunks"),
     ({"gamma1": 0}, "--gamma1 0"),
     ({"gamma2": "0"}, "--gamma2 '0'"),
     ({"gamma2": "lots"}, "--gamma2 'lots'"),
-    ({"chunk": 0}, "--chunk 0"),
+    ({"retrieval_chunk": 0}, "--retrieval-chunk 0"),
+    ({"mode": "fast"}, "--mode 'fast': allowed are"),
+    ({"max_new_tokens": 0}, "--max-new-tokens 0"),
+    ({"temperature": -1.0}, "--temperature -1.0"),
+    ({"stage_depth": 0}, "--stage-depth 0"),
+    ({"transfer_chunk": 0}, "--transfer-chunk 0"),
 ])
 def test_bad_options(extra, msg):
     with pytest.raises(TriforceError, match=msg):
-        SpecOptions(**extra)
+        RunOptions.of(**extra)
 
 
 def test_vocab_mismatch_names_tokens():
@@ -111,10 +116,10 @@ def test_vocab_mismatch_names_tokens():
 
 def test_run_options_route_flat_options_once_and_refuse_unknown_ones():
     from triforce_offload.runtime.api import RunOptions
-    o = RunOptions(extra={"budget": 512, "transfer_chunk": 64, "on_chip": None, "gamma2": 3})
-    assert o.spec.budget == 512 and o.spec.gamma2 == "3" and o.offload.transfer_chunk == 64
+    o = RunOptions.of(**{"budget": 512, "transfer_chunk": 64, "on_chip": None, "gamma2": 3})
+    assert o.retrieval.budget == 512 and o.generation.gamma2 == "3" and o.offload.transfer_chunk == 64
     assert o.offload.on_chip == 0  # None: the default
     with pytest.raises(TriforceError, match="unknown option 'budgte'; known are .*budget"):
-        RunOptions(extra={"budgte": 512})
+        RunOptions.of(**{"budgte": 512})
     with pytest.raises(TriforceError, match="--offload 'maybe'"):
-        RunOptions(extra={"offload": "maybe"})
+        RunOptions.of(**{"offload": "maybe"})

@@ -79,7 +79,7 @@ def llama_cpp_missing() -> str | None:
     """Why llama.cpp rows cannot run here, or None when llama-cpp-python is installed."""
     if importlib.util.find_spec("llama_cpp") is None:
         return ("llama-cpp-python not installed (pip install 'triforce-offload[bench]'; "
-                "see README for the build flags)")
+                "see docs/benchmarks.md for the build flags)")
     return None
 
 

@@ -38,7 +38,7 @@ from ..runtime.sampling import SamplingParams
 from . import peers
 from . import zero_inference  # noqa: F401  (registers the `zero-inference` mode)
 
-# name -> (kind, our mode or peer variant, RunOptions.extra for our modes)
+# name -> (kind, our mode or peer variant, RunOptions.of flat options for our modes)
 CONTENDERS = {
     "autoregressive": ("ours", "autoregressive", {"offload": "off"}),
     "autoregressive+offload": ("ours", "autoregressive", {"offload": "on"}),
@@ -157,9 +157,9 @@ class Bench:
         return row
 
     def _ours(self, mode: str, extra: dict, prompt, temp) -> dict:
-        opts = api.RunOptions(mode=mode, max_new_tokens=self.o.new_tokens, ignore_eos=True,
+        opts = api.RunOptions.of(mode=mode, max_new_tokens=self.o.new_tokens, ignore_eos=True,
                               sampling=SamplingParams(temp, seed=self.o.seed),
-                              extra={**self.o.spec, **extra})
+                              **{**self.o.spec, **extra})
         toks, st = api.generate(self.loaded, prompt, opts)
         row = {"tokens": toks, "ms_per_token": 1000 * st.decode_s / max(len(toks) - 1, 1),
                "prefill_s": st.prefill_s}
@@ -249,7 +249,7 @@ def run_bench(loaded: api.Loaded, o: BenchOptions, model_path=None, progress=Non
 def warm_up(loaded: api.Loaded):
     """One short generation, so the first timed run does not pay for lazy initialisation."""
     ids = loaded.tokenizer("Warm up.").input_ids
-    api.generate(loaded, ids, api.RunOptions(max_new_tokens=4, ignore_eos=True))
+    api.generate(loaded, ids, api.RunOptions.of(max_new_tokens=4, ignore_eos=True))
 
 
 def summarize(rows: list[dict]) -> list[dict]:

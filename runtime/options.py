@@ -1,0 +1,226 @@
+"""Every option of the runtime, one typed dataclass per concern.
+
+| type | concern |
+|---|---|
+| `ModelOptions` | which model, dtype, device, RoPE stretch |
+| `SamplingParams` | temperature, top-p, top-k, seed |
+| `GenerationOptions` | mode, length, prefill, drafter and gammas (+ the sampling fields) |
+| `RetrievalOptions` | the retrieval level: budget, retrieval chunk, rebuilds |
+| `OffloadOptions` | the full cache in host memory: offload, on-chip layers, transfer chunk, staging |
+| `ParallelOptions` | tensor-parallel ranks |
+| `RunOptions` | what `api.generate` takes: generation + retrieval + offload |
+
+Each field holds its default, its check and its help text once (`settings.opt`); the CLI
+builds its options from these fields (`cli/options.py`), the Python API takes the objects,
+and `RunOptions.of(**flat)` routes flat names (as the CLI spells them, underscored) to
+their group, refusing unknown names. Field names are unique across the types.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from ..offload.costmodel import STAGE_DEPTH
+from ..settings import Options, at_least, one_of, opt
+from .errors import TriforceError
+
+# The retrieval budget `auto` keeps this fraction of the prompt (rounded to whole retrieval
+# chunks, at least BUDGET_MIN tokens): chosen by benchmarks/budget_fraction.py, see docs/speculative.md.
+BUDGET_FRACTION = 1 / 8
+BUDGET_MIN = 256
+
+
+def _dtype(v: str):
+    from .loader import DTYPES
+    return None if v.lower() in DTYPES else "allowed are float32, bfloat16, float16 (or fp32, bf16, fp16)"
+
+
+def _device(v: str):
+    ok = v in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", v)
+    return None if ok else "allowed are auto, cpu, cuda, cuda:N"
+
+
+@dataclass
+class ModelOptions(Options):
+    model: str | None = opt(None, "HF model directory or .gguf file "
+                            "(default: bundled SmolLM2-135M-Instruct).")
+    dtype: str | None = opt(None, "float32|bfloat16|float16 (fp32/bf16/fp16) (default: float32 "
+                            "on CPU, bfloat16 on GPUs (float16 without bf16)).", check=_dtype)
+    device: str = opt("auto", "auto|cpu|cuda|cuda:N.", check=_device)
+    rope_scaling: str | None = opt(None, "Stretch the context, e.g. linear:4 "
+                                   "(kinds: linear, dynamic, yarn, llama3).")
+
+
+@dataclass
+class SamplingParams(Options):
+    temperature: float = opt(0.0, "0 is greedy.", check=lambda v: None if v >= 0 else "must be >= 0 (0 is greedy)")
+    top_p: float = opt(1.0, "Nucleus sampling mass.", check=lambda v: None if 0 < v <= 1 else "must be in (0, 1]")
+    top_k: int = opt(0, "Keep the k most likely tokens (0: all).", check=at_least(0))
+    seed: int | None = opt(None, "Seed for sampling.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def generator(self, device="cpu") -> torch.Generator:
+        g = torch.Generator(device=device)
+        g.manual_seed(self.seed if self.seed is not None else torch.seed())
+        return g
+
+
+def _mode(v: str):
+    from .api import MODES  # the registry: the runtime's modes and registered ones
+    return None if v in MODES else f"allowed are {', '.join(MODES)}"
+
+
+def _draft(v: str):
+    return None if v.strip() else "give ngram, self or a draft model path"
+
+
+def _gamma2(v: str):
+    ok = v == "auto" or (v.isdigit() and int(v) >= 1)
+    return None if ok else "must be an integer >= 1 or 'auto'"
+
+
+@dataclass
+class GenerationOptions(SamplingParams):
+    mode: str = opt("triforce", "triforce|retrieval|draft|autoregressive (and other registered modes).",
+                    check=_mode)
+    max_new_tokens: int = opt(256, "Stop after this many new tokens.", check=at_least(1))
+    prefill_chunk: int = opt(512, "Tokens per prefill forward.", check=at_least(1))
+    max_context: int | None = opt(None, "Cap the cache capacity (tokens).", check=at_least(1))
+    graphs: bool = opt(True, "Replay fixed-shape decode and verification steps as CUDA graphs "
+                       "(GPU only; prefill stays eager).")
+    ignore_eos: bool = opt(False, "Generate exactly max_new_tokens (benchmarks).", cli=False)
+    draft: str = opt("ngram", "Bottom drafter: ngram (prompt lookup), self (the target over a "
+                     "streaming cache) or a draft model path (same tokenizer).", check=_draft)
+    gamma1: int = opt(4, "Tokens the drafter proposes per check.", check=at_least(1))
+    gamma2: str = opt("6", "Tokens the retrieval level proposes per verification, or 'auto' "
+                      "(adapt to acceptance and cost).", check=_gamma2)
+    draft_sink: int = opt(16, "Streaming draft cache: first tokens kept.", check=at_least(0))
+    draft_window: int = opt(240, "Streaming draft cache: recent tokens kept.", check=at_least(1))
+    ngram: int = opt(3, "Longest n-gram the prompt-lookup drafter matches.", check=at_least(1))
+
+    def __post_init__(self):
+        self.gamma2 = str(self.gamma2)
+        super().__post_init__()
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(**{f.name: getattr(self, f.name) for f in fields(SamplingParams)})
+
+    @property
+    def gamma2_start(self) -> int:
+        """gamma2 of the first verification ('auto' starts at 6 and adapts)."""
+        return 6 if self.gamma2 == "auto" else int(self.gamma2)
+
+
+def _rebuild(v: str):
+    from .engine import Rebuild
+    try:
+        Rebuild.parse(v)
+    except TriforceError:
+        return "allowed are never, every:N (N >= 1), adaptive"
+    return None
+
+
+@dataclass
+class RetrievalOptions(Options):
+    budget: int | None = opt(None, "Retrieval cache tokens per layer and KV head "
+                             f"(default: 1/{round(1 / BUDGET_FRACTION)} of the prompt, at least {BUDGET_MIN}).",
+                             check=at_least(2))
+    retrieval_chunk: int = opt(8, "Tokens per retrieval chunk (scored and selected as one).",
+                               check=at_least(1), aliases=("--chunk",))
+    rebuild: str = opt("never", "Retrieval cache rebuild: never|every:N|adaptive.", check=_rebuild)
+
+    def validate(self):
+        if self.budget is not None and self.budget < 2 * self.retrieval_chunk:
+            raise TriforceError(f"--budget {self.budget}: must be at least 2 chunks (2 x "
+                                f"--retrieval-chunk {self.retrieval_chunk} = {2 * self.retrieval_chunk} tokens)")
+
+    def budget_for(self, n_prompt: int) -> int:
+        """The budget in tokens for a prompt of n_prompt tokens: the given one, or `auto`
+        (BUDGET_FRACTION of the prompt in whole chunks, at least BUDGET_MIN)."""
+        if self.budget is not None:
+            return self.budget
+        c = self.retrieval_chunk
+        return max(BUDGET_MIN, math.ceil(n_prompt * BUDGET_FRACTION / c) * c, 2 * c)
+
+
+@dataclass
+class OffloadOptions(Options):
+    offload: str = opt("auto", "auto|on|off: keep the full KV in host memory and stream it "
+                       "(auto: on when it does not fit the device; off on CPU).",
+                       check=one_of("auto", "on", "off"))
+    on_chip: int = opt(0, "With --offload: the first N layers keep their KV on the device.",
+                       check=at_least(0))
+    transfer_chunk: int | None = opt(None, "Tokens per host->device copy (default: from "
+                                     "`triforce-offload tune`, else >= 4 MB per copy).", check=at_least(1))
+    stage_depth: int = opt(STAGE_DEPTH, "With --offload: staging ring slots of one transfer chunk "
+                           "each; also how far copies run ahead while the draft levels run "
+                           "(2: double-buffered).", check=at_least(1))
+    profile: str | None = opt(None, "With --offload: write a Chrome trace JSON of the last "
+                              "verification (copy/compute/wait per layer).")
+    overlap: bool = opt(True, "False: the serialized reference (copy, then compute).", cli=False)
+
+
+@dataclass
+class ParallelOptions(Options):
+    tp: int = opt(1, "Tensor-parallel ranks: split heads and MLP over N processes (gloo on CPU, "
+                  "NCCL one GPU each); also works under torchrun.", check=at_least(1), flag="--tp")
+
+
+GROUPS = {"generation": GenerationOptions, "retrieval": RetrievalOptions, "offload": OffloadOptions}
+
+
+@dataclass
+class RunOptions:
+    """Everything `api.generate` needs besides the model and the prompt."""
+
+    generation: GenerationOptions = field(default_factory=GenerationOptions)
+    retrieval: RetrievalOptions = field(default_factory=RetrievalOptions)
+    offload: OffloadOptions = field(default_factory=OffloadOptions)
+
+    @classmethod
+    def of(cls, sampling: SamplingParams | None = None, **flat) -> "RunOptions":
+        """From flat names (`mode=`, `budget=`, `transfer_chunk=`, ...); None means the
+        default; `sampling` sets the sampling fields; an unknown name is refused."""
+        if sampling is not None:
+            flat = {**{f.name: getattr(sampling, f.name) for f in fields(SamplingParams)}, **flat}
+        return cls().but(**flat)
+
+    def but(self, **flat) -> "RunOptions":
+        """A copy with flat changes (None: keep), each routed to the group owning the name."""
+        parts = {g: {} for g in GROUPS}
+        for k, v in flat.items():
+            g = next((g for g, t in GROUPS.items() if k in t.names()), None)
+            if g is None:
+                known = sorted(n for t in GROUPS.values() for n in t.names())
+                raise TriforceError(f"unknown option {k!r}; known are {', '.join(known)}")
+            if v is not None:
+                parts[g][k] = v
+        return RunOptions(**{g: getattr(self, g).but(**kw) for g, kw in parts.items()})
+
+    # the generation fields every mode reads
+    mode = property(lambda self: self.generation.mode)
+    sampling = property(lambda self: self.generation.sampling)
+    max_new_tokens = property(lambda self: self.generation.max_new_tokens)
+    prefill_chunk = property(lambda self: self.generation.prefill_chunk)
+    max_context = property(lambda self: self.generation.max_context)
+    ignore_eos = property(lambda self: self.generation.ignore_eos)
+    graphs = property(lambda self: self.generation.graphs)
+
+
+def _unique_names():
+    seen = {}
+    for t in (ModelOptions, ParallelOptions, *GROUPS.values()):
+        for n in t.names():
+            if n in seen and not issubclass(t, seen[n]) and not issubclass(seen[n], t):
+                raise AssertionError(f"option {n!r} is in {seen[n].__name__} and {t.__name__}")
+            seen.setdefault(n, t)
+
+
+_unique_names()
