@@ -49,7 +49,7 @@ from ..offload.timeline import Span, Timeline, device_clock
 from ..offload.tune import profile_chunk
 from .cache import FullCache, KVCache
 from .errors import TriforceError
-from .protocols import HostStore, OffloadedKV
+from .protocols import HostStore
 from .tp import agree
 
 OFFLOAD_CHOICES = ("auto", "on", "off")
@@ -348,7 +348,7 @@ def finish_stats(cache: KVCache, st, opts) -> None:
     offloaded cache; close the cache."""
     st.extra.update(cache.stats())
     o = opts.offload
-    if o.profile and isinstance(cache, OffloadedKV) and cache.trace is not None:
+    if o.profile and isinstance(cache, OffloadedCache) and cache.trace is not None:
         Path(o.profile).write_text(json.dumps(cache.trace))
         st.extra["profile"] = o.profile
     cache.close()

@@ -99,7 +99,8 @@ class HostStore(Protocol):
 @runtime_checkable
 class OffloadedKV(FullKV, Protocol):
     """A full cache whose layers >= `on_chip` live in a host store and stream to the
-    device (runtime/offloaded.py). `forwards` and `trace` (properties) resolve timings."""
+    device (runtime/offloaded.py). `forwards` and `trace` (properties) resolve pending
+    timings: an isinstance check evaluates them, so the decode path never makes one."""
 
     on_chip: int
     transfer_chunk: int
