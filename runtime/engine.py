@@ -182,7 +182,8 @@ class Engine:
                 self.rebuild_retrieval()
 
     def rebuild_retrieval(self):
-        """Re-select chunks from the full cache with the verifier's latest queries."""
+        """Re-select chunks from the full cache with the verifier's latest queries (its
+        cache a `protocols.RecordingKV`)."""
         mid, top = self.levels[-2], self.top
         mid.cache.build(top.cache, top.cache.q, top.held)
         mid.commit(top.held)

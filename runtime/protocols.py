@@ -61,6 +61,14 @@ class FullKV(Cache, Protocol):
 
 
 @runtime_checkable
+class RecordingKV(FullKV, Protocol):
+    """A full cache that keeps the last query row of each layer's latest forward
+    (retrieval.Recorder): the verifier's cache, whose queries score a retrieval rebuild."""
+
+    q: dict  # layer -> [B, Hq, D]
+
+
+@runtime_checkable
 class StreamingKV(Cache, Protocol):
     """StreamingLLM: `sink` first tokens + the `window` most recent ones (draft levels)."""
 

@@ -24,10 +24,10 @@ from .errors import TriforceError
 
 
 class Recorder:
-    """A full cache (`protocols.FullKV`, offloaded or not) that also keeps the last query
-    row of each layer (for retrieval scoring). It forwards the cache protocol, member by
-    member, to the wrapped cache `inner`; what an offloaded cache offers beyond it
-    (timings, the trace) is read from `inner`."""
+    """A full cache (`protocols.RecordingKV`) over another (`inner`, offloaded or not)
+    that also keeps the last query row of each layer (for retrieval scoring). It forwards
+    `protocols.FullKV`, member by member, to `inner`; what an offloaded cache offers
+    beyond it (timings, the trace) is read from `inner`."""
 
     def __init__(self, cache):
         self.inner = cache

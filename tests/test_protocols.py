@@ -37,7 +37,7 @@ def kinds(cfg) -> dict:
         "streaming": (StreamingCache(cfg, 2, 8, 8), P.StreamingKV),
         "retrieval": (RetrievalCache(cfg, 16, 4, 16), P.RetrievalKV),
         "offloaded": (OffloadedCache(cfg, 64, transfer_chunk=8, on_chip=1), P.OffloadedKV),
-        "recorder": (Recorder(FullCache(cfg, 64)), P.FullKV),
+        "recorder": (Recorder(FullCache(cfg, 64)), P.RecordingKV),
     }
 
 
@@ -47,6 +47,7 @@ def test_every_kind_follows_its_protocol_and_no_other(L):
         assert isinstance(c, P.Cache) and isinstance(c, proto), name
     assert not isinstance(caches["retrieval"][0], P.FullKV)
     assert not isinstance(caches["full"][0], P.RetrievalKV)
+    assert not isinstance(caches["full"][0], P.RecordingKV)
     assert not isinstance(caches["recorder"][0], P.OffloadedKV)  # what it wraps is
     assert isinstance(Recorder(caches["offloaded"][0]).inner, P.OffloadedKV)
     spec = StoreSpec([1, 2], L.cfg.n_kv_heads, L.cfg.head_dim, 16)
