@@ -38,8 +38,8 @@ drift hits them alike (it holds a second host store and the KV resident on the d
   efficiency = (copy + compute - overlapped) / min(copy, compute); speedup = serialized / overlapped
 With --prefill, also an offloaded prefill of each context through `api.generate` (random
 ids, layer-major, `--prefill-chunk` tokens per forward): seconds, tokens/s and the bytes
-streamed host->device (nothing is re-streamed: only the commit's prefetch of the next
-forward's first `depth` transfer chunks).
+streamed host->device (nothing is re-streamed: only the prefetch that follows the
+prefill, of the next forward's first `depth` transfer chunks).
 Rows append to `--out` (JSONL); the table goes to stdout.
 """
 from __future__ import annotations

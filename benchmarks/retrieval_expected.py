@@ -39,7 +39,7 @@ def trajectory(L, full, logits, qs, n0, n, sp):
     after t_j; Q[i]: its queries at position n0-1+i (Q[0]: the prompt's last token)."""
     from triforce_offload.runtime.sampling import probs, sample
     gen = sp.generator()
-    full.commit(n0)
+    full.rollback(n0)  # the shared prefill (an earlier seed decoded past it)
     toks, P, Q = [int(sample(probs(logits[0], sp), gen))], [], [dict(qs)]
     for j in range(n - 1):
         lg = L.model(torch.tensor([[toks[-1]]]), n0 + j, full)[0, -1]

@@ -63,7 +63,7 @@ def run(L, prompt, full, logits, qs, a, budget, chunk, rebuild):
     from triforce_offload.runtime.api import RunOptions
     from triforce_offload.runtime.sampling import SamplingParams
     from triforce_offload.runtime.spec_modes import speculate
-    full.commit(len(prompt))
+    full.rollback(len(prompt))  # the shared prefill, as it was
     full.q = dict(qs)
     sel = Selections()
     try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import math
 import sys
 import time
@@ -39,6 +40,8 @@ def args_():
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--prompt", default="summary", choices=("summary", "continue"),
+                    help="the built-in prompt: essays + a summary request, or essay text to continue")
     ap.add_argument("--budget", nargs="+", default=["auto"],
                     help="retrieval budgets to compare: tokens (4096), a fraction of the prompt (1/8), "
                          "or auto (the runtime's default); retrieval and triforce run once per budget")
@@ -78,6 +81,14 @@ def top_p(a, temp: float) -> float:
     return a.top_p if temp > 0 else 1.0
 
 
+def cpu_name() -> str:
+    """The CPU model (from /proc/cpuinfo), for the rows' record of where they ran."""
+    try:
+        return next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
 def budget_tokens(spec: str, n_prompt: int, chunk: int) -> int | None:
     """--budget value -> tokens (None: the runtime's auto default)."""
     if spec == "auto":
@@ -92,7 +103,7 @@ def run_mode(mode, L, prompt, full, logits, qs, a, temp, budget=None):
     from triforce_offload.runtime.api import RunOptions
     from triforce_offload.runtime.sampling import SamplingParams
     from triforce_offload.runtime.spec_modes import speculate
-    full.commit(len(prompt))
+    full.rollback(len(prompt))  # the shared prefill, as it was
     full.q = dict(qs)
     sp = SamplingParams(temperature=temp, top_p=top_p(a, temp), seed=a.seed)
     if mode == "autoregressive":
@@ -124,7 +135,8 @@ def bench_context(ctx, a, out: Path) -> list[dict]:
         for mode, b in runs:
             toks, r = run_mode(mode, L, prompt, full, logits, qs, a, temp,
                                budget_tokens(b, len(prompt), a.chunk) if b else None)
-            row = {"context": ctx, "prompt_tokens": len(prompt), "dtype": a.dtype, "temperature": temp,
+            row = {"context": ctx, "prompt_tokens": len(prompt), "prompt": a.prompt, "dtype": a.dtype,
+                   "temperature": temp, "time": round(time.time()), "cpu": cpu_name(),
                    "budget_spec": b,
                    "top_p": top_p(a, temp),
                    "mode": mode, "new_tokens": len(toks), "prefill_s": round(pre_s, 2),

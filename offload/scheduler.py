@@ -8,13 +8,14 @@ stream while this layer's last ones are computed. A slot is refilled with the ne
 of the pass as soon as the attention that read it has been issued, so the copier never
 waits on compute and compute waits only for chunks that have not landed yet.
 
-A pass can start early (`start`): on a `prefetch()` hint, or right after a commit, so the
-first offloaded layers of the next verification stream while the draft levels run. A
-pass whose prefix no longer matches the forward (rollback, different start) is simply
-abandoned: its copies finish into slots nobody reads, and copies run in order, so the
-next pass's copies land after them. A pass's copies that started before the forward that
-consumes it are on the `prefetch` thread of that forward's `--profile` trace. The ring
-bounds them: at most `depth` transfer chunks stream ahead of the forward.
+A pass can start early (`start`): on a cache's `prefetch()`, which the engine and
+`generate` call right after a commit, so the first offloaded layers of the next
+verification stream while the draft levels run. A pass whose prefix no longer matches
+the forward (rollback, different start) is simply abandoned: its copies finish into
+slots nobody reads, and copies run in order, so the next pass's copies land after them.
+A pass's copies that started before the forward that consumes it are on the `prefetch`
+thread of that forward's `--profile` trace. The ring bounds them: at most `depth`
+transfer chunks stream ahead of the forward.
 
 `overlap=False` gives the serialized reference: each group of slots is copied in full
 and waited for before its compute starts, and nothing streams ahead.

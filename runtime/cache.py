@@ -1,20 +1,27 @@
-"""KV caches. A cache owns its tensors and its length; only the engine commits.
+"""KV caches. A cache owns its tensors and its length; only the engine (and `generate`)
+moves the length. The full interface is `protocols.Cache`; this is what each call means.
 
-Protocol every cache follows (the model calls `attend`, the engine calls `commit`):
-
+- `begin_forward(start, n_tokens)` / `end_forward()`: `Transformer.forward` brackets the
+  layer loop of one forward of n_tokens tokens at positions start.. with them (and the
+  layer-major prefill its whole pass). No-ops here; an offloaded cache times the forward.
 - `attend(layer, q, k, v, start)`: q [B, Hq, T, D] and k, v [B, Hkv, T, D] are the rotated
   projections of T new tokens at absolute positions start .. start+T-1. The cache stores
   k, v as *pending* entries and returns the attention output [B, Hq, T, D], causal by
   position. Several forwards may add pending tokens one after another (drafting).
-- `commit(n)`: the sequence is now n tokens long. Pending tokens below n become part of
-  the cache; everything written at positions >= n leaves no trace. `n` below the current
-  length rolls back (where the cache still holds those tokens).
+- `commit(n)`: the sequence is now n >= length tokens long: pending tokens below n become
+  part of the cache; everything written at positions >= n leaves no trace.
+- `rollback(n)`: forget positions >= n (n <= length), committed or pending.
 - `length`: committed tokens.
-- `prefetch()`: optional hint that a forward over this cache comes next.
+  Neither commit nor rollback does I/O or starts any: the caller asks for it
+  (`prefetch()`: a forward over this cache comes next, so an offloaded cache starts
+  streaming its first layers; `hold(layer, end)`: a layer-major prefill pass).
+- `stats()`, `close()`: figures for Stats.extra, release of threads and buffers.
 
 Caches with `static = True` also take `start` as an int64 device tensor [1]: they then
 write and attend with shapes that do not depend on its value and never read it on the
 host, so the forward can be captured and replayed as a CUDA graph (runtime/graphs.py).
+Python runs only at capture, so their forward hooks must stay free of host work (the
+no-ops here); state a replay updates behind Python's back is refreshed in `on_replay()`.
 """
 from __future__ import annotations
 
@@ -28,9 +35,11 @@ from ..settings import environment
 
 
 class KVCache:
-    """Base class: shapes and the commit bookkeeping shared by every cache."""
+    """Base class: shapes, the length bookkeeping and the no-op capabilities of every cache."""
 
     static = False  # takes a device-tensor `start` (fixed shapes, CUDA graphs)
+    layer_major = False  # prefill layer by layer through `hold` (an offloaded cache)
+    capacity: int | None = None  # preallocated tokens; None: no fixed capacity
 
     def __init__(self, cfg: ModelConfig, batch: int = 1):
         self.n_layers, self.n_kv_heads, self.head_dim = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
@@ -40,7 +49,25 @@ class KVCache:
     def attend(self, layer, q, k, v, start):  # pragma: no cover - interface
         raise NotImplementedError
 
+    def begin_forward(self, start, n_tokens: int):
+        """A forward of n_tokens tokens at positions start.. begins (`start` a device
+        tensor on the static path: never read it on the host there)."""
+
+    def end_forward(self):
+        """The forward that `begin_forward` announced has issued its last layer."""
+
     def commit(self, n: int):
+        """Keep the pending tokens below n: the length moves forward to n (no I/O)."""
+        if n < self.length:
+            raise ValueError(f"commit({n}) below the committed length {self.length}: "
+                             "use rollback() to shorten a cache")
+        self.length = n
+
+    def rollback(self, n: int):
+        """Forget positions >= n: the length moves back to n (no I/O)."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"rollback({n}) outside the committed length 0..{self.length}: "
+                             "use commit() to keep pending tokens")
         self.length = n
 
     def end_of(self, q, start: int) -> int:
@@ -49,17 +76,31 @@ class KVCache:
 
     def check_end(self, end: int) -> int:
         """`end` if the cache has room for tokens up to it, else a TriforceError."""
-        if end > getattr(self, "capacity", end):
+        if self.capacity is not None and end > self.capacity:
             raise TriforceError(f"context of {end} tokens exceeds the cache capacity "
                                 f"{self.capacity}; raise --max-context")
         return end
 
     def prefetch(self):
-        """Hint from the engine: a verification forward over this cache comes next (an
-        offloaded cache starts streaming its first layers; others ignore it)."""
+        """Hint from the engine or `generate`: a forward over this cache at its committed
+        length comes next (an offloaded cache starts streaming its first layers)."""
+
+    def hold(self, layer: int | None, end: int = 0):
+        """Keep `layer`'s KV of [0, end) on the device for a layer-major prefill pass
+        (None: release it). Resident caches have it there already."""
+
+    def on_replay(self):
+        """A CUDA graph replay of a forward over this cache ran (no Python did)."""
 
     def nbytes(self) -> int:
         return 0
+
+    def stats(self) -> dict:
+        """The cache's own figures for Stats.extra (an offloaded cache: overlap, bytes)."""
+        return {}
+
+    def close(self):
+        """Release threads and buffers that outlive the cache's use."""
 
 
 def write_and_attend(K, V, q, k, v, slot: torch.Tensor):
@@ -113,6 +154,15 @@ class FullCache(KVCache):
         """Committed (or up to `end`) K and V of a layer: [B, Hkv, S, D] views."""
         end = self.length if end is None else end
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+    def device_keys(self, layer: int, end: int | None = None):
+        """`keys`: on the device already."""
+        return self.keys(layer, end)
+
+    def recent(self, layer: int, lo: int, hi: int):
+        """K, V [B, Hkv, hi-lo, D] of positions lo..hi-1."""
+        K, V = self.keys(layer, hi)
+        return K[:, :, lo:hi], V[:, :, lo:hi]
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)

@@ -1,12 +1,13 @@
 """Levels of the speculative hierarchy: a model over a cache, and the n-gram drafter.
 
-Every level shares one token list `seq` (prompt + generated + tentative tokens) and
+Both follow `protocols.Level`; a model level also `protocols.VerifyingLevel`. Every level
+shares one token list `seq` (prompt + generated + tentative tokens) and a model level
 tracks `held`: how many leading positions of `seq` its cache holds (committed or
-pending). Only the level writes `held` (its forwards feed, `commit` sets it) and only
-`commit` moves its cache's length; the engine drives both through `commit`/`rollback`.
-A forward feeds `seq[held:]`, so a level catches up on tokens accepted by the levels
-above without the engine spelling them out. `draft(seq, g, sp, gen)` appends up
-to g tokens to `seq` and returns their draft distributions q [g', V].
+pending). Only the level writes `held` (its forwards feed, `commit`/`rollback` set it)
+and only its `commit`/`rollback` move its cache's length; the engine drives both. A
+forward feeds `seq[held:]`, so a level catches up on tokens accepted by the levels above
+without the engine spelling them out. `draft(seq, g, sp, gen)` appends up to g tokens to
+`seq` and returns their draft distributions q [g', V].
 """
 from __future__ import annotations
 
@@ -42,12 +43,19 @@ class ModelLevel:
         return out
 
     def commit(self, n: int):
+        """Keep positions < n (n >= the cache's length); pending ones above leave no trace."""
         self.held = n
         self.cache.commit(n)
 
     def rollback(self, n: int):
-        """Positions >= n are no longer valid (also commits pending tokens below n)."""
-        self.commit(min(self.held, n))
+        """A level above accepted positions < n: pending tokens below n are committed,
+        everything from n on (committed or pending) is forgotten."""
+        n = min(self.held, n)
+        if n >= self.cache.length:
+            self.commit(n)
+        else:
+            self.held = n
+            self.cache.rollback(n)
 
     def draft(self, seq, g, sp, gen) -> torch.Tensor:
         qs = []
@@ -65,6 +73,7 @@ class ModelLevel:
             ids = torch.tensor([prompt[s: s + prefill_chunk]], device=self.device)
             self.model(ids, s, self.cache, last_only=True)
             self.cache.commit(min(s + prefill_chunk, len(prompt)))
+        self.cache.prefetch()
         self.held = len(prompt)
         self.time += time.perf_counter() - t0
 
@@ -78,6 +87,8 @@ class NgramDrafter:
     """
 
     name = "ngram"
+    cache = None  # model-free: no cache to absorb into, roll back or graph
+    step = None
 
     def __init__(self, vocab: int, max_n: int = 3, device="cpu", min_n: int = 2):
         self.vocab, self.max_n, self.min_n, self.device = vocab, max_n, min_n, device

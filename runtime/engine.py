@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import TriforceError
+from .protocols import RetrievalKV, VerifyingLevel
 from .sampling import SamplingParams, probs
 from .acceptance import accept
 
@@ -118,6 +119,9 @@ class Engine:
         for g in self.gammas:
             if g < 1:
                 raise TriforceError(f"gamma {g}: must be >= 1")
+        for lv in self.levels[1:]:
+            if not isinstance(lv, VerifyingLevel):
+                raise TypeError(f"level {lv.name!r} cannot verify: only levels[0] may be a drafter")
         self.stats = [LevelStats() for _ in self.levels[1:]]
 
     @property
@@ -135,9 +139,9 @@ class Engine:
 
     def verify(self, i: int, seq: list[int]) -> torch.Tensor:
         """Level i checks a draft of level i-1 appended to seq; returns probs of the kept tokens."""
-        m, lv = len(seq), self.levels[i]
+        m, lv, top = len(seq), self.levels[i], i == len(self.levels) - 1
         f0 = lv.held
-        if i == len(self.levels) - 1:
+        if top:
             lv.cache.prefetch()  # the link is idle while lower levels draft
         t0 = time.perf_counter()
         q = self.produce(i - 1, seq, self.gammas[i - 1])
@@ -148,9 +152,11 @@ class Engine:
         del seq[m + k:]
         seq.append(x)
         lv.commit(m + k)
+        if top:  # the next verification streams while the levels below sync and draft
+            lv.cache.prefetch()
         self._sync_lower(i, f0, m + k)
         self.stats[i - 1].add(len(draft), k)
-        if i == len(self.levels) - 1:
+        if top:
             self._after_top(len(draft), k, t1 - t0, time.perf_counter() - t1)
         return p[: k + 1]
 
@@ -158,7 +164,7 @@ class Engine:
         for lv in self.levels[:i]:
             lv.rollback(n)
         lower = self.levels[i - 1]
-        if hasattr(getattr(lower, "cache", None), "absorb"):
+        if isinstance(lower.cache, RetrievalKV):
             lower.cache.absorb(self.levels[i].cache, f0, n)  # exact target KV of verified tokens
             lower.commit(n)
 
@@ -169,15 +175,15 @@ class Engine:
         if self.auto:
             # timings differ between tensor-parallel ranks: all take rank 0's choice
             self.gammas[-1] = self.agree(self.auto.update(g, k, t_draft, t_verify))
-        mid = self.levels[-2]
-        cache = getattr(mid, "cache", None)
-        if hasattr(cache, "build"):
+        cache = self.levels[-2].cache
+        if isinstance(cache, RetrievalKV):
             need = sum(self.gammas) + 2  # pending tokens of one round at most
             if cache.room() < need or self.rebuild.due(self._since_build, self._acc_ema):
                 self.rebuild_retrieval()
 
     def rebuild_retrieval(self):
-        """Re-select chunks from the full cache with the verifier's latest queries."""
+        """Re-select chunks from the full cache with the verifier's latest queries (its
+        cache a `protocols.RecordingKV`)."""
         mid, top = self.levels[-2], self.top
         mid.cache.build(top.cache, top.cache.q, top.held)
         mid.commit(top.held)

@@ -79,13 +79,15 @@ def stop_ids(loaded, opts) -> set[int]:
 
 @torch.inference_mode()
 def prefill(model, cache, ids: torch.Tensor, start: int = 0, prefill_chunk: int = 512, progress=None):
-    """Run ids [B, T] through the model `prefill_chunk` tokens per forward; commit; last
-    logits [B, V]. Returns with the device idle (CUDA): the prefill's time is its own, not
-    the first decode step's."""
-    if hasattr(cache, "hold"):  # an offloaded cache: layer-major, nothing re-streamed
+    """Run ids [B, T] through the model `prefill_chunk` tokens per forward; commit; start
+    the first decode forward's prefetch; last logits [B, V]. Returns with the device idle
+    (CUDA): the prefill's time is its own, not the first decode step's."""
+    if cache.layer_major:  # an offloaded cache: nothing re-streamed
         logits = prefill_layer_major(model, cache, ids, start, prefill_chunk, progress)
+        cache.commit(start + ids.shape[1])
     else:
         logits = _prefill_chunks(model, cache, ids, start, prefill_chunk, progress)
+    cache.prefetch()
     if logits is not None and logits.device.type == "cuda":
         torch.cuda.synchronize(logits.device)
     return logits
@@ -121,6 +123,7 @@ def decode(model, cache, first_logits, start: int, sp: SamplingParams, max_new: 
         logits = step(tok[:, None], pos)[:, -1]
         pos += 1
         cache.commit(pos)
+        cache.prefetch()  # the next step's first layers stream while this token is sampled
     return out
 
 

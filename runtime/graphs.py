@@ -7,6 +7,9 @@ captures one graph per (T, last_only) the first time that shape runs, with the t
 and start in static buffers, and afterwards only copies new ids and the start in and
 replays. Prefill (long, varying chunks) stays eager; so does everything on the CPU, over
 a cache that is not static (offloaded, streaming), or with graphs turned off (`--no-graphs`).
+A replay runs no Python: the cache's `begin_forward`/`end_forward`, which the forward
+calls, run at capture only, so a static cache keeps them free of host work (the no-ops
+of `cache.KVCache`); after every replay the step calls `cache.on_replay()` instead.
 If a capture fails the step falls back to eager for that shape and says so once (in
 `notes`, shown on the stats line). `TRIFORCE_OFFLOAD_STATIC=1` runs the fixed-shape
 forward without graphs wherever the cache allows it, the CPU included: the tests check
@@ -37,7 +40,7 @@ class Step:
     def __init__(self, model, cache, graphs: bool = True):
         self.model, self.cache = model, cache
         self.device = next(model.parameters()).device
-        static = getattr(cache, "static", False)
+        static = cache.static
         self.graphed = bool(graphs and static and self.device.type == "cuda")
         self.static = self.graphed or (static and environment().static)
         self.start = torch.zeros(1, dtype=torch.int64, device=self.device)  # static start
@@ -67,8 +70,7 @@ class Step:
         g.ids.copy_(ids, non_blocking=True)
         g.graph.replay()
         self.replays += 1
-        if hasattr(self.cache, "on_replay"):  # state a replay updated behind Python's back
-            self.cache.on_replay()
+        self.cache.on_replay()  # state the replay updated behind Python's back
         return g.out.clone()  # the next replay overwrites g.out
 
     def _capture(self, ids, last_only) -> _Graph | None:

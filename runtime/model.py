@@ -118,15 +118,35 @@ class Transformer(nn.Module):
         """ids [B, T] at positions start..start+T-1 -> logits [B, T, V] (or [B, 1, V]).
 
         `start` is an int, or an int64 device tensor [1] (a fixed-shape step for a CUDA
-        graph: nothing then depends on its value on the host; the cache gets the tensor)."""
-        x = self.model.embed_tokens(ids)
+        graph: nothing then depends on its value on the host; the cache gets the tensor).
+        The cache hears when the forward begins and ends (`begin_forward`/`end_forward`)."""
+        x = self.embed(ids)
+        cos, sin = self.rope(start, ids.shape[1], x.dtype, ids.device)
+        cache.begin_forward(start, ids.shape[1])
+        for i in range(len(self.model.layers)):
+            x = self.layer_step(i, x, cos, sin, start, cache)
+        cache.end_forward()
+        return self.head(x, last_only)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids [B, T] -> hidden states [B, T, H]."""
+        return self.model.embed_tokens(ids)
+
+    def rope(self, start, T: int, dtype, device):
+        """cos, sin [T, D] of positions start..start+T-1 (`start` an int or a device tensor [1])."""
         if isinstance(start, torch.Tensor):
-            pos = start + torch.arange(ids.shape[1], device=ids.device, dtype=start.dtype)
+            pos = start + torch.arange(T, device=device, dtype=start.dtype)
         else:
-            pos = torch.arange(start, start + ids.shape[1], device=ids.device)
-        cos, sin = self.rotary(pos, x.dtype)
-        for block in self.model.layers:
-            x = block(x, cos, sin, start, cache)
+            pos = torch.arange(start, start + T, device=device)
+        return self.rotary(pos, dtype)
+
+    def layer_step(self, i: int, x, cos, sin, start, cache) -> torch.Tensor:
+        """Layer i over hidden states x [B, T, H] of the tokens at positions start.. (cos,
+        sin theirs), attending through `cache`."""
+        return self.model.layers[i](x, cos, sin, start, cache)
+
+    def head(self, x: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        """Hidden states [B, T, H] -> logits [B, T, V] (of the last position only: [B, 1, V])."""
         if last_only:
             x = x[:, -1:]
         return self.lm_head(self.model.norm(x))

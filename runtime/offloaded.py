@@ -1,19 +1,31 @@
 """The full cache with the KV in host memory: the offloaded cache.
 
-`OffloadedCache` follows the cache protocol of `cache.py` over `offload/`: the first
-`on_chip` layers keep their KV on the device; every other layer's KV lives in the host
-store and streams through staging slots in `transfer_chunk`-token chunks while compute
-runs. Attention over such a layer runs chunk by chunk as chunks land and merges the
-partial results by log-sum-exp, then adds the forward's own tokens, which are on the
-device already. New K/V are written back to the host right after each layer's attention
-(asynchronously), and several forwards may add pending tokens in a row: positions at or
-above the committed length are scratch that the next commit either keeps or forgets, and
-only positions below a forward's start are streamed.
+`OffloadedCache` is a `protocols.OffloadedKV` (the cache protocol of `cache.py`) over
+`offload/`: the first `on_chip` layers keep their KV on the device; every other layer's
+KV lives in the host store and streams through staging slots in `transfer_chunk`-token
+chunks while compute runs. Attention over such a layer runs chunk by chunk as chunks land
+and merges the partial results by log-sum-exp, then adds the forward's own tokens, which
+are on the device already. New K/V are written back to the host right after each layer's
+attention (asynchronously), and several forwards may add pending tokens in a row:
+positions at or above the committed length are scratch that the next `commit` keeps or
+forgets, and only positions below a forward's start are streamed.
+
+When each transfer starts is the caller's to say, never a side effect of the length:
+- a forward streams its own layers (the first chunks may already be in flight);
+- `prefetch()` starts streaming the first offloaded layers for a forward at the committed
+  length: the engine calls it right after committing a verification and before the draft
+  levels run (the link is idle then), `generate` after each commit;
+- `commit(n)` / `rollback(n)` only move the length (a pass streaming a prefix that no
+  longer matches is abandoned by the next forward);
+- `begin_forward` / `end_forward`, which the model calls around its layer loop, time the
+  forward (events only: no host synchronisation) instead of guessing its edges from layer
+  indices.
 
 Prefill never re-streams: `prefill_layer_major` runs every prompt chunk through layer l
-before layer l+1, and the cache holds that one layer's prompt KV on the device meanwhile
-(`hold`), so each chunk attends to its predecessors there and is written back once.
-Host->device bytes of a prefill are at most one pass over the KV committed before it.
+(the model's own `layer_step`) before layer l+1, and the cache holds that one layer's
+prompt KV on the device meanwhile (`hold`), so each chunk attends to its predecessors
+there and is written back once. Host->device bytes of a prefill are at most one pass over
+the KV committed before it. `layer_major = True` tells `generate.prefill` to take that path.
 
 `make_full_cache(loaded, capacity, opts)` picks the full cache for `--offload`; the
 autoregressive mode and the TriForce verifier both build their full cache with it.
@@ -36,6 +48,7 @@ from ..offload.timeline import Span, Timeline, device_clock
 from ..offload.tune import transfer_chunk_for
 from .cache import FullCache, KVCache
 from .errors import TriforceError
+from .protocols import HostStore
 from .tp import agree
 
 HOST_HINT = "lower --max-context or --max-new-tokens (or shorten the prompt)"
@@ -43,7 +56,10 @@ DEVICE_HINT = "lower --on-chip or --transfer-chunk"
 
 
 class OffloadedCache(KVCache):
-    """Full cache whose layers >= on_chip live in the host store, streamed per verification."""
+    """Full cache whose layers >= on_chip live in the host store, streamed per verification
+    (`protocols.OffloadedKV`)."""
+
+    layer_major = True  # prefill through `hold`, never re-streaming
 
     def __init__(self, cfg, capacity: int, batch: int = 1, dtype=torch.float32, device="cpu",
                  on_chip: int = 0, transfer_chunk: int | None = None, depth: int = STAGE_DEPTH,
@@ -58,20 +74,20 @@ class OffloadedCache(KVCache):
         self.transfer_chunk = transfer_chunk  # tokens per host-to-device copy
         self._check(spec, depth)
         self.timeline = Timeline(log_order, device_clock(device))
-        self.store = HostKVStore(spec)
+        self.store: HostStore = HostKVStore(spec)
         self.copier = copier_cls(device, self.timeline)
         weakref.finalize(self, self.copier.close)  # stop the copier thread with the cache
         self.sched = PipelineScheduler(self.store, self.copier, transfer_chunk, device, depth,
                                        overlap, self.timeline) if spec.layers else None
         self.chip = FullCache(cfg, capacity, batch, dtype, device) if on_chip else None
-        self.written = 0  # end of the KV written so far (scratch above `length`)
         self.write_backs = {}  # layer -> Signal of its latest write-back
         self._forwards = []  # per-forward timing summaries (`forwards`)
         self._pending = []  # forwards whose timing events are not resolved yet
         self._trace_spans = None  # resolved spans of the last multi-layer forward (`trace`)
         self.held = None  # (layer, K, V [B, Hkv, S, D]) on the device during a layer-major prefill
         self.fresh = {}  # layer -> (start, k, v [B, Hkv, T, D]): the latest forward's device KV
-        self._t0 = None
+        self._t0 = None  # timing event of the running forward's start (`begin_forward`)
+        self._tokens = 0  # its tokens
 
     def _check(self, spec: StoreSpec, depth: int):
         """On-chip layers, the staging ring and the layer a prefill holds must fit."""
@@ -80,21 +96,23 @@ class OffloadedCache(KVCache):
         dev = self.on_chip * per_layer + (stage + per_layer if spec.layers else 0)
         check_memory(spec.nbytes(), dev, self.device, HOST_HINT, DEVICE_HINT)
 
-    def attend(self, layer, q, k, v, start):
-        end = self.end_of(q, start)
+    def begin_forward(self, start: int, n_tokens: int):
+        """Time the forward from here (an event on the compute stream on CUDA: no host sync)."""
         if start < self.length:
-            raise RuntimeError(f"attend at {start} below the committed length {self.length}: "
-                               "roll back with commit() first")
-        if layer == 0:
-            self._t0 = self.timeline.event()  # compute stream on CUDA: no host sync
+            raise RuntimeError(f"a forward at {start} below the committed length {self.length}: "
+                               "rollback() first")
+        self._t0 = self.timeline.event()
+        self._tokens = n_tokens
+
+    def attend(self, layer, q, k, v, start):
+        self.end_of(q, start)
         if layer < self.on_chip:
-            o = self.chip.attend(layer, q, k, v, start)
-        else:
-            o = self._attend_offloaded(layer, q, k, v, start)
-        self.written = max(self.written, end)
-        if layer == self.n_layers - 1:
-            self._forward_done(q.shape[2])
-        return o
+            return self.chip.attend(layer, q, k, v, start)
+        return self._attend_offloaded(layer, q, k, v, start)
+
+    def end_forward(self):
+        """The forward's timing spans become one pending summary (resolved later)."""
+        self._forward_done(self._tokens)
 
     def _attend_offloaded(self, layer, q, k, v, start):
         if self.held is not None and self.held[0] == layer:
@@ -186,15 +204,20 @@ class OffloadedCache(KVCache):
         return self.timeline.chrome_trace(spans=self._trace_spans)
 
     def commit(self, n: int):
-        self.length = self.written = n
+        super().commit(n)
         if self.chip is not None:
             self.chip.commit(n)
-        self.prefetch()  # the next forward over this cache is the next verification
+
+    def rollback(self, n: int):
+        super().rollback(n)
+        if self.chip is not None:
+            self.chip.rollback(n)
 
     def prefetch(self):
-        """Start streaming the first offloaded layers for a forward starting at `written`."""
+        """Start streaming the first offloaded layers for a forward at the committed length
+        (the engine: before the draft levels run; `generate`: after a commit)."""
         if self.sched is not None and self.sched.overlap:
-            self.sched.start(self.written)
+            self.sched.start(self.length)
 
     def put(self, layer: int, start: int, k, v):
         """Write K, V [B, Hkv, T, D] of positions start.. straight into the store (or the
@@ -258,25 +281,25 @@ class OffloadedCache(KVCache):
 @torch.inference_mode()
 def prefill_layer_major(model, cache, ids: torch.Tensor, start: int, prefill_chunk: int,
                         progress=None):
-    """Prefill ids [B, T] at positions start.. layer by layer: every chunk of `prefill_chunk` tokens
-    through layer l, then layer l+1, while the cache holds layer l's KV on the device. Same
-    arithmetic per chunk as the model's forward; holds the prompt's hidden states [B, T, H]
-    (against the KV of one layer, 2 * Hkv * D / H of that per layer). Commits start+T;
-    returns the last logits [B, V]."""
-    T, body = ids.shape[1], model.model
-    x = body.embed_tokens(ids)  # [B, T, H]
-    cos, sin = model.rotary(torch.arange(start, start + T, device=ids.device), x.dtype)
+    """Prefill ids [B, T] at positions start.. layer by layer: every chunk of `prefill_chunk`
+    tokens through layer l (the model's own `layer_step`), then layer l+1, while the cache
+    holds layer l's KV on the device. One forward for the cache's hooks; holds the prompt's
+    hidden states [B, T, H] (against the KV of one layer, 2 * Hkv * D / H of that per
+    layer). Returns the last logits [B, V]; the caller commits start+T."""
+    T, n = ids.shape[1], model.config.n_layers
+    x = model.embed(ids)  # [B, T, H]
+    cos, sin = model.rope(start, T, x.dtype, ids.device)
     spans = [(s, min(s + prefill_chunk, T)) for s in range(0, T, prefill_chunk)]
-    n = len(body.layers)
-    for i, block in enumerate(body.layers):
+    cache.begin_forward(start, T)
+    for i in range(n):
         cache.hold(i, start + T)
         for s, e in spans:
-            x[:, s:e] = block(x[:, s:e], cos[s:e], sin[s:e], start + s, cache)
+            x[:, s:e] = model.layer_step(i, x[:, s:e], cos[s:e], sin[s:e], start + s, cache)
         if progress:
             progress(T * (i + 1) // n, T)
     cache.hold(None)
-    cache.commit(start + T)
-    return model.lm_head(body.norm(x[:, -1:]))[:, -1]
+    cache.end_forward()
+    return model.head(x, last_only=True)[:, -1]
 
 
 def use_offload(o, cfg, capacity: int, dtype, device) -> bool:
@@ -306,12 +329,11 @@ def make_full_cache(loaded, capacity: int, opts) -> KVCache:
 
 
 def finish_stats(cache: KVCache, st, opts) -> None:
-    """Add the cache's offload figures to Stats.extra; write the --profile trace."""
-    if hasattr(cache, "stats"):
-        st.extra.update(cache.stats())
+    """Add the cache's own figures to Stats.extra; write the --profile trace of an
+    offloaded cache; close the cache."""
+    st.extra.update(cache.stats())
     o = opts.offload
-    if o.profile and getattr(cache, "trace", None) is not None:
+    if o.profile and isinstance(cache, OffloadedCache) and cache.trace is not None:
         Path(o.profile).write_text(json.dumps(cache.trace))
         st.extra["profile"] = o.profile
-    if hasattr(cache, "close"):
-        cache.close()
+    cache.close()

@@ -1,9 +1,10 @@
 """The middle level's cache: a fixed budget of retrieved KV chunks plus appended tokens.
 
-Built from the full cache (in memory or offloaded: only `keys(layer)` is used). Each
-layer and KV head keeps its own top `budget // chunk` chunks, scored by the last query
-against the chunk's mean key (kernels/retrieval.py). The incomplete last chunk (the most
-recent < chunk tokens) is always kept. Keys carry their absolute RoPE positions, so
+Built from a full cache (`protocols.FullKV`, in memory or offloaded: it reads each layer
+through `device_keys`, verified tokens through `recent`). Each layer and KV head keeps its
+own top `budget // chunk` chunks, scored by the last query against the chunk's mean key
+(kernels/retrieval.py). The incomplete last chunk (the most recent < chunk tokens) is
+always kept. Keys carry their absolute RoPE positions, so
 selected chunks need no re-rotation; every selected token precedes `base` (the length at
 build time) and every appended token follows it, which is all causal masking needs.
 
@@ -23,7 +24,10 @@ from .errors import TriforceError
 
 
 class Recorder:
-    """Wraps a cache and keeps the last query row of each layer (for retrieval scoring)."""
+    """A full cache (`protocols.RecordingKV`) over another (`inner`, offloaded or not)
+    that also keeps the last query row of each layer (for retrieval scoring). It forwards
+    `protocols.FullKV`, member by member, to `inner`; what an offloaded cache offers
+    beyond it (timings, the trace) is read from `inner`."""
 
     def __init__(self, cache):
         self.inner = cache
@@ -45,9 +49,52 @@ class Recorder:
         """A graph replay wrote the queries (no Python ran): they are the latest again,
         even if an eager forward pointed `q` elsewhere since the capture."""
         self.q.update(self._static_q)
+        self.inner.on_replay()
 
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
+    # the rest of protocols.FullKV, as the wrapped cache has it
+    static = property(lambda self: self.inner.static)
+    layer_major = property(lambda self: self.inner.layer_major)
+    capacity = property(lambda self: self.inner.capacity)
+    length = property(lambda self: self.inner.length)
+
+    def begin_forward(self, start, n_tokens: int):
+        self.inner.begin_forward(start, n_tokens)
+
+    def end_forward(self):
+        self.inner.end_forward()
+
+    def commit(self, n: int):
+        self.inner.commit(n)
+
+    def rollback(self, n: int):
+        self.inner.rollback(n)
+
+    def check_end(self, end: int) -> int:
+        return self.inner.check_end(end)
+
+    def prefetch(self):
+        self.inner.prefetch()
+
+    def hold(self, layer: int | None, end: int = 0):
+        self.inner.hold(layer, end)
+
+    def keys(self, layer: int, end: int | None = None):
+        return self.inner.keys(layer, end)
+
+    def device_keys(self, layer: int, end: int | None = None):
+        return self.inner.device_keys(layer, end)
+
+    def recent(self, layer: int, lo: int, hi: int):
+        return self.inner.recent(layer, lo, hi)
+
+    def nbytes(self) -> int:
+        return self.inner.nbytes()
+
+    def stats(self) -> dict:
+        return self.inner.stats()
+
+    def close(self):
+        self.inner.close()
 
 
 class RetrievalCache(KVCache):
@@ -84,9 +131,8 @@ class RetrievalCache(KVCache):
         c = self.retrieval_chunk
         n_full = length // c
         self.holds_all = self.fits(length, self.n_chunks * c, c)
-        keys = getattr(full, "device_keys", full.keys)  # an offloaded cache: scored on the device
         for layer in range(self.n_layers):
-            K, V = keys(layer, length)  # [B, Hkv, S, D]
+            K, V = full.device_keys(layer, length)  # [B, Hkv, S, D]; offloaded: scored on the device
             if self.holds_all:
                 k, v = K, V
             else:
@@ -136,22 +182,15 @@ class RetrievalCache(KVCache):
         if hi > lo:
             s = self._slot(lo)
             for layer in range(self.n_layers):
-                k, v = _exact_kv(full, layer, lo, hi)
+                k, v = full.recent(layer, lo, hi)  # offloaded: from the device, not the host store
                 self.k[layer][:, :, s: s + hi - lo].copy_(k)
                 self.v[layer][:, :, s: s + hi - lo].copy_(v)
 
-    def commit(self, n: int):
+    def rollback(self, n: int):
         if n < self.base:
             raise TriforceError(f"retrieval cache cannot roll back to {n} < its base {self.base}")
-        self.length = n
+        super().rollback(n)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
-
-def _exact_kv(full, layer: int, lo: int, hi: int):
-    """The full cache's K, V [B, Hkv, hi-lo, D] of positions lo..hi-1."""
-    if hasattr(full, "recent"):  # offloaded: from the device, not the host store
-        return full.recent(layer, lo, hi)
-    K, V = full.keys(layer, hi)
-    return K[:, :, lo:hi], V[:, :, lo:hi]

@@ -126,7 +126,7 @@ def speculate(kind: str, loaded, prompt, opts, full, logits, on_token=None):
         toks = eng.run(seq, opts.max_new_tokens, stop_ids(loaded, opts), on_token)
     t2 = time.perf_counter()
     st = Stats(len(prompt), len(toks), t1 - t0, t2 - t1, peak_memory_gb(loaded.device))
-    steps = combined([lv.step for lv in levels if hasattr(lv, "step")])
+    steps = combined([lv.step for lv in levels if lv.step is not None])
     steps["notes"] = notes + steps.get("notes", [])  # the levels' build notes first
     st.extra.update(eng.figures(), build_s=round(t1 - t0, 3), **steps)
     return toks, st

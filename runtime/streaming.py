@@ -3,9 +3,9 @@
 Keys carry their absolute RoPE positions, so dropping old tokens leaves the relative
 distances of the rest intact. Layout in the preallocated buffer: slots [0, sink_slots)
 hold positions [0, sink_slots) (the sink; sink_slots = min(sink, run_start)), the slots
-after them hold the contiguous run of positions run_start .. followed by pending tokens. Evicting shifts the run left once per
-commit; rolling back only shortens the run (evicted tokens stay evicted, which costs
-draft quality, never correctness).
+after them hold the contiguous run of positions run_start .. followed by pending tokens.
+Evicting shifts the run left once per commit; rolling back only shortens the run (evicted
+tokens stay evicted, which costs draft quality, never correctness).
 """
 from __future__ import annotations
 
@@ -47,10 +47,13 @@ class StreamingCache(KVCache):
         return attention(q, K[:, :, : s + T], V[:, :, : s + T], start, self.run_start - self.sink_slots)
 
     def commit(self, n: int):
-        self.run_start = min(self.run_start, n)
-        self.length = n
+        super().commit(n)
         if n - max(self.run_start, self.sink) > self.window:
             self._evict(n - self.window)
+
+    def rollback(self, n: int):
+        super().rollback(n)
+        self.run_start = min(self.run_start, n)
 
     def _evict(self, run_start: int):
         src, n = self._slot(run_start), self.length - run_start

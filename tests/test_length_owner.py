@@ -1,5 +1,6 @@
-"""A cache's length has one owner: it moves only through `commit` (the engine and
-`generate` call it), and a level's `held` only in the level's own forward and commit.
+"""A cache's length has one owner: it moves only through `commit` and `rollback` (the
+engine and `generate` call them), and a level's `held` only in the level's own forward,
+commit and rollback.
 
 Every cache class and ModelLevel get a watched attribute that records which function
 wrote it; a triforce run over every cache kind must show no other writer.
@@ -13,8 +14,8 @@ from triforce_offload.runtime import cache as cache_mod
 from triforce_offload.runtime import drafters, offloaded, retrieval, streaming
 
 ALLOWED = {  # attribute -> functions that may write it
-    "length": {"__init__", "commit", "build", "load_from"},  # build/load_from: a fresh fill
-    "held": {"__init__", "forward", "commit", "prefill"},
+    "length": {"__init__", "commit", "rollback", "build", "load_from"},  # build/load_from: a fresh fill
+    "held": {"__init__", "forward", "commit", "rollback", "prefill"},
 }
 
 

@@ -40,7 +40,7 @@ def setup():
 @pytest.mark.parametrize("mode,extra", MODES)
 def test_smollm2_greedy_equals_autoregressive(setup, mode, extra):
     L, prompt, full, logits, qs, ref = setup
-    full.commit(len(prompt))
+    full.rollback(len(prompt))
     full.q = dict(qs)
     opts = api.RunOptions.of(mode=mode, max_new_tokens=N_NEW, ignore_eos=True, **dict(extra),
                           sampling=SamplingParams())

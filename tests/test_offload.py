@@ -48,15 +48,19 @@ def script(model, cache):
     for s, e in ((0, 13), (13, 29), (29, 41)):  # prefill
         outs.append(model(ids[:, s:e], s, cache))
         cache.commit(e)
+        cache.prefetch()  # as generate does after a commit
     outs.append(model(ids[:, 41:42], 41, cache))  # decode
     cache.commit(42)
+    cache.prefetch()
     outs.append(model(ids[:, 42:46], 42, cache))  # verify 4 pending ...
     outs.append(model(ids[:, 46:49], 46, cache))  # ... and 3 more on top, uncommitted
     cache.commit(44)  # accept 2: positions >= 44 leave no trace
+    cache.prefetch()
     outs.append(model(ids[:, 50:55], 44, cache))  # different tokens at 44..48
     cache.commit(49)
-    cache.commit(47)  # roll back committed tokens
-    cache.prefetch()
+    cache.prefetch()  # a pass for 49 ...
+    cache.rollback(47)  # roll back committed tokens
+    cache.prefetch()  # ... abandoned for 47
     outs.append(model(ids[:, 55:58], 47, cache))
     cache.commit(50)
     return outs
@@ -253,7 +257,7 @@ def test_prefill_never_restreams(model, overlap):
         second = off.copier.bytes - first
         want.append(model(ids[:, 75:76], 75, full))
         got.append(model(ids[:, 75:76], 75, off))
-    # with overlap, each commit also starts the next forward's prefetch (at most one pass)
+    # with overlap, each prefill ends by starting the next forward's prefetch (at most one pass)
     assert first <= (one_pass(60) if overlap else 0)
     assert second <= one_pass(60) + (one_pass(75) if overlap else 0)
     if not overlap:
@@ -369,7 +373,7 @@ def test_a_staging_slot_is_refilled_only_after_its_reader(overlap):
         for layer in spec.layers:
             for c0, k, v in sched.stream(layer, 40):
                 copier.read_at[k.data_ptr()] = copier.clock  # the reader's compute is issued now
-        sched.start(40)  # the commit's prefetch of the next forward
+        sched.start(40)  # the prefetch of the next forward (after a commit)
     assert copier.refills >= 2 * 3 * 5 - 2
     copier.close()
 

@@ -58,18 +58,20 @@ class LateEvent(HostEvent):
 @torch.inference_mode()
 def verifications(model, cache, n: int, tokens: int = 5):
     """Prefill 60 tokens (one forward) on an empty cache, then `n` verification forwards of
-    `tokens` tokens, each after a commit (which starts the next forward's prefetch) and
-    2 ms of 'drafting'."""
+    `tokens` tokens, each after a commit and the next forward's prefetch (as the engine
+    issues them) and 2 ms of 'drafting'."""
     ids = torch.randint(0, CFG.vocab_size, (1, CAP), generator=torch.Generator().manual_seed(2))
     if cache.length == 0:
         model(ids[:, :60], 0, cache)
         cache.commit(60)
+        cache.prefetch()
     pos = cache.length
     for _ in range(n):
         time.sleep(0.002)  # the draft levels: the link streams the prefetch meanwhile
         model(ids[:, pos:pos + tokens], pos, cache)
         pos += tokens - 1  # one token rejected
         cache.commit(pos)
+        cache.prefetch()
 
 
 def check_forward(s: dict):
@@ -298,7 +300,7 @@ def test_offload_pipeline_bench_on_cpu(tmp_path):
 
 def test_offload_pipeline_prefill_streams_nothing_but_the_prefetch(tmp_path):
     """--prefill: an offloaded prefill through api.generate; host->device bytes are at most
-    the commit's prefetch (2 transfer chunks of one layer), far below one pass over the KV."""
+    the prefetch after it (2 transfer chunks of one layer), far below one pass over the KV."""
     stdout, rows = pipeline_bench(tmp_path, "--chunk", "64", "--no-compare", "--prefill")
     for r in rows:
         assert r["prefill_tokens"] == r["context"] - 1 and r["prefill_s"] > 0

@@ -32,7 +32,7 @@ def prefilled():
 
 def decode(prefilled, rebuild, n=48):
     L, prompt, full, logits, qs = prefilled
-    full.commit(len(prompt))
+    full.rollback(len(prompt))
     full.q = dict(qs)
     opts = RunOptions.of(mode="retrieval", max_new_tokens=n, ignore_eos=True,
                       sampling=SamplingParams(temperature=0.6, seed=0),

@@ -133,7 +133,7 @@ def test_streaming_cache_rollback_leaves_no_trace():
     q = torch.randn(1, 4, 1, D)
     out = sc.attend(0, q, Ks[:, :, 12:13], Vs[:, :, 12:13], 12)
     assert torch.allclose(out, ref_streaming(Ks, Vs, q, 12, 2, 6), atol=1e-5)
-    sc.commit(10)  # roll back into the window: positions 10, 11, 12 vanish
+    sc.rollback(10)  # roll back into the window: positions 10, 11, 12 vanish
     q = torch.randn(1, 4, 1, D)
     out = sc.attend(0, q, Ks[:, :, 10:11], Vs[:, :, 10:11], 10)
     keep = [0, 1] + list(range(6, 11))  # evicted tokens stay evicted: 6..9 remain, + 10

@@ -43,7 +43,7 @@ def verify_once(model, cache: OffloadedCache, tokens: int, device) -> dict:
     device to the forward's last kernel done)."""
     n = cache.length
     ids = torch.randint(0, model.config.vocab_size, (1, tokens), device=device)
-    cache.sched.reset()  # drop the commit's prefetch: start from an idle link
+    cache.sched.reset()  # drop any earlier prefetch: start from an idle link
     cache.copier.flush()
     device_sync(device)
     t0 = time.perf_counter()
@@ -51,7 +51,7 @@ def verify_once(model, cache: OffloadedCache, tokens: int, device) -> dict:
     model(ids, n, cache, last_only=True)
     device_sync(device)
     lat = time.perf_counter() - t0
-    cache.commit(n)  # roll the verified tokens back: the next repeat sees the same context
+    cache.rollback(n)  # forget the verified tokens: the next repeat sees the same context
     cache.copier.flush()
     return {**cache.forwards[-1], "latency_s": lat}
 

@@ -16,7 +16,7 @@ import torch
 
 from ..runtime.api import load
 from ..runtime.cache import FullCache
-from ..runtime.data import long_prompt
+from ..runtime.data import builtin_prompt
 from ..runtime.generate import prefill
 from ..runtime.retrieval import Recorder
 
@@ -31,8 +31,9 @@ def prefilled(ctx: int, a):
     if path is not None and path.exists():
         return (L, *load_prefill(L, path, a), 0.0)
     want = ctx - a.new_tokens - 64
-    prompt = long_prompt(L.tokenizer, want)
-    prompt = long_prompt(L.tokenizer, want - (len(prompt) - want))  # chat template overhead
+    kind = getattr(a, "prompt", "summary")
+    prompt = builtin_prompt(L.tokenizer, kind, want)
+    prompt = builtin_prompt(L.tokenizer, kind, want - (len(prompt) - want))  # chat template overhead
     full = Recorder(FullCache(L.cfg, len(prompt) + a.new_tokens + 64, dtype=L.dtype))
     t0 = time.perf_counter()
     logits = prefill(L.model, full, torch.tensor([prompt]))
