@@ -7,7 +7,8 @@ at least its last token, whose forward gives the first logits and the queries th
 retrieval level is built from. The levels above the full cache (retrieval cache, drafters)
 are rebuilt from it as after any prefill, so the output is the cold start's.
 
-An entry is taken over when the prompt reuses most of it (this run's entry supersedes it)
+A kept cache was closed after its run (finish_stats): an offloaded one's copier thread
+starts again on its next use. An entry is taken over when the prompt reuses most of it (this run's entry supersedes it)
 and it has room; otherwise the shared prefix is copied into a new cache and the entry
 stays for other prompts. Entries are evicted least recently used first to stay within
 `max_bytes`.
@@ -62,22 +63,21 @@ class PrefixCache:
             if not superseded:
                 self.entries.append(e)  # most recently used
         if superseded and e.cache.capacity >= capacity:
-            e.cache.commit(n)  # roll back to the shared prefix
+            e.cache.rollback(n)  # to the shared prefix
             return e.cache, n
         cache = make(capacity)
         copy_prefix(e.cache, cache, n)
         if superseded:
-            _close(e.cache)
+            e.cache.close()
         return cache, n
 
     def keep(self, cache, ids: list[int]):
         """Keep `cache` holding the KV of ids[:cache.length]; drops entries it contains and
         evicts the least recently used ones beyond max_bytes."""
-        if getattr(cache, "held", None) is not None:
-            cache.hold(None)  # a layer-major prefill that was cancelled
+        cache.hold(None)  # a layer-major prefill may have been cancelled
         n = min(cache.length, len(ids))
         if n == 0 or cache.nbytes() > self.max_bytes:
-            return _close(cache)
+            return cache.close()
         new = Entry(np.asarray(ids[:n], dtype=np.int64), cache)
         with self.lock:
             gone = [e for e in self.entries if len(e.ids) <= n and np.array_equal(e.ids, new.ids[:len(e.ids)])]
@@ -85,13 +85,13 @@ class PrefixCache:
             while sum(e.cache.nbytes() for e in self.entries) > self.max_bytes:
                 gone.append(self.entries.pop(0))
         for e in gone:
-            _close(e.cache)
+            e.cache.close()
 
     def clear(self):
         with self.lock:
             gone, self.entries = self.entries, []
         for e in gone:
-            _close(e.cache)
+            e.cache.close()
 
 
 def copy_prefix(src, dst, n: int):
@@ -100,11 +100,6 @@ def copy_prefix(src, dst, n: int):
         k, v = src.keys(layer, n)  # [B, Hkv, n, D]
         dst.put(layer, 0, k, v)
     dst.commit(n)
-
-
-def _close(cache):
-    if hasattr(cache, "close"):
-        cache.close()
 
 
 class Lease:
