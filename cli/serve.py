@@ -6,7 +6,6 @@ not set them.
 """
 from __future__ import annotations
 
-import re
 import signal
 import socket
 import sys
@@ -19,20 +18,11 @@ import typer
 from ..runtime import api
 from ..runtime.errors import TriforceError
 from ..runtime.options import (GenerationOptions, ModelOptions, OffloadOptions, RetrievalOptions,
-                               RunOptions)
-from ..runtime.prefix_cache import PrefixCache
+                               ReuseOptions, RunOptions)
+from ..runtime.prefix_cache import prefix_store
 from .app import app
 from .options import options
 from .show import err
-
-
-def parse_bytes(text: str, what: str) -> int:
-    """'4G', '512M', '1.5GiB', '100000' -> bytes (powers of 1024)."""
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]?)(i?b)?\s*", text.lower())
-    try:
-        return int(float(m[1]) * 1024 ** " kmgt".index(m[2] or " "))
-    except (TypeError, ValueError):
-        raise TriforceError(f"{what} {text!r}: give a size such as 4G, 512M or a byte count") from None
 
 
 @app.command()
@@ -42,6 +32,7 @@ def serve(
     gen: GenerationOptions,
     retrieval: RetrievalOptions,
     offload: OffloadOptions,
+    reuse: ReuseOptions,
     host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0: every interface)."),
     port: int = typer.Option(8000, help="Port to listen on (0: a free one, printed at start)."),
     served_model_name: Optional[str] = typer.Option(None, help="Model id in /v1/models and requests "
@@ -50,8 +41,6 @@ def serve(
     max_queue: int = typer.Option(16, help="Requests that may wait for the model; more get 429."),
     request_timeout: float = typer.Option(600.0, help="Seconds a request may take from arrival; "
                                           "generation then stops (finish_reason length)."),
-    kv_cache_mem: str = typer.Option("4G", help="Host memory for the KV of finished requests, kept "
-                                     "for prompts that share their prefix (0: no reuse)."),
 ):
     """Serve the OpenAI API (chat and completions, streamed or not) with KV reuse across
     requests; --max-new-tokens, --temperature, --top-p, --top-k and --seed are the defaults
@@ -68,10 +57,10 @@ def serve(
         raise TriforceError("--max-queue must be >= 1 and --request-timeout > 0")
     if api.world_size() > 1:
         raise TriforceError("serve runs in one process; tensor parallelism (--tp, torchrun) is run's")
-    kv_bytes = parse_bytes(kv_cache_mem, "--kv-cache-mem")
     sock = listen(host, port)  # a taken port is an error before the model loads
     loaded = api.load(model, progress=lambda m: err.print(m))
-    loaded.prefix = PrefixCache(kv_bytes)
+    loaded.prefix = prefix_store(reuse, loaded, memory=True, save_later=True,
+                                 note=lambda m: err.print(m, highlight=False))
     opts, metrics = RunOptions(gen, retrieval, offload), Metrics()
     worker = Worker(loaded, max_queue, metrics)
     name = served_model_name or model_name(model.model)

@@ -98,8 +98,7 @@ def run_with_cache(make_cache, loaded, prompt, opts, on_token=None, progress=Non
                                   opts.graphs, kv.start)
         finish_stats(kv.cache, st, opts)
         kv.ids = prompt + toks
-    if reuse and loaded.prefix is not None:
-        st.extra["reused_tokens"] = kv.start
+    kv.report(st)
     return toks, st
 
 

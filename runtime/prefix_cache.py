@@ -16,10 +16,23 @@ stays for other prompts. Entries are evicted least recently used first to stay w
 from __future__ import annotations
 
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
+
+
+def prefix_store(o, loaded, memory: bool, note=print, save_later: bool = False):
+    """The PrefixCache for ReuseOptions `o`: host memory up to --kv-cache-mem (`memory`:
+    serve) and --kv-dir; None when neither is asked for."""
+    from .options import parse_size
+    disk = None
+    if o.kv_dir:
+        from .kv_disk import KVDir
+        disk = KVDir(o.kv_dir, parse_size(o.kv_dir_limit), loaded, note)
+    mem = parse_size(o.kv_cache_mem) if memory else 0
+    return PrefixCache(mem, disk, save_later) if mem or disk else None
 
 
 @dataclass(eq=False)  # compared by identity (numpy ids have no truth value)
@@ -29,9 +42,12 @@ class Entry:
 
 
 class PrefixCache:
-    def __init__(self, max_bytes: int):
+    def __init__(self, max_bytes: int, disk=None, save_later: bool = False):
         self.max_bytes = max_bytes  # kept caches' bytes at most (cache.nbytes())
+        self.disk = disk  # a kv_disk.KVDir (--kv-dir): runs' KV saved there, prefixes loaded
+        self.save_later = save_later  # keep() queues the disk save for save() (the server)
         self.entries: list[Entry] = []  # least recently used first
+        self.unsaved: list[tuple] = []  # (cache, ids) to write to disk
         self.lock = threading.Lock()  # /metrics reads nbytes from another thread
 
     def nbytes(self) -> int:
@@ -51,31 +67,44 @@ class PrefixCache:
                 best, n_best = e, n
         return best, n_best
 
-    def take(self, prompt: list[int], capacity: int, make) -> tuple[object, int]:
-        """(a full cache of `capacity` tokens holding the KV of prompt[:n], n); `make(capacity)`
-        builds a new one."""
+    def take(self, prompt: list[int], capacity: int, make) -> tuple[object, int, str | None]:
+        """(a full cache of `capacity` tokens holding the KV of prompt[:n], n, where the KV
+        came from: "memory", "disk" or None); `make(capacity)` builds a new cache."""
+        self.save()
         with self.lock:
             e, n = self.match(prompt)
+        name, n_disk = self.disk.match(prompt) if self.disk else (None, 0)
+        if n_disk > n:
+            cache = make(capacity)
+            if self.disk.load(name, cache, n_disk):
+                return cache, n_disk, "disk"
             if e is None:
-                return make(capacity), 0
+                return cache, 0, None  # a failed load committed nothing
+        if e is None:
+            return make(capacity), 0, None
+        with self.lock:
             self.entries.remove(e)
             superseded = 2 * n >= len(e.ids)  # this run's entry will hold most of it
             if not superseded:
                 self.entries.append(e)  # most recently used
         if superseded and e.cache.capacity >= capacity:
             e.cache.rollback(n)  # to the shared prefix
-            return e.cache, n
+            return e.cache, n, "memory"
         cache = make(capacity)
         copy_prefix(e.cache, cache, n)
         if superseded:
             e.cache.close()
-        return cache, n
+        return cache, n, "memory"
 
     def keep(self, cache, ids: list[int]):
-        """Keep `cache` holding the KV of ids[:cache.length]; drops entries it contains and
-        evicts the least recently used ones beyond max_bytes."""
+        """Keep `cache` holding the KV of ids[:cache.length] (and save it to disk); drops
+        entries it contains and evicts the least recently used ones beyond max_bytes."""
         cache.hold(None)  # a layer-major prefill may have been cancelled
         n = min(cache.length, len(ids))
+        if self.disk is not None and n:
+            self.unsaved.append((cache, ids[:n]))
+            if not self.save_later:
+                self.save()
         if n == 0 or cache.nbytes() > self.max_bytes:
             return cache.close()
         new = Entry(np.asarray(ids[:n], dtype=np.int64), cache)
@@ -86,6 +115,12 @@ class PrefixCache:
                 gone.append(self.entries.pop(0))
         for e in gone:
             e.cache.close()
+
+    def save(self):
+        """Write the queued KV to disk (before the cache can be taken again)."""
+        while self.unsaved:
+            cache, ids = self.unsaved.pop(0)
+            self.disk.save(cache, ids)
 
     def clear(self):
         with self.lock:
@@ -103,11 +138,19 @@ def copy_prefix(src, dst, n: int):
 
 
 class Lease:
-    """One run's full cache: `cache` holds the KV of prompt[:start]; the run sets `ids` to
-    the tokens its cache holds at the end (prompt + generated) to keep them."""
+    """One run's full cache: `cache` holds the KV of prompt[:start] (from `source`, taking
+    `take_s` seconds); the run sets `ids` to the tokens its cache holds at the end (prompt
+    + generated) to keep them."""
 
-    def __init__(self, cache, start: int, ids: list[int]):
-        self.cache, self.start, self.ids = cache, start, ids
+    def __init__(self, cache, start: int, ids: list[int], source=None, take_s: float = 0.0):
+        self.cache, self.start, self.ids, self.source, self.take_s = cache, start, ids, source, take_s
+        self.kept = False  # from a PrefixCache: report() adds the reuse figures
+
+    def report(self, st):
+        """Add the reuse to the run's Stats: its time to the prefill, what it reused."""
+        if self.kept:
+            st.prefill_s += self.take_s
+            st.extra.update(reused_tokens=self.start, reused_from=self.source)
 
 
 @contextmanager
@@ -119,8 +162,10 @@ def lease(loaded, prompt: list[int], capacity: int, make):
     if store is None:
         yield Lease(make(capacity), 0, prompt)
         return
-    cache, start = store.take(prompt, capacity, make)
-    out = Lease(cache, start, prompt)
+    t0 = time.perf_counter()
+    cache, start, source = store.take(prompt, capacity, make)
+    out = Lease(cache, start, prompt, source, time.perf_counter() - t0)
+    out.kept = True
     try:
         yield out
     finally:

@@ -101,8 +101,7 @@ def run_speculative(kind: str, loaded, prompt, opts, on_token=None, progress=Non
         st.prefill_s = time.perf_counter() - t0 - st.decode_s
         finish_stats(full.inner, st, opts)
         kv.ids = prompt + toks
-    if loaded.prefix is not None:
-        st.extra["reused_tokens"] = kv.start
+    kv.report(st)
     return toks, st
 
 

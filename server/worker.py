@@ -144,6 +144,15 @@ class Worker:
                 job.emit("error", (500, f"generation failed: {type(e).__name__}: {e}"))
             finally:
                 self.current = None
+            self._save()
+
+    def _save(self):
+        """--kv-dir: write the finished request's KV once its response is out."""
+        try:
+            if self.loaded.prefix is not None:
+                self.loaded.prefix.save()
+        except Exception:  # a full disk must not stop the server
+            log.exception("saving the KV to --kv-dir failed")
 
     def _run(self, job: Job):
         text = TextStream(self.loaded.tokenizer, job.stops)
@@ -189,7 +198,7 @@ class Worker:
 
 def stats_figures(d: dict, ttft: float, timed_out: bool) -> dict:
     """The stats line's figures for a response's `triforce` field."""
-    keep = ("mode", "prompt_tokens", "new_tokens", "reused_tokens", "prefill_s",
+    keep = ("mode", "prompt_tokens", "new_tokens", "reused_tokens", "reused_from", "prefill_s",
             "decode_ms_per_token", "tokens_per_s", "acceptance", "acceptance_per_token",
             "mean_accepted", "rebuilds", "notes", "overlap")
     out = {k: d[k] for k in keep if k in d}

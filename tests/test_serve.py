@@ -303,3 +303,18 @@ def test_key_queue_limit_time_limit_and_sigterm(tmp_path):
         t.join(10)
         assert [ln for ln in lines if ln][-1] == "data: [DONE]"
         assert any("shutting down" in ln for ln in lines)
+
+
+def test_kv_dir_outlives_the_server(tmp_path):
+    """A request's KV saved by one server is loaded by the next one on the same --kv-dir."""
+    from triforce_offload.runtime.data import essays
+    ask = [{"role": "user", "content": " ".join(essays().split()[:1200]) + "\n\nSummarize."}]
+    kv = ("--kv-dir", str(tmp_path / "kv"))
+    with server(tmp_path, *kv) as (base, p):
+        _, cold_text, cold = ttft(base, ask)
+    assert p.returncode == 0 and list((tmp_path / "kv").glob("*.kv"))
+    with server(tmp_path, *kv) as (base, p):
+        _, text, warm = ttft(base, ask)
+    assert cold["reused_tokens"] == 0 and warm["reused_from"] == "disk"
+    assert warm["reused_tokens"] == cold["prompt_tokens"] - 1 and text == cold_text
+    assert cold["prefill_s"] >= 5 * warm["prefill_s"], (cold["prefill_s"], warm["prefill_s"])
