@@ -89,14 +89,19 @@ def build(s: Served) -> FastAPI:
             raise ApiError(400, "this model has no chat template: use /v1/completions", "messages")
         msgs = [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
                 for m in req.messages]
-        ids = encode_chat(s.loaded.tokenizer, msgs)
+        try:
+            with s.worker.tokenizer_lock:
+                ids = encode_chat(s.loaded.tokenizer, msgs)
+        except Exception as e:  # a template that refuses the messages (e.g. roles out of turn)
+            raise ApiError(400, f"the chat template refused the messages: {e}", "messages") from None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         return await respond(s, req, request, ids, max_tokens, chat=True)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: HttpRequest):
         p = req.single()
-        ids = s.loaded.tokenizer(p).input_ids if isinstance(p, str) else list(p)
+        with s.worker.tokenizer_lock:
+            ids = s.loaded.tokenizer(p).input_ids if isinstance(p, str) else list(p)
         if any(not 0 <= t < s.loaded.cfg.vocab_size for t in ids):
             raise ApiError(400, f"token ids must be in [0, {s.loaded.cfg.vocab_size})", "prompt")
         return await respond(s, req, request, ids, req.max_tokens, chat=False)

@@ -67,13 +67,17 @@ class TextStream:
     """Text of a growing token list. New text is released unless it may be the start of
     a stop string or ends in an incomplete UTF-8 character; a stop string ends the text."""
 
-    def __init__(self, tokenizer, stops: list[str]):
-        self.tok, self.stops = tokenizer, stops
+    def __init__(self, tokenizer, stops: list[str], lock):
+        self.tok, self.stops, self.lock = tokenizer, stops, lock
         self.ids, self.text, self.sent, self.stopped = [], "", 0, False
+
+    def decode(self) -> str:
+        with self.lock:
+            return self.tok.decode(self.ids, skip_special_tokens=True)
 
     def add(self, t: int) -> str:
         self.ids.append(t)
-        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        text = self.decode()
         if text.endswith("\ufffd"):
             return ""
         self.text = text
@@ -86,7 +90,7 @@ class TextStream:
 
     def finish(self) -> str:
         if not self.stopped:
-            self.text = self.tok.decode(self.ids, skip_special_tokens=True)
+            self.text = self.decode()
         return self._release(len(self.text))
 
     def _release(self, end: int) -> str:
@@ -101,6 +105,9 @@ class Worker:
         self.queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self.current: Job | None = None
         self.closing = False
+        # the event loop encodes prompts while this thread decodes: a fast tokenizer used
+        # from two threads at once can fail ("Already borrowed")
+        self.tokenizer_lock = threading.Lock()
         self.thread = threading.Thread(target=self._loop, name="generation", daemon=True)
         self.thread.start()
 
@@ -155,7 +162,7 @@ class Worker:
             log.exception("saving the KV to --kv-dir failed")
 
     def _run(self, job: Job):
-        text = TextStream(self.loaded.tokenizer, job.stops)
+        text = TextStream(self.loaded.tokenizer, job.stops, self.tokenizer_lock)
         state = {"first": None, "timed_out": False}
 
         def on_token(t: int) -> bool:
