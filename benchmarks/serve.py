@@ -5,10 +5,10 @@ Usage:
     python benchmarks/serve.py                                   # 4K and 16K-token documents
     python benchmarks/serve.py --contexts 4096 --new-tokens 32 --threads 1
 
-Per context a server (`triforce-offload serve --port 0` on a fresh --kv-dir) answers a
-document + question A (cold), then the same document + question B (its prefix is kept in
-host memory); it is restarted on the same --kv-dir and answers question B again (the
-prefix loads from disk). Time to first token is measured by the client (request sent to
+Per context a server (`triforce-offload serve --port 0` on a fresh --kv-dir) continues a
+document + ending A (cold; /v1/completions, no chat template), then the same document +
+ending B (its prefix is kept in host memory); it is restarted on the same --kv-dir and
+continues ending B again (the prefix loads from disk). Time to first token is measured by the client (request sent to
 first streamed text). The cold request's decode ms/token is set beside `run --json` on the
 same prompt, run in this invocation. Then `--clients` clients send `--requests` short
 requests each at once: requests per second (one generation at a time: it measures the
@@ -84,20 +84,23 @@ def server(a, args: list[str], log: Path):
 
 
 def ask(base: str, text: str, n: int) -> dict:
-    """Stream one chat request: client-side TTFT and ms/token, text, the server's figures."""
-    body = {"messages": [{"role": "user", "content": text}], "max_tokens": n, "temperature": 0,
-            "stream": True}
+    """Stream one completion: client-side TTFT and ms/token, text, the server's figures."""
+    body = {"prompt": text, "max_tokens": n, "temperature": 0, "stream": True}
     t0, stamps, out, figures = time.perf_counter(), [], "", {}
-    with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=3600) as r:
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=3600) as r:
         r.raise_for_status()
         for ln in r.iter_lines():
             if ln.startswith("data: {"):
                 e = json.loads(ln[6:])
-                piece = e["choices"][0]["delta"].get("content") if e.get("choices") else None
+                if "error" in e:
+                    raise SystemExit(f"the server answered: {e['error']}")
+                piece = e["choices"][0]["text"] if e.get("choices") else None
                 if piece:
                     stamps.append(time.perf_counter() - t0)
                     out += piece
                 figures = e.get("triforce", figures)
+    if not stamps:
+        raise SystemExit(f"no text came back: {figures}")
     gaps = len(stamps) - 1
     return {"ttft_s": stamps[0], "client_ms_per_token": 1000 * (stamps[-1] - stamps[0]) / gaps if gaps else None,
             "text": out, **figures}
@@ -114,7 +117,7 @@ def run_json(a, context: int, prompt: str) -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
         f.write(prompt)
         f.flush()
-        cmd = [sys.executable, "-m", "triforce_offload.cli", "run", "--json", "--prompt-file", f.name,
+        cmd = [sys.executable, "-m", "triforce_offload.cli", "run", "--json", "--no-chat", "--prompt-file", f.name,
                "--max-new-tokens", str(a.new_tokens), *common(a, context)]
         r = subprocess.run(cmd, capture_output=True, text=True, env=env(a))
     if r.returncode:
@@ -123,8 +126,8 @@ def run_json(a, context: int, prompt: str) -> dict:
 
 
 def one_context(a, context: int, tmp: Path) -> dict:
-    doc = document(context - a.new_tokens - 120)  # room for the template, question and answer
-    qa, qb = doc + "\n\nWhat is the first essay about?", doc + "\n\nWho is the author?"
+    doc = document(context - a.new_tokens - 64)  # essays to continue (no chat template: a chat
+    qa, qb = doc + "\n\nIn short,", doc + "\n\nThe main point is"  # answer may end at once)
     kv = ["--kv-dir", str(tmp / f"kv-{context}"), *common(a, context)]
     with server(a, kv, tmp / f"serve-{context}-a.log") as base:
         cold = ask(base, qa, a.new_tokens)

@@ -140,9 +140,7 @@ class KVDir:
                         fh.write(raw)
                         crcs[-1].append(zlib.crc32(raw))
                 fh.write(json.dumps({"crc32": crcs}).encode() + b"\n")
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, self.path / name)
+            os.replace(tmp, self.path / name)  # no fsync: after a crash the CRCs catch a torn entry
         except OSError as e:
             tmp.unlink(missing_ok=True)
             return self._say("save", f"could not save an entry: {e}")

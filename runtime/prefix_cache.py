@@ -23,6 +23,9 @@ from dataclasses import dataclass
 import numpy as np
 
 
+ROOM = 1024  # kept caches' capacity is a multiple of this many tokens
+
+
 def prefix_store(o, loaded, memory: bool, note=print, save_later: bool = False):
     """The PrefixCache for ReuseOptions `o`: host memory up to --kv-cache-mem (`memory`:
     serve) and --kv-dir; None when neither is asked for."""
@@ -68,20 +71,22 @@ class PrefixCache:
         return best, n_best
 
     def take(self, prompt: list[int], capacity: int, make) -> tuple[object, int, str | None]:
-        """(a full cache of `capacity` tokens holding the KV of prompt[:n], n, where the KV
-        came from: "memory", "disk" or None); `make(capacity)` builds a new cache."""
+        """(a full cache of at least `capacity` tokens holding the KV of prompt[:n], n, where
+        the KV came from: "memory", "disk" or None); `make(capacity)` builds a new cache,
+        with room to spare (a follow-up's longer prompt then fits without a copy)."""
         self.save()
+        new = lambda: make(-(-capacity // ROOM) * ROOM)
         with self.lock:
             e, n = self.match(prompt)
         name, n_disk = self.disk.match(prompt) if self.disk else (None, 0)
         if n_disk > n:
-            cache = make(capacity)
+            cache = new()
             if self.disk.load(name, cache, n_disk):
                 return cache, n_disk, "disk"
             if e is None:
                 return cache, 0, None  # a failed load committed nothing
         if e is None:
-            return make(capacity), 0, None
+            return new(), 0, None
         with self.lock:
             self.entries.remove(e)
             superseded = 2 * n >= len(e.ids)  # this run's entry will hold most of it
@@ -90,7 +95,7 @@ class PrefixCache:
         if superseded and e.cache.capacity >= capacity:
             e.cache.rollback(n)  # to the shared prefix
             return e.cache, n, "memory"
-        cache = make(capacity)
+        cache = new()
         copy_prefix(e.cache, cache, n)
         if superseded:
             e.cache.close()

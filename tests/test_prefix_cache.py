@@ -64,10 +64,10 @@ def test_small_kept_cache_is_copied_into_a_bigger_one():
     prompt = repetitive_prompt(200, 64)
     api.generate(L, prompt, opts("autoregressive", 4))
     small = store.entries[0].cache
-    out, st = api.generate(L, prompt + [5, 6], opts("autoregressive", 300))  # needs a bigger cache
+    out, st = api.generate(L, prompt + [5, 6], opts("autoregressive", 900))  # needs a bigger cache
     assert st.extra["reused_tokens"] == 200 and store.entries[0].cache is not small
     assert store.entries[0].cache.capacity > small.capacity
-    assert out == cold(L, prompt + [5, 6], opts("autoregressive", 300))
+    assert out == cold(L, prompt + [5, 6], opts("autoregressive", 900))
 
 
 def test_a_short_shared_prefix_copies_and_keeps_the_entry():
