@@ -126,3 +126,17 @@ def stall(victim: int):
         time.sleep(600)
     dist.all_reduce(torch.ones(4))
     return "finished"
+
+
+def step_figures() -> dict:
+    """A graphs-on Step over a static (fixed-shape) cache in a tensor-parallel group: its
+    figures for the stats line, and the greedy tokens it decoded."""
+    from triforce_offload.runtime.graphs import Step
+    m = build("llama-gqa")
+    cfg = tp.shard_model(m, m.config, dist.get_rank(), dist.get_world_size())
+    cache = FullCache(cfg, 64, static=True)
+    step = Step(m, cache, graphs=True)
+    with torch.inference_mode():
+        logits = prefill(m, cache, torch.tensor([[1, 2, 3]]))
+        toks = decode(m, cache, logits, 3, SamplingParams(), 4, set(), step=step)
+    return {"figures": step.figures(), "graphed": step.graphed, "tokens": toks}
