@@ -62,7 +62,7 @@ def ranks_on_host() -> int:
 
 
 def check_memory(host_bytes: int, device_bytes: int, device, host_hint: str, device_hint: str,
-                 reserve: float = 0.9):
+                 device_what: str = "on-device KV and staging", reserve: float = 0.9):
     """Refuse a placement that cannot fit, naming GB needed vs available and the flag to lower.
 
     On the CPU the device is host memory, so both needs add up against host RAM. Host
@@ -79,7 +79,7 @@ def check_memory(host_bytes: int, device_bytes: int, device, host_hint: str, dev
         raise OffloadError(f"the KV cache needs {host_bytes / GB:.1f} GB of host memory but "
                            f"{avail / GB:.1f} GB is available{share}; {host_hint}")
     if dev_free is not None and device_bytes > dev_free * reserve:
-        raise OffloadError(f"on-device KV and staging need {device_bytes / GB:.1f} GB but "
+        raise OffloadError(f"{device_what} need {device_bytes / GB:.1f} GB but "
                            f"{dev_free * reserve / GB:.1f} GB is free on {device}; {device_hint}")
 
 

@@ -486,3 +486,24 @@ def test_retrieval_build_from_an_offloaded_cache_scores_device_copies(model, mon
     for layer in range(CFG.n_layers):
         assert torch.equal(a.k[layer], b.k[layer]) and torch.equal(a.v[layer], b.v[layer])
     off.inner.close()
+
+
+def test_prefill_activations_count_against_device_memory(monkeypatch):
+    """A device with room for the on-chip layers, the staging ring and the held layer's KV
+    but not for the prefill's own tensors (the prompt's hidden states, every layer's latest
+    chunk of K, V, one chunk's layer step) is refused up front with one line naming them."""
+    from triforce_offload.offload import store as S
+    cfg = ModelConfig(vocab_size=64, hidden_size=256, intermediate_size=512, n_layers=4,
+                      n_heads=4, n_kv_heads=1, head_dim=64, max_position_embeddings=8192)
+    cap, chunk, tpt = 8192, 64, 2 * 1 * 64 * 4  # fp32 K+V bytes of a token in one layer
+    kv_stage_held = cm.staging_bytes(chunk, tpt) + cap * tpt  # what the check counted before
+    free = []
+    monkeypatch.setattr(S, "device_available", lambda d: free[0])
+    mk = lambda: OffloadedCache(cfg, cap, transfer_chunk=chunk)  # noqa: E731
+    free.append(int(kv_stage_held / 0.9 * 1.05))  # fits the KV, staging and held layer only
+    with pytest.raises(OffloadError) as e:
+        mk()
+    msg = str(e.value)
+    assert "\n" not in msg and "prefill" in msg and "--prefill-chunk" in msg
+    free[0] = int(kv_stage_held / 0.9 * 20)  # hidden states [T, H]: 3x the held layer here
+    mk().close()
