@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+from ..kernels.attention import fallback_notes
 from ..settings import environment
 from .distributed import world_size
 
@@ -119,7 +120,7 @@ def combined(steps) -> dict:
     captures = sum(g is not None for s in steps for g in s.graphs.values())
     if captures:
         d.update(graph_captures=captures, capture_s=round(sum(s.capture_s for s in steps), 3))
-    notes = list(dict.fromkeys(n for s in steps for n in s.notes))  # each said once
+    notes = list(dict.fromkeys([*(n for s in steps for n in s.notes), *fallback_notes()]))
     if notes:
         d["notes"] = notes
     return d
