@@ -263,7 +263,7 @@ def _capability(index) -> tuple[int, int]:
 def fit_smem(cfg: Launch, dtype: torch.dtype, cap: int) -> Launch | None:
     """`cfg`, with fewer pipeline stages, then fewer keys per step, until its shared memory
     fits sm_`cap`; None where nothing does."""
-    while smem_bytes(cfg, dtype) > smem_limit(cap):
+    while smem_bytes(cfg, dtype, cap) > smem_limit(cap):
         if cfg.num_stages > 1:
             cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
         elif cfg.block_n > 16:
@@ -282,14 +282,16 @@ def fits(dtype: torch.dtype, D: int, R: int, device: torch.device) -> str:
             f"block at head_dim {D} ({str(dtype).replace('torch.', '')})")
 
 
-def smem_bytes(cfg: Launch, dtype: torch.dtype) -> int:
+def smem_bytes(cfg: Launch, dtype: torch.dtype, cap: int = 80) -> int:
     """Shared memory of the split kernel as Triton lays it out with 16-byte-aligned
     pointers and strides (what the runtime passes): K and V tiles for each stage in flight
-    (cp.async, stages - 1), and the dot operands' q and p tiles. ptxas's figures from
+    (cp.async: stages - 1; every stage on sm_90, whose pipeliner keeps one more), and the
+    dot operands' q and p tiles. ptxas's figures from
     tests/test_triton_compile.py: bf16, head_dim 256, 16 x 64 tiles: 141,312 B at 3 stages,
     75,776 B at 2 (that test checks this bound against every configuration compiled)."""
     elem = 4 if cfg.dot_f32 else torch.empty(0, dtype=dtype).element_size()
-    kv = 2 * cfg.block_n * cfg.block_d * elem * max(cfg.num_stages - 1, 1)
+    stages = cfg.num_stages if cap >= 90 else max(cfg.num_stages - 1, 1)
+    kv = 2 * cfg.block_n * cfg.block_d * elem * stages
     return kv + cfg.block_m * (cfg.block_d + cfg.block_n) * elem + 1024  # + reduction scratch
 
 

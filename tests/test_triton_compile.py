@@ -81,7 +81,7 @@ def check_split(dtype, D, heads, cap, monkeypatch, tmp_path, seen: set):
     cfg = ta.launch_config(dtype, D, heads[0] // heads[1] * heads[2], False, cap)
     what = f"sm_{cap} {dtype} D={D} heads={heads} {cfg}"
     assert k.metadata.shared <= ta.smem_limit(cap), f"{what}: {k.metadata.shared} B of shared memory"
-    assert k.metadata.shared <= ta.smem_bytes(cfg, dtype), f"{what}: smem_bytes under-counts"
+    assert k.metadata.shared <= ta.smem_bytes(cfg, dtype, cap), f"{what}: smem_bytes under-counts"
     regs, spills = ptxas_report(k.asm["ptx"], cap, tmp_path)
     assert spills == 0, f"{what}: {spills} bytes spilled with {regs} registers"
 
@@ -126,7 +126,7 @@ def test_launch_config_rows_and_tiles():
                     assert c.block_d >= D and c.block_m >= 16 and c.block_n >= 16
                     assert c.block_m <= ta.MAX_ROWS and (c.block_m >= R or c.block_m * c.block_d >= 4096)
                     assert c.dot_f32 == (dtype == torch.float32)
-                    assert ta.smem_bytes(c, dtype) <= ta.smem_limit(cap)
+                    assert ta.smem_bytes(c, dtype, cap) <= ta.smem_limit(cap)
     assert ta.launch_config(torch.bfloat16, 64, 1, interpret=True).dot_f32  # the interpreter's bf16 dot
     assert ta.launch_config(torch.bfloat16, 256, 1, False, 89).num_stages == 2  # 3 stages: 141 KB
     assert ta.launch_config(torch.bfloat16, 256, 1, False, 90).num_stages == 3
