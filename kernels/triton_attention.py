@@ -207,21 +207,24 @@ class Launch:
 
 def launch_config(dtype: torch.dtype, D: int, R: int, interpret: bool = False,
                   cap: int = 80) -> Launch | None:
-    """Tiles that fit the registers: chosen from ptxas's own report (registers and spill
-    bytes per configuration, for sm_80 and sm_90, without a GPU: tests/test_triton_compile.py
-    compiles every configuration this returns and fails on any spill).
+    """Tiles that fit the registers and sm_`cap`'s shared memory (None: none does): chosen
+    from ptxas's own report on the launches as the runtime makes them (divisibility
+    specialization included) for sm_80/86/89/90, without a GPU: tests/test_triton_compile.py
+    compiles them and fails on any spill or shared memory over the target's.
 
     16-bit: up to 128 rows at head_dim <= 64, else 64 (more rows take another row block);
     64 keys per step, 32 from 8K-element tiles at head_dim 256; 8 warps from 4K-element
     (rows x head_dim) tiles. fp32 (tests, fp32 models): operands twice the size and the dot
-    in full precision, so tiles of at most 4K elements, 16 keys per step, 8 warps, 2 stages.
+    in full precision, so tiles of at most 4K elements, 16 keys per step, 8 warps (16 at
+    head_dim 256, where 4 or 8 spill a few bytes on sm_80-90 as launched), 2 stages. Then
+    `fit_smem` drops stages, then keys per step, until the tile fits sm_`cap`.
     Under the interpreter bf16 operands are widened to fp32 too: its bf16 dot multiplies
     bit patterns (triton #11584)."""
     block_d = max(16, triton.next_power_of_2(D))
     dot_f32 = dtype == torch.float32 or (interpret and dtype == torch.bfloat16)
     if dtype == torch.float32:
         max_m = max(16, 4096 // block_d)
-        block_n, warps, stages = 16, 8, 2
+        block_n, warps, stages = 16, 8 if block_d < 256 else 16, 2  # 4 or 8 spill at 256
     else:
         max_m = MAX_ROWS if block_d <= 64 else MAX_ROWS // 2
         block_n, warps, stages = 64, 4, 3
