@@ -142,6 +142,26 @@ def test_nothing_fits_names_the_fallback(monkeypatch):
     assert "length-masked SDPA there" in A._triton_gaps(torch.device("cuda"))
 
 
+def test_static_attention_falls_back_when_nothing_fits_and_says_so(monkeypatch):
+    """The Triton path with no fitting tile runs the masked SDPA (same result) and the stats
+    line (the steps' figures) names the fallback and why, once."""
+    from triforce_offload.kernels import attention as A
+    from triforce_offload.runtime.graphs import combined
+    monkeypatch.setenv("TRIFORCE_OFFLOAD_ATTENTION", "triton")
+    monkeypatch.setattr(ta, "device_capability", lambda device: 75)
+    monkeypatch.setattr(ta, "SMEM", {75: 8 << 10})
+    monkeypatch.setattr(A, "FALLBACKS", {})
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 2, 64, generator=g)
+    k, v = torch.randn(2, 1, 2, 32, 64, generator=g)
+    length = torch.tensor([20])
+    for _ in range(2):
+        out = A.static_attention(q, k, v, length)
+    torch.testing.assert_close(out, A._masked_attention(q, k, v, length))
+    [note] = combined([])["notes"]
+    assert "sm_75" in note and "length-masked SDPA instead" in note
+
+
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_merge_kernel_compiles(D, monkeypatch, tmp_path):
     for cap in (80, 90):
