@@ -6,8 +6,8 @@ are not work (they launch nothing); everything else is: each is a kernel launch 
 to the transformer block that issued them (hooks on `model.model.layers`), so
 `per_layer()` is the per-layer cost and `outside` the per-forward one (embedding,
 rotary cos/sin, final norm, LM head). `aten._local_scalar_dense` (what `.item()`, `int()`
-and `bool()` of a tensor dispatch) is a host synchronisation and is listed in `syncs`:
-a fixed-shape forward (runtime/graphs.py) must have none.
+and `bool()` of a tensor reach) is a host synchronisation and is listed in `syncs`, with
+the other ops in `SYNCS`: a fixed-shape forward (runtime/graphs.py) must have none.
 
 Two ways to count, both reported by `decode_step_ops`:
 - dispatched (default): the ops as the model's Python issues them. A composite op such as
@@ -38,7 +38,11 @@ METADATA = frozenset({"detach_", "lift_fresh", "sym_size", "sym_stride", "sym_nu
 # work only when the result has storage of its own
 MAYBE_COPIES = frozenset({"reshape", "reshape_as", "view_as", "flatten", "unflatten",
                           "contiguous", "to", "type_as", "_to_copy"})
-SYNC = "_local_scalar_dense"
+# ops that read a device value on the host (a host sync on CUDA): `_local_scalar_dense` and
+# the composites that reach it (under inference mode the dispatch mode sees `item` itself),
+# and ops whose output shape depends on the data
+SYNCS = frozenset({"_local_scalar_dense", "item", "is_nonzero", "equal", "nonzero",
+                   "masked_select"})
 
 
 @dataclass(frozen=True)
@@ -94,7 +98,7 @@ class OpCount(TorchDispatchMode):
             op = Op(name, tuple((tuple(t.shape), str(t.dtype).replace("torch.", ""))
                                 for t in _tensors(args)), self.layer)
             self.ops.append(op)
-            if name == SYNC:
+            if name in SYNCS:
                 self.syncs.append(op)
         return out
 
@@ -128,9 +132,9 @@ def _composite_here(func, args) -> bool:
     return not torch._C._dispatch_has_kernel_for_dispatch_key(name, key)
 
 
-def count(model, ids: torch.Tensor, start, cache, last_only: bool = False,
-          kernels: bool = False) -> OpCount:
-    """Run `model(ids, start, cache, last_only)` once and return what it dispatched."""
+def count(model, run, kernels: bool = False) -> OpCount:
+    """Call `run()` (a forward of `model`, directly or through a graphs.Step) once under
+    inference mode and return what it dispatched, attributed to `model`'s blocks."""
     c = OpCount(kernels)
     hooks = []
     for i, block in enumerate(model.model.layers):
@@ -138,7 +142,7 @@ def count(model, ids: torch.Tensor, start, cache, last_only: bool = False,
         hooks.append(block.register_forward_hook(lambda *_: setattr(c, "layer", None)))
     try:
         with torch.inference_mode(), c:
-            model(ids, start, cache, last_only)
+            run()
     finally:
         for h in hooks:
             h.remove()
@@ -162,7 +166,7 @@ def decode_step_ops(model, cfg, context: int = 32) -> dict:
         cache.commit(context)
         start = torch.tensor([context], device=p.device) if static else context
         for kernels in (False, True):
-            c = count(model, ids[:, context:], start, cache, kernels=kernels)
+            c = count(model, lambda: model(ids[:, context:], start, cache), kernels)
             key = f"{path}_kernels" if kernels else path
             out[key] = max(c.per_layer())
             if static and not kernels:
