@@ -127,7 +127,7 @@ def test_hf_state_dict_loads_into_the_stacked_projections(tmp_path):
     assert not hasattr(attn, "q_proj") and attn.qkv_proj.bias is not None
     direct = Transformer(cfg).eval()
     direct.load_state_dict(hf.state_dict(), strict=False)
-    assert not any(k.endswith(("q_proj.weight", "up_proj.weight")) for k in direct.state_dict())
+    assert not any(k.endswith((".q_proj.weight", ".up_proj.weight")) for k in direct.state_dict())
     ids = torch.randint(0, 97, (1, 9))
     with torch.no_grad():
         ref = hf(ids).logits
