@@ -38,6 +38,9 @@ copy on the CPU; read + write counted), floor ms = bytes / copy bandwidth, and `
 measured / floor: how far from the hardware a mode is. Triforce rows use the same bytes (an
 autoregressive token's), so a ratio under 1 means beating the autoregressive floor. A
 context whose weights + KV exceed 90% of the free device memory is skipped, with the reason.
+Before timing, one decode step (32-token context) runs under runtime/opcount.py's counter:
+the work ops per layer on the eager and the fixed-shape (graph) path go into every row
+(`ops_per_layer`) and above the table.
 Rows append to results/gpu_decode.jsonl; the table goes to stdout, progress to stderr.
 """
 from __future__ import annotations
@@ -57,6 +60,7 @@ from types import SimpleNamespace
 import torch
 
 from triforce_offload.bench.geometries import GEOMETRIES, geometry_config, p_bytes, random_model
+from triforce_offload.runtime import opcount
 
 MODES = ("eager", "graphed", "triforce", "hf")
 LABEL = {"eager": "autoregressive eager", "graphed": "autoregressive graphed",
@@ -377,6 +381,9 @@ def main(argv=None):
             "prompt_text": a.prompt_text}
     log(f"{label}: {resident / 2**30:.2f} GiB of weights ({weights / 2**30:.2f} GiB read per "
         f"token), KV {L.cfg.kv_bytes_per_token(elem) / 2**10:.1f} KiB per token, {dtype_name}")
+    ops = opcount.decode_step_ops(L.model, L.cfg)
+    base["ops_per_layer"] = ops
+    log(ops_line(ops))
 
     rows, prompts = [], {}
 
@@ -438,6 +445,15 @@ def hf_rows(L, a, device, prompts, emit, weights, copy_bps, elem):
               "note": "transformers with the checkpoint's own RoPE (speed does not depend on it)"})
 
 
+def ops_line(ops: dict) -> str:
+    """Work ops per layer of one decode step (runtime/opcount.py): as dispatched, and as the
+    kernels this device runs (composite ops it has no kernel for expanded)."""
+    return (f"work ops per layer per decode step: eager {ops['eager']} ({ops['eager_kernels']} "
+            f"kernels here), fixed-shape {ops['fixed']} ({ops['fixed_kernels']} kernels here); "
+            f"{ops['outside']} per forward outside the layers; host syncs in a fixed-shape "
+            f"step: {ops['fixed_syncs']}")
+
+
 def table(rows: list[dict], copy_bps: float) -> str:
     graphed = {r["context"]: r["ms_per_token"] for r in rows
                if r.get("mode") == LABEL["graphed"] and "ms_per_token" in r}
@@ -445,7 +461,8 @@ def table(rows: list[dict], copy_bps: float) -> str:
     lines = [f"{head.get('model', '')} on {head.get('device', '')}, {head.get('dtype', '')}; "
              f"copy bandwidth {copy_bps / 1e9:.1f} GB/s (read + write); weights read per token "
              f"{head.get('weights_bytes', 0) / 1e9:.3f} GB + the context's KV; "
-             "floor = bytes per token / copy bandwidth", "",
+             "floor = bytes per token / copy bandwidth",
+             ops_line(head["ops_per_layer"]) if "ops_per_layer" in head else "", "",
              "| context | mode | ms/token | steady ms/token | GB/token | GB/s | floor ms | x floor "
              "| vs AR graphed | graphs | acceptance | mean accepted |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]

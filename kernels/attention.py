@@ -196,13 +196,16 @@ def sm80(index: int | None) -> bool:
 
 
 def _masked_attention(q, k, v, length):
-    """The reference of `static_attention`: SDPA over every slot with a [B, G*T, cap] mask
-    built on the device from `length` (slots past it must hold finite values: zeros)."""
+    """The reference of `static_attention`: SDPA over every slot with a [B, 1, G*T, cap]
+    mask built on the device from `length` (slots past it must hold finite values: zeros):
+    two ops for a decode step, whose one query row sees the slots below `length`."""
     B, Hq, T, D = q.shape
     n_kv, cap = k.shape[1], k.shape[2]
-    qpos = length.view(-1, 1).expand(B, 1) - T + torch.arange(T, device=q.device)  # [B, T]
-    visible = torch.arange(cap, device=q.device) <= qpos[:, :, None]  # [B, T, cap]
-    mask = visible.repeat(1, Hq // n_kv, 1)[:, None]  # [B, 1, G*T, cap]: rows g*T + t
+    limit = length.view(-1, 1, 1, 1)  # [B, 1, 1, 1]
+    if T > 1:  # folded row g*T + t sits at position length - T + t: sees slots < limit + t - (T-1)
+        t = torch.arange(1 - T, 1, device=q.device).repeat(Hq // n_kv)  # [G*T]
+        limit = limit + t[:, None]  # [B, 1, G*T, 1]
+    mask = torch.arange(cap, device=q.device) < limit  # [B, 1, G*T or 1, cap]
     return _unfold(sdpa(_fold(q, n_kv), k, v, attn_mask=mask), Hq)
 
 

@@ -38,8 +38,7 @@ def build(name: str, seed: int = 0) -> Transformer:
     m = Transformer(tiny(name)).eval().requires_grad_(False)
     if m.config.attention_bias:  # random biases, so that sharding them is really tested
         for b in m.model.layers:
-            for lin in (b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj):
-                lin.bias.normal_(0, 0.5)
+            b.self_attn.qkv_proj.bias.normal_(0, 0.5)  # q, k and v rows
     return m
 
 

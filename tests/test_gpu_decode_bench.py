@@ -47,6 +47,9 @@ def test_geometry_rows_and_table(tmp_path):
     for m in OURS + [HF]:
         assert f"| 256 | {m} |" in stdout
     assert "triforce vs graphed autoregressive at 256:" in stdout
+    ops = by[OURS[0]]["ops_per_layer"]  # one decode step under runtime/opcount.py's counter
+    assert 0 < ops["eager"] <= 20 and 0 < ops["fixed"] <= 20 and ops["fixed_syncs"] == 0
+    assert f"work ops per layer per decode step: eager {ops['eager']} " in stdout
 
 
 def test_checkpoint_with_transformers_and_essays(tmp_path, tiny_model_dir):
