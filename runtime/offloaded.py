@@ -60,17 +60,18 @@ PREFILL_CHUNK = 512  # GenerationOptions.prefill_chunk's default
 def prefill_device_bytes(cfg, tokens: int, chunk: int, batch: int, elem: int) -> int:
     """Device bytes a layer-major prefill of `tokens` holds besides the held layer's KV:
     the prompt's hidden states [B, T, H] and cos, sin [T, D] for the whole prefill; every
-    layer's latest chunk of K, V (`fresh`, kept for `recent`); and the peak of one chunk's
-    `layer_step`, the larger half of it: attention (the norm in fp32 and cast, the residual,
-    q, k, v and their rotations, write-back copies of k, v, the fp32 prefix and causal
-    partial outputs) or the MLP (the norm, silu(gate), up and their product)."""
+    layer's latest chunk of K, V (`fresh`, kept for `recent`: views that keep the chunk's
+    stacked qkv and rotated q|k buffers alive); and the peak of one chunk's `layer_step`,
+    the larger half of it: attention (the norm, the residual, qkv, the rotation and its
+    temporaries, write-back copies of k, v, the fp32 prefix and causal partial outputs) or
+    the MLP (the norm, gate|up, silu(gate) and the product)."""
     H, D, inner = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q, kv = cfg.n_heads * D, cfg.n_kv_heads * D
     c = min(chunk, tokens)
     whole = tokens * (batch * H + 2 * D) * elem
-    fresh = cfg.n_layers * c * batch * 2 * kv * elem
-    attn = (3 * H + 3 * q + 6 * kv) * elem + (2 * H + 2 * q) * 4
-    mlp = (3 * H + 3 * inner) * elem + 2 * H * 4
+    fresh = cfg.n_layers * c * batch * (2 * q + 3 * kv) * elem
+    attn = (3 * H + 4 * q + 7 * kv) * elem + (2 * H + 2 * q) * 4
+    mlp = (3 * H + 4 * inner) * elem + 2 * H * 4
     return whole + fresh + c * batch * max(attn, mlp)
 
 
