@@ -157,8 +157,8 @@ def test_memory_precheck_refuses_with_numbers():
 def test_bad_options():
     with pytest.raises(TriforceError, match="--on-chip 9"):
         OffloadedCache(CFG, CAP, on_chip=9)
-    with pytest.raises(TriforceError, match="--transfer-chunk 0"):
-        OffloadedCache(CFG, CAP, transfer_chunk=0)
+    with pytest.raises(TriforceError, match="--transfer-chunk 0"):  # the option checks it, once
+        RunOptions.of(offload="on", transfer_chunk=0)
     with pytest.raises(TriforceError, match="capacity"):
         with torch.inference_mode():
             Transformer(CFG)(torch.zeros(1, CAP + 1, dtype=torch.long), 0, OffloadedCache(CFG, CAP))
