@@ -23,8 +23,13 @@ device (`offload off`):
   triforce                n-gram drafter -> target + retrieval cache (`--budget`) -> target
                           + full cache, graphed; acceptance from the engine
   transformers            `generate` on the same weights (a real `--model` only)
-ms/token = decode seconds / (new tokens - 1), graph captures included (what a user sees);
-`steady ms/token` leaves out the first forward (or speculative round) and its captures.
+ms/token = decode seconds / (new tokens - 1), with no graph capture and no kernel compile
+inside: each autoregressive row first decodes the same tokens untimed over the same cache
+and step (captures, Triton compiles for exactly those shapes), rolls back and times the
+decode (`timed_captures` 0); triforce runs once untimed at the same settings (its retrieval
+level built, every kernel specialization compiled), and its levels, rebuilt per run,
+capture again: those seconds are measured (`capture_s`) and left out of ms/token.
+`steady ms/token` leaves out the first forward (or speculative round).
 
 The floor: a token must read every weight it uses (the embedding table only when it is tied
 to the LM head) and the KV of the whole context. `copy GB/s` is measured in the same run (a
@@ -33,6 +38,9 @@ copy on the CPU; read + write counted), floor ms = bytes / copy bandwidth, and `
 measured / floor: how far from the hardware a mode is. Triforce rows use the same bytes (an
 autoregressive token's), so a ratio under 1 means beating the autoregressive floor. A
 context whose weights + KV exceed 90% of the free device memory is skipped, with the reason.
+Before timing, one decode step (32-token context) runs under runtime/opcount.py's counter:
+the work ops per layer on the eager and the fixed-shape (graph) path go into every row
+(`ops_per_layer`) and above the table.
 Rows append to results/gpu_decode.jsonl; the table goes to stdout, progress to stderr.
 """
 from __future__ import annotations
@@ -52,6 +60,7 @@ from types import SimpleNamespace
 import torch
 
 from triforce_offload.bench.geometries import GEOMETRIES, geometry_config, p_bytes, random_model
+from triforce_offload.runtime import opcount
 
 MODES = ("eager", "graphed", "triforce", "hf")
 LABEL = {"eager": "autoregressive eager", "graphed": "autoregressive graphed",
@@ -239,21 +248,72 @@ def steady_ms(marks: list[float]) -> float | None:
 
 
 def run_ours(L, mode: str, prompt: list[int], a, n: int) -> dict:
+    """One timed run of `mode`: autoregressive through `run_ar`; triforce after an untimed
+    run at the same settings (every kernel specialization it launches compiled, its
+    retrieval level built), its graph captures timed apart and left out of ms/token."""
+    if mode in ("eager", "graphed"):
+        return run_ar(L, mode == "graphed", prompt, a, n)
+    generate(L, mode, prompt, a, n)  # warm-up: same prompt, same settings
+    return generate(L, mode, prompt, a, n)
+
+
+def generate(L, mode: str, prompt: list[int], a, n: int) -> dict:
     from triforce_offload.runtime import api
     marks = []
     sync(L.device)
     toks, st = api.generate(L, prompt, options(mode, a, n),
                             on_token=lambda t: marks.append(time.perf_counter()))
     sync(L.device)
+    capture_s = st.extra.get("capture_s", 0.0)  # levels are rebuilt per run: recaptured
     first = 1000 * (marks[1] - marks[0]) if len(marks) > 1 else None
-    row = {"ms_per_token": 1000 * st.decode_s / max(len(toks) - 1, 1),
+    row = {"ms_per_token": 1000 * (st.decode_s - capture_s) / max(len(toks) - 1, 1),
            "steady_ms_per_token": steady_ms(marks), "first_step_ms": first,
-           "prefill_s": round(st.prefill_s, 3),
+           "prefill_s": round(st.prefill_s, 3), "capture_s": capture_s,
+           "timed_captures": st.extra.get("graph_captures", 0),
            "new_tokens": len(toks), "graphs": st.extra.get("graphs")}
     for k in ("acceptance", "mean_accepted", "notes"):
         if st.extra.get(k) not in (None, [], {}):
             row[k] = st.extra[k]
     return row
+
+
+def run_ar(L, graphed: bool, prompt: list[int], a, n: int) -> dict:
+    """Autoregressive decode with no capture or compile in the timed region: prefill, one
+    untimed decode of the same length over the same cache and `Step` (graphs captured,
+    kernels compiled for exactly these shapes), roll back to the prompt, time the decode."""
+    from triforce_offload.runtime.generate import capacity, decode, prefill
+    from triforce_offload.runtime.graphs import Step
+    from triforce_offload.runtime.offloaded import make_full_cache
+    opts = options("graphed" if graphed else "eager", a, n)
+    cap, max_new = capacity(L, len(prompt), opts)
+    cache = make_full_cache(L, cap, opts)
+    t0 = time.perf_counter()
+    logits = prefill(L.model, cache, torch.tensor([prompt], device=L.device), prefill_chunk=opts.prefill_chunk)
+    sync(L.device)
+    step, t1 = Step(L.model, cache, graphed), time.perf_counter()
+    decode(L.model, cache, logits, len(prompt), opts.sampling, max_new, set(), step=step)
+    sync(L.device)
+    warm_s, captures = time.perf_counter() - t1, len(step.graphs)
+    cache.rollback(len(prompt))
+    row = timed_decode(L, cache, step, logits, len(prompt), opts.sampling, max_new)
+    cache.close()
+    return {**row, "prefill_s": round(t1 - t0, 3), "warm_up_s": round(warm_s, 3),
+            "capture_s": round(step.capture_s, 3), "timed_captures": len(step.graphs) - captures,
+            "graphs": step.figures()["graphs"], **({"notes": step.notes} if step.notes else {})}
+
+
+def timed_decode(L, cache, step, logits, start: int, sp, max_new: int) -> dict:
+    from triforce_offload.runtime.generate import decode
+    marks = []
+    sync(L.device)
+    t0 = time.perf_counter()
+    toks = decode(L.model, cache, logits, start, sp, max_new, set(),
+                  on_token=lambda t: marks.append(time.perf_counter()), step=step)
+    sync(L.device)
+    decode_s = time.perf_counter() - t0
+    first = 1000 * (marks[1] - marks[0]) if len(marks) > 1 else None
+    return {"ms_per_token": 1000 * decode_s / max(len(toks) - 1, 1), "tokens": toks,
+            "steady_ms_per_token": steady_ms(marks), "first_step_ms": first, "new_tokens": len(toks)}
 
 
 def run_hf(hf, prompt: list[int], a, n: int, device: torch.device) -> dict:
@@ -295,20 +355,6 @@ def figures(row: dict, bytes_tok: int, copy_bps: float) -> dict:
             "floor_ratio": s / floor}
 
 
-def warm_up(L, a, device):
-    """One short run per mode: kernels load, allocator and oneDNN/Triton paths warm up. The
-    prompt is past the retrieval budget where the contexts allow (so triforce builds its
-    retrieval level here) and long enough that Triton's split count is the timed runs'
-    (it grows with the cache up to 4K slots): no kernel compiles inside a timed run."""
-    n = max(16, min(a.budget + 1024, 4096 + 2 * SLACK, min(a.contexts) - a.new_tokens))
-    g = torch.Generator().manual_seed(a.seed)
-    prompt = torch.randint(0, L.cfg.vocab_size, (n,), generator=g).tolist()
-    for mode in a.modes:
-        if mode != "hf":
-            run_ours(L, mode, prompt, a, 8)
-    sync(device)
-
-
 def main(argv=None):
     a = args_(argv)
     from triforce_offload.runtime import api
@@ -335,7 +381,9 @@ def main(argv=None):
             "prompt_text": a.prompt_text}
     log(f"{label}: {resident / 2**30:.2f} GiB of weights ({weights / 2**30:.2f} GiB read per "
         f"token), KV {L.cfg.kv_bytes_per_token(elem) / 2**10:.1f} KiB per token, {dtype_name}")
-    warm_up(L, a, device)
+    ops = opcount.decode_step_ops(L.model, L.cfg)
+    base["ops_per_layer"] = ops
+    log(ops_line(ops))
 
     rows, prompts = [], {}
 
@@ -358,6 +406,7 @@ def main(argv=None):
             if mode == "hf":
                 continue
             r = median_run(lambda: run_ours(L, mode, prompt, a, a.new_tokens), a.repeats)
+            r.pop("tokens", None)
             emit({"context": ctx, "prompt_tokens": len(prompt), "mode": LABEL[mode], **r,
                   "kv_bytes": kv, "bytes_per_token": weights + kv,
                   **figures(r, weights + kv, copy_bps)})
@@ -396,6 +445,15 @@ def hf_rows(L, a, device, prompts, emit, weights, copy_bps, elem):
               "note": "transformers with the checkpoint's own RoPE (speed does not depend on it)"})
 
 
+def ops_line(ops: dict) -> str:
+    """Work ops per layer of one decode step (runtime/opcount.py): as dispatched, and as the
+    kernels this device runs (composite ops it has no kernel for expanded)."""
+    return (f"work ops per layer per decode step: eager {ops['eager']} ({ops['eager_kernels']} "
+            f"kernels here), fixed-shape {ops['fixed']} ({ops['fixed_kernels']} kernels here); "
+            f"{ops['outside']} per forward outside the layers; host syncs in a fixed-shape "
+            f"step: {ops['fixed_syncs']}")
+
+
 def table(rows: list[dict], copy_bps: float) -> str:
     graphed = {r["context"]: r["ms_per_token"] for r in rows
                if r.get("mode") == LABEL["graphed"] and "ms_per_token" in r}
@@ -403,7 +461,8 @@ def table(rows: list[dict], copy_bps: float) -> str:
     lines = [f"{head.get('model', '')} on {head.get('device', '')}, {head.get('dtype', '')}; "
              f"copy bandwidth {copy_bps / 1e9:.1f} GB/s (read + write); weights read per token "
              f"{head.get('weights_bytes', 0) / 1e9:.3f} GB + the context's KV; "
-             "floor = bytes per token / copy bandwidth", "",
+             "floor = bytes per token / copy bandwidth",
+             ops_line(head["ops_per_layer"]) if "ops_per_layer" in head else "", "",
              "| context | mode | ms/token | steady ms/token | GB/token | GB/s | floor ms | x floor "
              "| vs AR graphed | graphs | acceptance | mean accepted |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]

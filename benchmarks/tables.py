@@ -228,7 +228,17 @@ NIAH = (1795316652.0, 1795316653.0)  # results/niah.jsonl, one row per cell
 SPEEDUP = "python benchmarks/speedup.py --prefill-cache '/tmp/speedup-{context}.pt'"
 EXPECTED = "python benchmarks/retrieval_expected.py --prefill-cache /tmp/p32k.pt"
 
+BUDGET_FRACTION_RUN = (1795520500, 1795520900)  # results/speedup_budget.jsonl
+LOADED_VM = ("2-core AMD EPYC VM, no GPU, loaded by other jobs (load average 4-7): the "
+             "ms/token are not comparable between rows, the acceptance is")
+
 TABLES = {
+    "budget-fraction": Table(
+        "results/speedup_budget.jsonl", LOADED_VM,
+        ("python benchmarks/speedup.py --contexts 4096 --prompt continue --temperatures 0 "
+         "--new-tokens 128 --dtype fp32 --modes autoregressive draft triforce --budget 1/16 1/8 1/4 "
+         "--out results/speedup_budget.jsonl",),
+        lambda: speedup_table(rows_between("speedup_budget.jsonl", *BUDGET_FRACTION_RUN))),
     "speedup-32k": Table("results/speedup.jsonl", AVX2_VM, (SPEEDUP + " --budget 4096",),
                          lambda: speedup_table(speedup_runs()[0], contexts=(32768,))),
     "speedup": Table("results/speedup.jsonl", AVX2_VM, (SPEEDUP + " --budget 4096",),

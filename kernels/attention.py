@@ -124,7 +124,17 @@ def status(device) -> str:
     if torch.device(device).type != "cuda":
         return native.status()
     path, why = static_path(device)
+    if path == "triton":
+        why += _triton_gaps(torch.device(device))
     return f"decode/verify (graphs): {path}: {why}; other shapes: SDPA without cuDNN"
+
+
+def _triton_gaps(device) -> str:
+    """Where the Triton kernel has no tile that fits this card: the fallback, and why."""
+    from .triton_attention import fits
+    gaps = [w for dt in (torch.float16, torch.bfloat16, torch.float32) for D in (64, 128, 256)
+            if (w := fits(dt, D, 1, device))]
+    return "".join(f"; {g}: length-masked SDPA there" for g in gaps)
 
 
 def static_attention(q, k, v, length: torch.Tensor):
@@ -145,10 +155,29 @@ def static_attention(q, k, v, length: torch.Tensor):
         o = flash_attn_with_kvcache(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                     cache_seqlens=lens, causal=True)  # [B, T, Hq, D]
         return o.transpose(1, 2)
+    if path == "triton" and not _triton_fits(q, k):
+        path = "sdpa"
     if path == "triton":
         from .triton_attention import decode_attention
         return decode_attention(q, k, v, length)
     return _masked_attention(q, k, v, length)
+
+
+FALLBACKS: dict[str, None] = {}  # why static attention left the Triton kernel, each once
+
+
+def _triton_fits(q, k) -> bool:
+    """The Triton kernel has a tile that fits this device's shared memory; if not, the
+    masked SDPA runs instead, and why is kept for the stats line (`fallback_notes`)."""
+    from .triton_attention import fits
+    why = fits(k.dtype, q.shape[-1], (q.shape[1] // k.shape[1]) * q.shape[2], q.device)
+    if why:
+        FALLBACKS.setdefault(f"{why}: length-masked SDPA instead")
+    return not why
+
+
+def fallback_notes() -> list[str]:
+    return list(FALLBACKS)
 
 
 def flash_attn_fits(q) -> bool:
@@ -167,13 +196,16 @@ def sm80(index: int | None) -> bool:
 
 
 def _masked_attention(q, k, v, length):
-    """The reference of `static_attention`: SDPA over every slot with a [B, G*T, cap] mask
-    built on the device from `length` (slots past it must hold finite values: zeros)."""
+    """The reference of `static_attention`: SDPA over every slot with a [B, 1, G*T, cap]
+    mask built on the device from `length` (slots past it must hold finite values: zeros):
+    two ops for a decode step, whose one query row sees the slots below `length`."""
     B, Hq, T, D = q.shape
     n_kv, cap = k.shape[1], k.shape[2]
-    qpos = length.view(-1, 1).expand(B, 1) - T + torch.arange(T, device=q.device)  # [B, T]
-    visible = torch.arange(cap, device=q.device) <= qpos[:, :, None]  # [B, T, cap]
-    mask = visible.repeat(1, Hq // n_kv, 1)[:, None]  # [B, 1, G*T, cap]: rows g*T + t
+    limit = length.view(-1, 1, 1, 1)  # [B, 1, 1, 1]
+    if T > 1:  # folded row g*T + t sits at position length - T + t: sees slots < limit + t - (T-1)
+        t = torch.arange(1 - T, 1, device=q.device).repeat(Hq // n_kv)  # [G*T]
+        limit = limit + t[:, None]  # [B, 1, G*T, 1]
+    mask = torch.arange(cap, device=q.device) < limit  # [B, 1, G*T or 1, cap]
     return _unfold(sdpa(_fold(q, n_kv), k, v, attn_mask=mask), Hq)
 
 

@@ -159,9 +159,10 @@ def supports(q: torch.Tensor, k: torch.Tensor) -> bool:
 @functools.lru_cache(maxsize=16)
 def visible_keys(q_pos0: int, T: int, G: int, k_pos0: int, S: int) -> torch.Tensor:
     """[G*T] int64: how many keys each folded query row sees. The same for every layer of a
-    forward, so it is computed once per forward, not once per layer (the kernel only reads it)."""
-    pos = torch.arange(q_pos0, q_pos0 + T).repeat(G)
-    return (pos - k_pos0 + 1).clamp(0, S).to(torch.int64).contiguous()
+    forward, so it is computed once per forward, not once per layer (the kernel only reads it);
+    built from a Python list: no tensor ops in the first layer's step."""
+    row = [min(max(q_pos0 + t - k_pos0 + 1, 0), S) for t in range(T)]
+    return torch.tensor(row * G, dtype=torch.int64)
 
 
 def attend(q, k, v, q_pos0: int, k_pos0: int = 0, scale: float | None = None, out_dtype=None):

@@ -24,6 +24,7 @@ whenever it is set before the first call.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass
@@ -204,22 +205,26 @@ class Launch:
                     BLOCK_M=self.block_m, BLOCK_N=block_n or self.block_n, BLOCK_D=self.block_d)
 
 
-def launch_config(dtype: torch.dtype, D: int, R: int, interpret: bool = False) -> Launch:
-    """Tiles that fit the registers: chosen from ptxas's own report (registers and spill
-    bytes per configuration, for sm_80 and sm_90, without a GPU: tests/test_triton_compile.py
-    compiles every configuration this returns and fails on any spill).
+def launch_config(dtype: torch.dtype, D: int, R: int, interpret: bool = False,
+                  cap: int = 80) -> Launch | None:
+    """Tiles that fit the registers and sm_`cap`'s shared memory (None: none does): chosen
+    from ptxas's own report on the launches as the runtime makes them (divisibility
+    specialization included) for sm_80/86/89/90, without a GPU: tests/test_triton_compile.py
+    compiles them and fails on any spill or shared memory over the target's.
 
     16-bit: up to 128 rows at head_dim <= 64, else 64 (more rows take another row block);
     64 keys per step, 32 from 8K-element tiles at head_dim 256; 8 warps from 4K-element
     (rows x head_dim) tiles. fp32 (tests, fp32 models): operands twice the size and the dot
-    in full precision, so tiles of at most 4K elements, 16 keys per step, 8 warps, 2 stages.
+    in full precision, so tiles of at most 4K elements, 16 keys per step, 8 warps (16 at
+    head_dim 256, where 4 or 8 spill a few bytes on sm_80-90 as launched), 2 stages. Then
+    `fit_smem` drops stages, then keys per step, until the tile fits sm_`cap`.
     Under the interpreter bf16 operands are widened to fp32 too: its bf16 dot multiplies
     bit patterns (triton #11584)."""
     block_d = max(16, triton.next_power_of_2(D))
     dot_f32 = dtype == torch.float32 or (interpret and dtype == torch.bfloat16)
     if dtype == torch.float32:
         max_m = max(16, 4096 // block_d)
-        block_n, warps, stages = 16, 8, 2
+        block_n, warps, stages = 16, 8 if block_d < 256 else 16, 2  # 4 or 8 spill at 256
     else:
         max_m = MAX_ROWS if block_d <= 64 else MAX_ROWS // 2
         block_n, warps, stages = 64, 4, 3
@@ -229,7 +234,68 @@ def launch_config(dtype: torch.dtype, D: int, R: int, interpret: bool = False) -
             block_n = 32
         if block_m * block_d >= 4096:
             warps = 8
-    return Launch(block_m, block_n, block_d, warps, stages, dot_f32)
+    return fit_smem(Launch(block_m, block_n, block_d, warps, stages, dot_f32), dtype, cap)
+
+
+# shared memory one block may use, bytes, per compute capability (CUDA's table of
+# technical specifications per compute capability: 163 KB on sm_80/87, 99 KB on sm_86/89
+# and sm_120, 227 KB on sm_90/100)
+SMEM = {70: 96 << 10, 75: 64 << 10, 80: 163 << 10, 86: 99 << 10, 87: 163 << 10,
+        89: 99 << 10, 90: 227 << 10, 100: 227 << 10, 120: 99 << 10}
+
+
+def smem_limit(cap: int) -> int:
+    """Shared memory per block on sm_`cap` (an unknown one: the largest known at or below it)."""
+    known = [c for c in SMEM if c <= cap]
+    return SMEM[max(known)] if known else 48 << 10
+
+
+def device_capability(device: torch.device) -> int:
+    """sm number of a CUDA device (89 for 8.9); 80 for the interpreter (its tiles)."""
+    if device.type != "cuda":
+        return 80
+    major, minor = _capability(device.index)
+    return 10 * major + minor
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def fit_smem(cfg: Launch, dtype: torch.dtype, cap: int) -> Launch | None:
+    """`cfg`, with fewer pipeline stages, then fewer keys per step, until its shared memory
+    fits sm_`cap`; None where nothing does."""
+    while smem_bytes(cfg, dtype, cap) > smem_limit(cap):
+        if cfg.num_stages > 1:
+            cfg = dataclasses.replace(cfg, num_stages=cfg.num_stages - 1)
+        elif cfg.block_n > 16:
+            cfg = dataclasses.replace(cfg, block_n=cfg.block_n // 2, num_stages=2)
+        else:
+            return None
+    return cfg
+
+
+def fits(dtype: torch.dtype, D: int, R: int, device: torch.device) -> str:
+    """'' when a tile of the split kernel fits `device`'s shared memory, else why not."""
+    cap = device_capability(device)
+    if launch_config(dtype, D, R, _interpret(), cap) is not None:
+        return ""
+    return (f"no Triton tile fits sm_{cap}'s {smem_limit(cap) >> 10} KB of shared memory per "
+            f"block at head_dim {D} ({str(dtype).replace('torch.', '')})")
+
+
+def smem_bytes(cfg: Launch, dtype: torch.dtype, cap: int = 80) -> int:
+    """Shared memory of the split kernel as Triton lays it out with 16-byte-aligned
+    pointers and strides (what the runtime passes): K and V tiles for each stage in flight
+    (cp.async: stages - 1; every stage on sm_90, whose pipeliner keeps one more), and the
+    dot operands' q and p tiles. ptxas's figures from
+    tests/test_triton_compile.py: bf16, head_dim 256, 16 x 64 tiles: 141,312 B at 3 stages,
+    75,776 B at 2 (that test checks this bound against every configuration compiled)."""
+    elem = 4 if cfg.dot_f32 else torch.empty(0, dtype=dtype).element_size()
+    stages = cfg.num_stages if cap >= 90 else max(cfg.num_stages - 1, 1)
+    kv = 2 * cfg.block_n * cfg.block_d * elem * stages
+    return kv + cfg.block_m * (cfg.block_d + cfg.block_n) * elem + 1024  # + reduction scratch
 
 
 @functools.lru_cache(maxsize=None)
@@ -282,6 +348,19 @@ def decode_attention_lse(q, k, v, length, q_pos0=None, scale=None, block_n=None,
     """
     if not available():
         raise RuntimeError(f"triton decode attention unavailable: {reason()}")
+    launches, out, lse = plan(q, k, v, length, q_pos0, scale, block_n, splits, causal, out_dtype)
+    for kernel, grid, args, kwargs in launches:
+        kernel[grid](*args, **kwargs)
+    return out, lse
+
+
+def plan(q, k, v, length, q_pos0=None, scale=None, block_n=None, splits=None,
+         causal: bool = True, out_dtype=None, capability: int | None = None):
+    """The two launches of `decode_attention_lse` as (kernel, grid, args, kwargs), with the
+    outputs they write: what runs, and what tests/test_triton_compile.py binds and compiles
+    for each GPU target through Triton's own launcher (same constexprs, same divisibility
+    specialization). `capability` (e.g. 89) picks tiles that fit that target's shared
+    memory; default: the device's."""
     B, Hq, T, D = q.shape
     Bk, n_kv, s_cap, Dk = k.shape
     if v.shape != k.shape or Bk != B or Dk != D or Hq % n_kv:
@@ -295,7 +374,10 @@ def decode_attention_lse(q, k, v, length, q_pos0=None, scale=None, block_n=None,
     qpos_mode, qpos, sqp, qpos_val = _qpos_args(q_pos0, lens, B)
     scale = D ** -0.5 if scale is None else float(scale)
 
-    cfg = launch_config(k.dtype, D, R, _interpret())
+    cap = capability or device_capability(k.device)
+    cfg = launch_config(k.dtype, D, R, _interpret(), cap)
+    if cfg is None:
+        raise RuntimeError(f"no tile of the Triton kernel fits sm_{cap} at head_dim {D} ({k.dtype})")
     row_blocks = triton.cdiv(R, cfg.block_m)
     splits = splits or default_splits(B * n_kv, row_blocks, s_cap, block_n or cfg.block_n, k.device)
 
@@ -307,18 +389,18 @@ def decode_attention_lse(q, k, v, length, q_pos0=None, scale=None, block_n=None,
     lse = torch.empty(B, Hq, T, **f32)
 
     split_k, merge_k = _kernels()
-    split_k[(B * n_kv, splits, row_blocks)](
+    split = (split_k, (B * n_kv, splits, row_blocks), (
         q, k, v, lens, qpos, qpos_val, acc, mx, sm,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), sl, sqp,
-        n_kv, G, T, R, D, splits, scale * LOG2E,
-        QPOS_MODE=qpos_mode, CAUSAL=bool(causal), **cfg.constexprs(block_n),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    merge_k[(B * n_kv * R,)](
+        n_kv, G, T, R, D, splits, scale * LOG2E),
+        dict(QPOS_MODE=qpos_mode, CAUSAL=bool(causal), **cfg.constexprs(block_n),
+             num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    merge = (merge_k, (B * n_kv * R,), (
         acc, mx, sm, out, lse, out.stride(0), out.stride(1), out.stride(2),
-        n_kv, G, T, R, D, splits,
-        SPLITS=triton.next_power_of_2(splits), BLOCK_D=cfg.block_d, num_warps=MERGE_WARPS)
-    return out, lse
+        n_kv, G, T, R, D, splits),
+        dict(SPLITS=triton.next_power_of_2(splits), BLOCK_D=cfg.block_d, num_warps=MERGE_WARPS))
+    return [split, merge], out, lse
 
 
 def decode_attention(q, k, v, length, q_pos0=None, scale=None, block_n=None, splits=None,

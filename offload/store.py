@@ -62,7 +62,7 @@ def ranks_on_host() -> int:
 
 
 def check_memory(host_bytes: int, device_bytes: int, device, host_hint: str, device_hint: str,
-                 reserve: float = 0.9):
+                 device_what: str = "on-device KV and staging", reserve: float = 0.9):
     """Refuse a placement that cannot fit, naming GB needed vs available and the flag to lower.
 
     On the CPU the device is host memory, so both needs add up against host RAM. Host
@@ -79,38 +79,82 @@ def check_memory(host_bytes: int, device_bytes: int, device, host_hint: str, dev
         raise OffloadError(f"the KV cache needs {host_bytes / GB:.1f} GB of host memory but "
                            f"{avail / GB:.1f} GB is available{share}; {host_hint}")
     if dev_free is not None and device_bytes > dev_free * reserve:
-        raise OffloadError(f"on-device KV and staging need {device_bytes / GB:.1f} GB but "
+        raise OffloadError(f"{device_what} need {device_bytes / GB:.1f} GB but "
                            f"{dev_free * reserve / GB:.1f} GB is free on {device}; {device_hint}")
 
 
 CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context (flag of cudaHostRegister)
+PAGE = 4096  # cudaHostRegister locks whole pages: a range no other allocation shares
 
 
-def _unregister(cudart, ptrs: list[int]):
-    for p in ptrs:
-        cudart.cudaHostUnregister(p)
+def _pages(nbytes: int) -> int:
+    return -(-nbytes // PAGE) * PAGE
 
 
-def pin_in_place(tensors: list[torch.Tensor], owner) -> bool:
-    """Page-lock `tensors` where they are (cudaHostRegister), exactly their size, until
-    `owner` is collected. torch's `pin_memory=True` goes through its caching host
+def page_aligned(nbytes: int) -> torch.Tensor:
+    """Zeroed uint8 [nbytes rounded up to whole pages], starting on a page boundary: an
+    over-allocated buffer sliced to its first aligned byte, so its pages are its own."""
+    size = _pages(nbytes)
+    raw = torch.zeros(size + PAGE, dtype=torch.uint8)
+    off = -raw.data_ptr() % PAGE
+    return raw[off: off + size]
+
+
+def carve(buf: torch.Tensor, shapes: list[tuple], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Tensors of `shapes` as views into `buf`, each starting on a page boundary."""
+    out, off = [], 0
+    for shape in shapes:
+        n = _elem(dtype) * int(torch.Size(shape).numel())
+        out.append(buf[off: off + n].view(dtype).view(shape))
+        off += _pages(n)
+    return out
+
+
+def _loaded_cudart():
+    """The libcudart this process already loaded (torch's), by path from /proc/self/maps:
+    dlopen of a loaded path returns that instance, whose per-thread last error we clear."""
+    import ctypes
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libcudart" in line}
+    except OSError:
+        return None
+    return ctypes.CDLL(sorted(paths)[0]) if paths else None
+
+
+def clear_last_error() -> bool:
+    """Reset the CUDA runtime's last error after a refused call, or torch's next kernel
+    launch check (`cudaGetLastError`) raises it. torch.cuda.cudart() binds no
+    cudaGetLastError, so call the loaded runtime's; without one, let one tiny launch's
+    check consume it (that check is a cudaGetLastError, which resets)."""
+    lib = _loaded_cudart()
+    if lib is not None:
+        lib.cudaGetLastError()
+        return True
+    try:
+        torch.zeros(1, device="cuda").add_(1)
+    except RuntimeError:
+        pass  # the pending error, raised once and thereby reset
+    return False
+
+
+def pin_in_place(buf: torch.Tensor, owner) -> bool:
+    """Page-lock the page-aligned flat buffer `buf` where it is (one cudaHostRegister),
+    until `owner` is collected. torch's `pin_memory=True` goes through its caching host
     allocator, which rounds every block up to a power of two: a 1.03 GiB layer of a 128K
-    cache would lock 2 GiB, up to twice what `check_memory` counted. False (nothing left
-    registered) if the driver refuses; the caller then falls back to `pin_memory`."""
-    cudart, done = torch.cuda.cudart(), []
-    for t in tensors:
-        if t.numel() == 0:
-            continue
-        if int(cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(),
-                                       CUDA_HOST_REGISTER_PORTABLE)) != 0:
-            # e.g. 712, already registered: small tensors sharing a page. Clear the error,
-            # or the next kernel launch check would raise it.
-            getattr(cudart, "cudaGetLastError", lambda: 0)()
-            _unregister(cudart, done)
-            return False
-        done.append(t.data_ptr())
-    # unregister before the memory is freed: the finalizer holds the tensors until it ran
-    weakref.finalize(owner, lambda: (_unregister(cudart, done), tensors.clear()))
+    cache would lock 2 GiB, up to twice what `check_memory` counted. False, with nothing
+    registered and no CUDA error left pending, where there is no CUDA or the driver
+    refuses; the caller then falls back to `pin_memory`."""
+    if not torch.cuda.is_available() or buf.numel() == 0:
+        return False
+    if buf.data_ptr() % PAGE or buf.numel() % PAGE:
+        raise ValueError("pin_in_place takes whole pages (page_aligned)")
+    cudart, ptr = torch.cuda.cudart(), buf.data_ptr()
+    if int(cudart.cudaHostRegister(ptr, buf.numel(), CUDA_HOST_REGISTER_PORTABLE)) != 0:
+        clear_last_error()
+        return False
+    # unregister before the memory is freed: the finalizer holds the buffer until it ran
+    weakref.finalize(owner, lambda b: cudart.cudaHostUnregister(b.data_ptr()), buf)
     return True
 
 
@@ -119,16 +163,20 @@ class HostKVStore:
 
     def __init__(self, spec: StoreSpec, pin: bool | None = None):
         self.spec = spec
-        self.pinned = torch.cuda.is_available() if pin is None else pin
+        self.pinned = torch.cuda.is_available() and pin is not False  # nothing to pin for without CUDA
         shape = (spec.capacity, spec.batch, spec.n_kv_heads, spec.head_dim)  # [S, B, Hkv, D]
         if not spec.token_major:
             shape = (spec.batch, spec.n_kv_heads, spec.capacity, spec.head_dim)  # [B, Hkv, S, D]
-        zeros = lambda pin: {layer: torch.zeros(shape, dtype=spec.dtype, pin_memory=pin)  # noqa: E731
+        n = len(spec.layers)
+        # one page-aligned buffer for every K and V: one registration, pages of its own
+        buf = page_aligned(2 * n * _pages(_elem(spec.dtype) * torch.Size(shape).numel()))
+        views = carve(buf, [shape] * 2 * n, spec.dtype)
+        self.k, self.v = dict(zip(spec.layers, views[:n])), dict(zip(spec.layers, views[n:]))
+        if self.pinned and not pin_in_place(buf, self):
+            self.k = self.v = views = buf = None  # freed first: never both copies at once
+            zeros = lambda: {layer: torch.zeros(shape, dtype=spec.dtype, pin_memory=True)  # noqa: E731
                              for layer in spec.layers}
-        self.k, self.v = zeros(False), zeros(False)
-        if self.pinned and not pin_in_place([*self.k.values(), *self.v.values()], self):
-            self.k = self.v = None  # freed first: never both copies at once
-            self.k, self.v = zeros(True), zeros(True)  # torch's pinned allocator (rounds up)
+            self.k, self.v = zeros(), zeros()  # torch's pinned allocator (rounds up)
 
     @property
     def capacity(self) -> int:

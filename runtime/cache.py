@@ -107,10 +107,11 @@ def write_and_attend(K, V, q, k, v, slot: torch.Tensor):
     """The fixed-shape step of a preallocated cache: write k, v [B, Hkv, T, D] into the
     buffers K, V [B, Hkv, cap, D] at slots slot + [0, T) (`slot` an int64 device tensor
     [1]) and attend causally over the whole buffers up to slot + T."""
-    pos = slot + torch.arange(q.shape[2], device=q.device, dtype=slot.dtype)
+    T = q.shape[2]
+    pos = slot if T == 1 else slot + torch.arange(T, device=q.device, dtype=slot.dtype)
     K.index_copy_(2, pos, k)
     V.index_copy_(2, pos, v)
-    return static_attention(q, K, V, slot + q.shape[2])
+    return static_attention(q, K, V, slot + T)
 
 
 class FullCache(KVCache):

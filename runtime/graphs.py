@@ -10,8 +10,9 @@ a cache that is not static (offloaded, streaming), or with graphs turned off (`-
 A replay runs no Python: the cache's `begin_forward`/`end_forward`, which the forward
 calls, run at capture only, so a static cache keeps them free of host work (the no-ops
 of `cache.KVCache`); after every replay the step calls `cache.on_replay()` instead.
-If a capture fails the step falls back to eager for that shape and says so once (in
-`notes`, shown on the stats line). `TRIFORCE_OFFLOAD_STATIC=1` runs the fixed-shape
+If a capture fails the step runs that shape on the cache's dynamic eager forward (an int
+start, not the fixed-shape one that may be what broke) and says so once (in `notes`, shown
+on the stats line). `TRIFORCE_OFFLOAD_STATIC=1` runs the fixed-shape
 forward without graphs wherever the cache allows it, the CPU included: the tests check
 the graph path's arithmetic end to end that way.
 
@@ -24,7 +25,12 @@ import time
 from dataclasses import dataclass
 
 import torch
+from ..kernels.attention import fallback_notes
 from ..settings import environment
+from .distributed import world_size
+
+TP_NOTE = ("CUDA graphs off under tensor parallelism: a captured graph would not replay the "
+           "all_reduce hooks as collectives")
 
 
 @dataclass
@@ -41,13 +47,17 @@ class Step:
         self.model, self.cache = model, cache
         self.device = next(model.parameters()).device
         static = cache.static
+        self.notes: list[str] = []  # one line per capture failure, or why graphs are off
+        if graphs and static and world_size() > 1:
+            graphs = False
+            self.notes.append(TP_NOTE)
         self.graphed = bool(graphs and static and self.device.type == "cuda")
         self.static = self.graphed or (static and environment().static)
         self.start = torch.zeros(1, dtype=torch.int64, device=self.device)  # static start
         self.graphs: dict[tuple, _Graph | None] = {}  # None: capture failed, run eager
         self.pool = None  # one memory pool shared by this step's graphs
-        self.notes: list[str] = []  # one line per capture failure
         self.replays = 0
+        self.eager = 0  # steps run on the dynamic eager forward after a failed capture
         self.capture_s = 0.0  # warm-ups and captures, inside the decode time a user sees
 
     def figures(self) -> dict:
@@ -65,7 +75,10 @@ class Step:
         if self.graphed and key not in self.graphs:
             self.graphs[key] = self._capture(ids, last_only)
         g = self.graphs.get(key)
-        if g is None:  # not graphed, or the capture failed: the same forward, eager
+        if g is None and key in self.graphs:  # the capture failed: whatever broke it may
+            self.eager += 1  # break the fixed-shape forward too, so the cache's dynamic one
+            return self.model(ids, start, self.cache, last_only)
+        if g is None:  # not graphed (TRIFORCE_OFFLOAD_STATIC=1): the fixed-shape forward, eager
             return self.model(ids, self.start, self.cache, last_only)
         g.ids.copy_(ids, non_blocking=True)
         g.graph.replay()
@@ -81,7 +94,8 @@ class Step:
             return self._capture_on(self.device, static_ids, run)
         except Exception as e:  # noqa: BLE001 - any capture failure: eager for this shape
             self.notes.append(f"CUDA graph capture failed for {ids.shape[1]} tokens "
-                              f"({type(e).__name__}: {str(e).splitlines()[0][:120]}); running eager")
+                              f"({type(e).__name__}: {str(e).splitlines()[0][:120]}); "
+                              "running that shape eager (int start, dynamic shapes)")
             return None
         finally:
             self.capture_s += time.perf_counter() - t0
@@ -106,7 +120,7 @@ def combined(steps) -> dict:
     captures = sum(g is not None for s in steps for g in s.graphs.values())
     if captures:
         d.update(graph_captures=captures, capture_s=round(sum(s.capture_s for s in steps), 3))
-    notes = [n for s in steps for n in s.notes]
+    notes = list(dict.fromkeys([*(n for s in steps for n in s.notes), *fallback_notes()]))
     if notes:
         d["notes"] = notes
     return d

@@ -19,7 +19,7 @@ import torch
 from . import gguf_check
 from .config import ModelConfig, apply_rope_override
 from .errors import TriforceError
-from .model import Rotary, Transformer
+from .model import STACKED, Rotary, Transformer, stack_parts
 from ..settings import environment
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -211,11 +211,23 @@ def _read_tensor(f, shape, src: torch.dtype, dtype: torch.dtype, block: int = 1 
     return out
 
 
+def stack_when_complete(state: dict, name: str) -> None:
+    """HF names in, the model's stacked projections out: once the last of a layer's q/k/v
+    (or gate/up) parts is read, they become one tensor, so load-time memory holds at most
+    one group of parts twice, not every projection of the model."""
+    for into, parts in STACKED.items():
+        for p in parts:
+            if f".{p}." in name or name.startswith(f"{p}."):
+                stack_parts(state, name[: name.rindex(f"{p}.")], into)
+                return
+
+
 def load_weights(model: Transformer, d: Path, dtype: torch.dtype, device) -> None:
     state = {}
     for f in weight_files(d):
         for name, t in read_safetensors(f, dtype):
             state[name] = t
+            stack_when_complete(state, name)
     if model.config.tie_word_embeddings or "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
         model.config.tie_word_embeddings = True

@@ -43,7 +43,7 @@ from ..kernels.chunked import StreamedAttention
 from ..offload.copier import ChunkCopier
 from ..offload.costmodel import STAGE_DEPTH, staging_bytes
 from ..offload.scheduler import PipelineScheduler
-from ..offload.store import HostKVStore, StoreSpec, check_memory, device_available
+from ..offload.store import HostKVStore, StoreSpec, _elem, check_memory, device_available
 from ..offload.timeline import Span, Timeline, device_clock
 from ..offload.tune import transfer_chunk_for
 from .cache import FullCache, KVCache
@@ -53,6 +53,26 @@ from .tp import agree
 
 HOST_HINT = "lower --max-context or --max-new-tokens (or shorten the prompt)"
 DEVICE_HINT = "lower --on-chip or --transfer-chunk"
+PREFILL_HINT = "lower --on-chip, --transfer-chunk or --prefill-chunk, or --max-context"
+PREFILL_CHUNK = 512  # GenerationOptions.prefill_chunk's default
+
+
+def prefill_device_bytes(cfg, tokens: int, chunk: int, batch: int, elem: int) -> int:
+    """Device bytes a layer-major prefill of `tokens` holds besides the held layer's KV:
+    the prompt's hidden states [B, T, H] and cos, sin [T, D] for the whole prefill; every
+    layer's latest chunk of K, V (`fresh`, kept for `recent`: views that keep the chunk's
+    stacked qkv and rotated q|k buffers alive); and the peak of one chunk's `layer_step`,
+    the larger half of it: attention (the norm, the residual, qkv, the rotation and its
+    temporaries, write-back copies of k, v, the fp32 prefix and causal partial outputs) or
+    the MLP (the norm, gate|up, silu(gate) and the product)."""
+    H, D, inner = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.n_heads * D, cfg.n_kv_heads * D
+    c = min(chunk, tokens)
+    whole = tokens * (batch * H + 2 * D) * elem
+    fresh = cfg.n_layers * c * batch * (2 * q + 3 * kv) * elem
+    attn = (3 * H + 4 * q + 7 * kv) * elem + (2 * H + 2 * q) * 4
+    mlp = (3 * H + 4 * inner) * elem + 2 * H * 4
+    return whole + fresh + c * batch * max(attn, mlp)
 
 
 class OffloadedCache(KVCache):
@@ -63,7 +83,8 @@ class OffloadedCache(KVCache):
 
     def __init__(self, cfg, capacity: int, batch: int = 1, dtype=torch.float32, device="cpu",
                  on_chip: int = 0, transfer_chunk: int | None = None, depth: int = STAGE_DEPTH,
-                 overlap: bool = True, copier_cls=ChunkCopier, log_order: bool = False):
+                 overlap: bool = True, copier_cls=ChunkCopier, log_order: bool = False,
+                 prefill_chunk: int = PREFILL_CHUNK):
         super().__init__(cfg, batch)
         if not 0 <= on_chip <= cfg.n_layers:
             raise TriforceError(f"--on-chip {on_chip}: must be between 0 and {cfg.n_layers} layers")
@@ -72,7 +93,7 @@ class OffloadedCache(KVCache):
         transfer_chunk = min(transfer_chunk_for(device, spec.bytes_per_token(), transfer_chunk), capacity)
         self.capacity, self.on_chip, self.device = capacity, on_chip, device
         self.transfer_chunk = transfer_chunk  # tokens per host-to-device copy
-        self._check(spec, depth)
+        self._check(cfg, spec, depth, prefill_chunk)
         self.timeline = Timeline(log_order, device_clock(device))
         self.store: HostStore = HostKVStore(spec)
         self.copier = copier_cls(device, self.timeline)
@@ -89,11 +110,17 @@ class OffloadedCache(KVCache):
         self._t0 = None  # timing event of the running forward's start (`begin_forward`)
         self._tokens = 0  # its tokens
 
-    def _check(self, spec: StoreSpec, depth: int):
-        """On-chip layers, the staging ring and the layer a prefill holds must fit."""
+    def _check(self, cfg, spec: StoreSpec, depth: int, prefill_chunk: int):
+        """On-chip layers, the staging ring and the prefill (the layer it holds, and its
+        activations over a prompt as long as the capacity) must fit."""
         per_layer = spec.bytes_per_token() * spec.capacity
-        stage = staging_bytes(self.transfer_chunk, spec.bytes_per_token(), depth) if spec.layers else 0
-        dev = self.on_chip * per_layer + (stage + per_layer if spec.layers else 0)
+        dev = self.on_chip * per_layer
+        if spec.layers:
+            stage = staging_bytes(self.transfer_chunk, spec.bytes_per_token(), depth)
+            pre = prefill_device_bytes(cfg, spec.capacity, prefill_chunk, spec.batch, _elem(spec.dtype))
+            dev += stage + per_layer + pre
+            what = f"on-device KV, staging and the prefill ({(per_layer + pre) / 2 ** 30:.1f} GB)"
+            return check_memory(spec.nbytes(), dev, self.device, HOST_HINT, PREFILL_HINT, what)
         check_memory(spec.nbytes(), dev, self.device, HOST_HINT, DEVICE_HINT)
 
     def begin_forward(self, start: int, n_tokens: int):
@@ -325,7 +352,7 @@ def make_full_cache(loaded, capacity: int, opts) -> KVCache:
         return FullCache(loaded.cfg, capacity, dtype=loaded.dtype, device=loaded.device)
     return OffloadedCache(loaded.cfg, capacity, dtype=loaded.dtype, device=loaded.device,
                           on_chip=o.on_chip, transfer_chunk=o.transfer_chunk, depth=o.stage_depth,
-                          overlap=o.overlap)
+                          overlap=o.overlap, prefill_chunk=opts.prefill_chunk)
 
 
 def finish_stats(cache: KVCache, st, opts) -> None:

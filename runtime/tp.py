@@ -1,10 +1,12 @@
 """Tensor parallelism: a sharding pass applied after load (gpt-fast's tp.py is the model).
 
 Per layer, rank r of W keeps:
-- q_proj rows of its n_heads/W query heads, k_proj/v_proj rows of the KV heads those
-  queries read (biases too, for Qwen2): column-parallel, no communication;
+- of the stacked qkv_proj, the q rows of its n_heads/W query heads, then the k rows and
+  the v rows of the KV heads those queries read (biases too, for Qwen2), stacked again in
+  that order: column-parallel, no communication;
 - o_proj columns of its query heads: row-parallel, so its output is a partial sum;
-- gate_proj/up_proj rows and down_proj columns of its 1/W of the MLP width.
+- of the stacked gate_up_proj, its 1/W of the gate rows, then the same 1/W of the up rows;
+  down_proj columns of that 1/W of the MLP width.
 A forward hook all-reduces the attention output and the MLP output: exactly two
 collectives per layer, the minimum for Megatron-style sharding (consumer GPUs without
 peer-to-peer route each all-reduce through host memory, so the count matters).
@@ -83,6 +85,12 @@ def _rows(t: torch.Tensor, idx: range, width: int) -> torch.Tensor:
     return t[idx.start * width: idx.stop * width].clone()
 
 
+def _pick(t: torch.Tensor, sizes: list[int], picks: list[range], width: int) -> torch.Tensor:
+    """Of a stacked weight or bias (parts of `sizes` rows, e.g. q, k, v), the rows `picks[i]`
+    (in blocks of `width`) of each part i, stacked again in the same order."""
+    return torch.cat([_rows(p, idx, width) for p, idx in zip(t.split(sizes), picks)])
+
+
 def _set(lin: nn.Linear, w: torch.Tensor, b: torch.Tensor | None = None):
     lin.weight = nn.Parameter(w, requires_grad=False)
     if b is not None:
@@ -93,9 +101,11 @@ def _set(lin: nn.Linear, w: torch.Tensor, b: torch.Tensor | None = None):
 def _shard_attention(attn, cfg: ModelConfig, r: int, world: int):
     D, hq = cfg.head_dim, cfg.n_heads // world
     q_idx, kv_idx = range(r * hq, (r + 1) * hq), kv_heads(cfg, r, world)
-    for lin, idx in ((attn.q_proj, q_idx), (attn.k_proj, kv_idx), (attn.v_proj, kv_idx)):
-        b = None if lin.bias is None else _rows(lin.bias, idx, D)
-        _set(lin, _rows(lin.weight, idx, D), b)
+    sizes = [cfg.n_heads * D, cfg.n_kv_heads * D, cfg.n_kv_heads * D]  # q, k, v rows
+    picks = [q_idx, kv_idx, kv_idx]
+    qkv = attn.qkv_proj
+    b = None if qkv.bias is None else _pick(qkv.bias, sizes, picks, D)
+    _set(qkv, _pick(qkv.weight, sizes, picks, D), b)
     # o_proj [hidden, Hq*D]: keep this rank's input columns; output is a partial sum
     _set(attn.o_proj, _rows(attn.o_proj.weight.t(), q_idx, D).t().contiguous())
     attn.n_heads, attn.n_kv_heads = hq, len(kv_idx)
@@ -104,8 +114,7 @@ def _shard_attention(attn, cfg: ModelConfig, r: int, world: int):
 def _shard_mlp(mlp, cfg: ModelConfig, r: int, world: int):
     w = cfg.intermediate_size // world
     idx = range(r, r + 1)
-    _set(mlp.gate_proj, _rows(mlp.gate_proj.weight, idx, w))
-    _set(mlp.up_proj, _rows(mlp.up_proj.weight, idx, w))
+    _set(mlp.gate_up_proj, _pick(mlp.gate_up_proj.weight, [cfg.intermediate_size] * 2, [idx, idx], w))
     _set(mlp.down_proj, _rows(mlp.down_proj.weight.t(), idx, w).t().contiguous())
 
 

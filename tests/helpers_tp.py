@@ -38,8 +38,7 @@ def build(name: str, seed: int = 0) -> Transformer:
     m = Transformer(tiny(name)).eval().requires_grad_(False)
     if m.config.attention_bias:  # random biases, so that sharding them is really tested
         for b in m.model.layers:
-            for lin in (b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj):
-                lin.bias.normal_(0, 0.5)
+            b.self_attn.qkv_proj.bias.normal_(0, 0.5)  # q, k and v rows
     return m
 
 
@@ -126,3 +125,17 @@ def stall(victim: int):
         time.sleep(600)
     dist.all_reduce(torch.ones(4))
     return "finished"
+
+
+def step_figures() -> dict:
+    """A graphs-on Step over a static (fixed-shape) cache in a tensor-parallel group: its
+    figures for the stats line, and the greedy tokens it decoded."""
+    from triforce_offload.runtime.graphs import Step
+    m = build("llama-gqa")
+    cfg = tp.shard_model(m, m.config, dist.get_rank(), dist.get_world_size())
+    cache = FullCache(cfg, 64, static=True)
+    step = Step(m, cache, graphs=True)
+    with torch.inference_mode():
+        logits = prefill(m, cache, torch.tensor([[1, 2, 3]]))
+        toks = decode(m, cache, logits, 3, SamplingParams(), 4, set(), step=step)
+    return {"figures": step.figures(), "graphed": step.graphed, "tokens": toks}

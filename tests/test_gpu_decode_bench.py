@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "gpu_decode.py"
 OURS = ["autoregressive eager", "autoregressive graphed", "triforce"]
@@ -45,6 +47,9 @@ def test_geometry_rows_and_table(tmp_path):
     for m in OURS + [HF]:
         assert f"| 256 | {m} |" in stdout
     assert "triforce vs graphed autoregressive at 256:" in stdout
+    ops = by[OURS[0]]["ops_per_layer"]  # one decode step under runtime/opcount.py's counter
+    assert 0 < ops["eager"] <= 20 and 0 < ops["fixed"] <= 20 and ops["fixed_syncs"] == 0
+    assert f"work ops per layer per decode step: eager {ops['eager']} " in stdout
 
 
 def test_checkpoint_with_transformers_and_essays(tmp_path, tiny_model_dir):
@@ -66,3 +71,44 @@ def test_oversized_context_is_skipped_with_the_reason(tmp_path):
     assert [r["context"] for r in skipped] == [100000000]
     assert "90%" in skipped[0]["skipped"] and "skipped" in stdout
     assert [r["mode"] for r in rows if not r.get("skipped")] == ["autoregressive eager"]
+
+
+class _FakeGraph:
+    """A 'captured graph' that records the forward and replays it eagerly (the CPU has no
+    CUDA graphs), so that a Step takes its capture path and counts its captures."""
+
+    def __init__(self, run):
+        self.run = run
+        self.out = run()
+
+    def replay(self):
+        self.out.copy_(self.run())
+
+
+def test_timed_decode_contains_no_capture(monkeypatch):
+    """The graphed row's timed decode replays what its untimed warm-up captured: the step's
+    capture count does not move inside the timed region, the capture seconds are reported
+    apart, and the tokens are the eager row's."""
+    import importlib.util
+    from triforce_offload.runtime import graphs
+    spec = importlib.util.spec_from_file_location("gpu_decode", SCRIPT)
+    gd = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gd)
+    monkeypatch.setenv("TRIFORCE_OFFLOAD_STATIC", "1")  # the fixed-shape path on the CPU
+    init = graphs.Step.__init__
+
+    def on_a_card(self, model, cache, graphs_on=True):
+        init(self, model, cache, graphs_on)
+        self.graphed = self.static = bool(graphs_on and cache.static)
+    monkeypatch.setattr(graphs.Step, "__init__", on_a_card)
+    monkeypatch.setattr(graphs.Step, "_capture_on", lambda self, dev, ids, run: graphs._Graph(
+        g := _FakeGraph(run), ids, g.out))
+    a = gd.args_(["--geometry", "smollm2", "--layers", "1", "--device", "cpu", "--contexts", "64",
+                  "--new-tokens", "6"])
+    L, _ = gd.load(a, torch.device("cpu"), "fp32")
+    prompt = list(range(3, 61))
+    eager = gd.run_ours(L, "eager", prompt, a, 6)
+    row = gd.run_ours(L, "graphed", prompt, a, 6)
+    assert row["timed_captures"] == 0 and row["graphs"] is True  # replays only, timed
+    assert row["capture_s"] > 0 and row["warm_up_s"] >= row["capture_s"]
+    assert row["tokens"] == eager["tokens"] and len(row["tokens"]) == 6

@@ -300,3 +300,31 @@ def test_recorder_queries_follow_graph_replays():
     assert all(rec.q[l] is not bufs[l] for l in bufs)
     rec.on_replay()
     assert all(rec.q[l] is bufs[l] for l in bufs)
+
+
+def test_failed_capture_falls_back_to_the_dynamic_eager_forward(monkeypatch):
+    """A capture that fails runs that shape on the cache's int-start (dynamic) forward, not
+    the fixed-shape one that may be what broke it; the output equals the eager reference
+    and the stats line says so once."""
+    L = tiny()
+    eager, static = _prefilled(L, 40, False), _prefilled(L, 40, True)
+    step = Step(L.model, static, graphs=True)
+    step.graphed = step.static = True  # as on CUDA: capture the first time a shape runs
+
+    def broken(*a):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    monkeypatch.setattr(step, "_capture_on", broken)
+    starts, forward = [], L.model.forward
+    monkeypatch.setattr(L.model, "forward", lambda ids, start, *a, **k: (starts.append(start), forward(ids, start, *a, **k))[1])
+    g, pos = torch.Generator().manual_seed(4), 40
+    with torch.inference_mode():
+        for T in (1, 1, 3, 1):
+            ids = torch.randint(0, L.cfg.vocab_size, (1, T), generator=g)
+            torch.testing.assert_close(step(ids, pos), L.model(ids, pos, eager), rtol=1e-5, atol=1e-5)
+            pos += T
+            eager.commit(pos)
+            static.commit(pos)
+    assert all(type(s) is int for s in starts), starts  # never the device-tensor start
+    assert step.eager == 4 and step.replays == 0
+    notes = step.figures()["notes"]
+    assert len(notes) == 2 and all("int start" in n for n in notes)  # once per shape (1 and 3)

@@ -115,3 +115,21 @@ def test_dtype_conversion_while_reading_matches_torch(tmp_path):
     with open(tmp_path / "raw", "rb") as fh:
         y = _read_tensor(fh, [5, 7], torch.float32, torch.float16, block=4)
     assert torch.equal(y, x.half())
+
+
+def test_hf_state_dict_loads_into_the_stacked_projections(tmp_path):
+    """q/k/v (with Qwen2's biases) and gate/up are one Linear each here; an HF-named state
+    dict loads as is, through the loader and through load_state_dict, with equal logits."""
+    from triforce_offload.runtime.model import Transformer
+    hf = tiny_hf("qwen2")
+    ours, cfg = load_ours(hf, tmp_path)
+    attn = ours.model.layers[0].self_attn
+    assert not hasattr(attn, "q_proj") and attn.qkv_proj.bias is not None
+    direct = Transformer(cfg).eval()
+    direct.load_state_dict(hf.state_dict(), strict=False)
+    assert not any(k.endswith((".q_proj.weight", ".up_proj.weight")) for k in direct.state_dict())
+    ids = torch.randint(0, 97, (1, 9))
+    with torch.no_grad():
+        ref = hf(ids).logits
+        for m in (ours, direct):
+            torch.testing.assert_close(m(ids, 0, FullCache(cfg, 16)), ref, rtol=1e-4, atol=1e-4)

@@ -157,8 +157,8 @@ def test_memory_precheck_refuses_with_numbers():
 def test_bad_options():
     with pytest.raises(TriforceError, match="--on-chip 9"):
         OffloadedCache(CFG, CAP, on_chip=9)
-    with pytest.raises(TriforceError, match="--transfer-chunk 0"):
-        OffloadedCache(CFG, CAP, transfer_chunk=0)
+    with pytest.raises(TriforceError, match="--transfer-chunk 0"):  # the option checks it, once
+        RunOptions.of(offload="on", transfer_chunk=0)
     with pytest.raises(TriforceError, match="capacity"):
         with torch.inference_mode():
             Transformer(CFG)(torch.zeros(1, CAP + 1, dtype=torch.long), 0, OffloadedCache(CFG, CAP))
@@ -379,56 +379,91 @@ def test_a_staging_slot_is_refilled_only_after_its_reader(overlap):
 
 
 class FakeCudart:
-    """Stands in for torch.cuda.cudart(): logs cudaHostRegister / Unregister calls."""
+    """Stands in for torch.cuda.cudart() with exactly the calls it binds (no
+    cudaGetLastError: torch does not bind it); logs cudaHostRegister / Unregister."""
 
-    def __init__(self, fail_at: int | None = None):
-        self.calls, self.fail_at = [], fail_at
+    def __init__(self, fail: bool = False):
+        self.calls, self.fail = [], fail
 
     def cudaHostRegister(self, ptr, nbytes, flags):
         self.calls.append(("reg", ptr, nbytes))
-        return 1 if len(self.calls) == self.fail_at else 0
+        return 712 if self.fail else 0  # cudaErrorHostMemoryAlreadyRegistered
 
     def cudaHostUnregister(self, ptr):
         self.calls.append(("unreg", ptr, 0))
         return 0
 
-    def cudaGetLastError(self):
-        self.calls.append(("clear", 0, 0))
-        return 0
+    def cudaGetErrorString(self, err):
+        return f"error {err}"
 
 
-def test_host_store_pins_exactly_its_bytes_until_it_is_freed(monkeypatch):
-    """Pinned in place, each tensor at its own size (torch's pin_memory would round every
+def _on_a_fake_card(monkeypatch, rt):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
+
+
+def test_host_store_is_one_page_aligned_buffer_pinned_once(monkeypatch):
+    """Every K and V is a view into one page-aligned buffer of whole pages, registered with
+    one cudaHostRegister at (about) its exact size (torch's pin_memory would round every
     block up to a power of two: up to twice the host memory check_memory counted), and
     unregistered when the store goes, before its memory is freed."""
     import gc
+    from triforce_offload.offload.store import PAGE
     rt = FakeCudart()
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
+    _on_a_fake_card(monkeypatch, rt)
     spec = StoreSpec([2, 3], 3, 64, 1000, dtype=torch.bfloat16)  # 384,000 B per tensor
     store = HostKVStore(spec, pin=True)
-    regs = [(p, n) for kind, p, n in rt.calls if kind == "reg"]
     tensors = [*store.k.values(), *store.v.values()]
-    assert sorted(p for p, _ in regs) == sorted(t.data_ptr() for t in tensors)
-    assert all(n == 384_000 for _, n in regs) and sum(n for _, n in regs) == spec.nbytes() == store.nbytes()
+    [(kind, ptr, n)] = rt.calls
+    assert kind == "reg" and ptr % PAGE == 0 and n % PAGE == 0 and spec.nbytes() <= n < spec.nbytes() + 4 * PAGE
+    assert all(ptr <= t.data_ptr() < ptr + n and t.data_ptr() % PAGE == 0 for t in tensors)
+    assert store.nbytes() == spec.nbytes() and store.pinned
     del store, tensors
     gc.collect()
-    assert sorted(p for kind, p, _ in rt.calls if kind == "unreg") == sorted(p for p, _ in regs)
+    assert rt.calls[1:] == [("unreg", ptr, 0)]
 
 
-def test_host_store_falls_back_to_torch_pinning_when_the_driver_refuses(monkeypatch):
-    rt = FakeCudart(fail_at=3)  # the third registration fails
-    monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
-    pinned_calls = []
+def test_a_refused_registration_leaves_no_cuda_error_pending(monkeypatch):
+    """The driver refuses: the runtime's last error is reset through a call that exists
+    (torch's binding has no cudaGetLastError), nothing stays registered, and the store
+    falls back to torch's pinned allocator."""
+    from triforce_offload.offload import store as S
+    rt, cleared, pinned = FakeCudart(fail=True), [], []
+    _on_a_fake_card(monkeypatch, rt)
+    monkeypatch.setattr(S, "clear_last_error", lambda: cleared.append(1) or True)
     zeros = torch.zeros
-
-    def fake_zeros(*a, pin_memory=False, **kw):
-        pinned_calls.append(pin_memory)
-        return zeros(*a, **kw)
-    monkeypatch.setattr(torch, "zeros", fake_zeros)
+    monkeypatch.setattr(torch, "zeros", lambda *a, pin_memory=False, **kw: pinned.append(pin_memory) or zeros(*a, **kw))
     store = HostKVStore(StoreSpec([0, 1], 2, 16, 100), pin=True)
-    # the error cleared (a later kernel launch check would raise it), the two that took undone
-    assert [k for k, _, _ in rt.calls] == ["reg", "reg", "reg", "clear", "unreg", "unreg"]
-    assert pinned_calls == [False] * 4 + [True] * 4 and store.pinned
+    assert [k for k, _, _ in rt.calls] == ["reg"] and cleared == [1]
+    assert pinned == [False] + [True] * 4 and store.pinned  # the flat buffer, then 4 pinned tensors
+
+
+def test_pinning_without_cuda_takes_the_fallback_with_the_real_binding():
+    """The real path, no fakes: without CUDA nothing is registered (there is nothing to
+    register with) and the store is plain memory, still one page-aligned buffer."""
+    from triforce_offload.offload.store import PAGE, page_aligned, pin_in_place
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine: test_cuda_refused_registration_leaves_launches_working")
+    store = HostKVStore(StoreSpec([0, 1], 2, 16, 100), pin=True)
+    assert not store.pinned and store.k[0].data_ptr() % PAGE == 0
+    buf = page_aligned(10_000)
+    assert buf.data_ptr() % PAGE == 0 and buf.numel() == 3 * PAGE and not pin_in_place(buf, store)
+
+
+@pytest.mark.cuda
+def test_cuda_refused_registration_leaves_launches_working():
+    """On a card: registering the store's buffer a second time is refused (already
+    registered); pin_in_place says so and the next kernel launch does not raise it."""
+    from triforce_offload.offload import store as S
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    store = HostKVStore(StoreSpec([0, 1], 2, 64, 4096, dtype=torch.float16))
+    assert store.pinned and store.k[0].is_pinned()
+    buf = S.page_aligned(S._pages(1))
+    assert S.pin_in_place(buf, buf) and not S.pin_in_place(buf, buf)  # 712: already registered
+    x = torch.ones(8, device="cuda").add_(1)  # would raise the pending error
+    torch.cuda.synchronize()
+    assert float(x.sum()) == 16.0
 
 
 def test_retrieval_build_from_an_offloaded_cache_scores_device_copies(model, monkeypatch):
@@ -451,3 +486,24 @@ def test_retrieval_build_from_an_offloaded_cache_scores_device_copies(model, mon
     for layer in range(CFG.n_layers):
         assert torch.equal(a.k[layer], b.k[layer]) and torch.equal(a.v[layer], b.v[layer])
     off.inner.close()
+
+
+def test_prefill_activations_count_against_device_memory(monkeypatch):
+    """A device with room for the on-chip layers, the staging ring and the held layer's KV
+    but not for the prefill's own tensors (the prompt's hidden states, every layer's latest
+    chunk of K, V, one chunk's layer step) is refused up front with one line naming them."""
+    from triforce_offload.offload import store as S
+    cfg = ModelConfig(vocab_size=64, hidden_size=256, intermediate_size=512, n_layers=4,
+                      n_heads=4, n_kv_heads=1, head_dim=64, max_position_embeddings=8192)
+    cap, chunk, tpt = 8192, 64, 2 * 1 * 64 * 4  # fp32 K+V bytes of a token in one layer
+    kv_stage_held = cm.staging_bytes(chunk, tpt) + cap * tpt  # what the check counted before
+    free = []
+    monkeypatch.setattr(S, "device_available", lambda d: free[0])
+    mk = lambda: OffloadedCache(cfg, cap, transfer_chunk=chunk)  # noqa: E731
+    free.append(int(kv_stage_held / 0.9 * 1.05))  # fits the KV, staging and held layer only
+    with pytest.raises(OffloadError) as e:
+        mk()
+    msg = str(e.value)
+    assert "\n" not in msg and "prefill" in msg and "--prefill-chunk" in msg
+    free[0] = int(kv_stage_held / 0.9 * 20)  # hidden states [T, H]: 3x the held layer here
+    mk().close()

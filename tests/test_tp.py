@@ -181,3 +181,38 @@ def test_load_shards_on_the_host_before_the_move(tiny_model_dir, monkeypatch):
     full = read_config(resolve(str(tiny_model_dir)))
     assert loaded.cfg.n_heads == loaded.model.model.layers[0].self_attn.n_heads == full.n_heads // 2
     assert loaded.model.tp == (1, 2)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_stacked_projections_shard_per_part(world):
+    """qkv_proj and gate_up_proj are stacked: rank r keeps its q rows, its KV heads' k rows
+    and v rows (biases too), and its slice of gate and of up, each taken from its own part,
+    not a contiguous slice of the stack. (4 ranks: 2 KV heads replicated.)"""
+    full = H.build("qwen2-bias")
+    cfg, D = full.config, full.config.head_dim
+    a0, m0 = full.model.layers[0].self_attn.qkv_proj, full.model.layers[0].mlp.gate_up_proj
+    q, k, v = a0.weight.split([cfg.n_heads * D, cfg.n_kv_heads * D, cfg.n_kv_heads * D])
+    qb, kb, vb = a0.bias.split([cfg.n_heads * D, cfg.n_kv_heads * D, cfg.n_kv_heads * D])
+    gate, up = m0.weight.chunk(2)
+    hq, w = cfg.n_heads // world, cfg.intermediate_size // world
+    for r in range(world):
+        m = H.build("qwen2-bias")
+        tp.shard_model(m, m.config, r, world)  # no forward: the all-reduce hooks never run
+        kv = tp.kv_heads(cfg, r, world)
+        qs, ks = slice(r * hq * D, (r + 1) * hq * D), slice(kv.start * D, kv.stop * D)
+        attn, mlp = m.model.layers[0].self_attn, m.model.layers[0].mlp
+        assert torch.equal(attn.qkv_proj.weight, torch.cat([q[qs], k[ks], v[ks]]))
+        assert torch.equal(attn.qkv_proj.bias, torch.cat([qb[qs], kb[ks], vb[ks]]))
+        assert (attn.n_heads, attn.n_kv_heads) == (hq, len(kv))
+        assert torch.equal(mlp.gate_up_proj.weight, torch.cat([gate[r * w:(r + 1) * w], up[r * w:(r + 1) * w]]))
+
+
+def test_tp_steps_run_without_graphs_and_say_why():
+    """all_reduce hooks inside a captured CUDA graph would not replay as collectives: under
+    --tp > 1 a step over a static cache runs without graphs, said once on the stats line."""
+    two = distributed.launch(H.step_figures, 2, (), threads=1, timeout=120)
+    for r in two:
+        [note] = r["figures"].get("notes", [None])
+        assert r["graphed"] is False and r["figures"]["graphs"] is False
+        assert note and "tensor parallelism" in note and "all_reduce" in note
+    assert two[0]["tokens"] == two[1]["tokens"] and len(two[0]["tokens"]) == 4
