@@ -5,14 +5,14 @@ Usage:
     python benchmarks/serve.py                                   # 4K and 16K-token documents
     python benchmarks/serve.py --contexts 4096 --new-tokens 32 --threads 1
 
-Per context a server (`triforce-offload serve --port 0` on a fresh --kv-dir) continues a
-document + ending A (cold; /v1/completions, no chat template), then the same document +
-ending B (its prefix is kept in host memory); it is restarted on the same --kv-dir and
-continues ending B again (the prefix loads from disk). Time to first token is measured by the client (request sent to
-first streamed text). The cold request's decode ms/token is set beside `run --json` on the
-same prompt, run in this invocation. Then `--clients` clients send `--requests` short
-requests each at once: requests per second (one generation at a time: it measures the
-queue and the per-request overhead). Contexts above the model's 8K use --rope-scaling
+Per context a server (`triforce-offload serve --port 0`) continues a document + ending A
+(cold; /v1/completions, no chat template), then the same document + ending B (the
+document's KV is kept in host memory). `run --json --kv-dir DIR` then runs prompt A (its
+decode ms/token is set beside the server's; it saves the KV), and a new server on
+--kv-dir DIR continues ending B (the document's KV loads from disk). Time to first token
+is measured by the client (request sent to first streamed text). Then `--clients` clients
+send `--requests` short requests each at once: requests per second (one generation at a
+time: it measures the queue and the per-request overhead). Contexts above the model's 8K use --rope-scaling
 linear:F. Rows append to results/serve.jsonl; a summary goes to stdout.
 """
 from __future__ import annotations
@@ -113,12 +113,13 @@ def document(tokens: int) -> str:
     return tok.decode(essay_tokens(tok, tokens))
 
 
-def run_json(a, context: int, prompt: str) -> dict:
+def run_json(a, context: int, prompt: str, kv_dir: Path) -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
         f.write(prompt)
         f.flush()
-        cmd = [sys.executable, "-m", "triforce_offload.cli", "run", "--json", "--no-chat", "--prompt-file", f.name,
-               "--max-new-tokens", str(a.new_tokens), *common(a, context)]
+        cmd = [sys.executable, "-m", "triforce_offload.cli", "run", "--json", "--no-chat",
+               "--prompt-file", f.name, "--max-new-tokens", str(a.new_tokens),
+               "--kv-dir", str(kv_dir), *common(a, context)]
         r = subprocess.run(cmd, capture_output=True, text=True, env=env(a))
     if r.returncode:
         raise SystemExit(r.stderr)
@@ -128,13 +129,13 @@ def run_json(a, context: int, prompt: str) -> dict:
 def one_context(a, context: int, tmp: Path) -> dict:
     doc = document(context - a.new_tokens - 64)  # essays to continue (no chat template: a chat
     qa, qb = doc + "\n\nIn short,", doc + "\n\nThe main point is"  # answer may end at once)
-    kv = ["--kv-dir", str(tmp / f"kv-{context}"), *common(a, context)]
-    with server(a, kv, tmp / f"serve-{context}-a.log") as base:
+    with server(a, common(a, context), tmp / f"serve-{context}-a.log") as base:
         cold = ask(base, qa, a.new_tokens)
-        kept = ask(base, qb, a.new_tokens)
-    with server(a, kv, tmp / f"serve-{context}-b.log") as base:
-        disk = ask(base, qb, a.new_tokens)
-    ref = run_json(a, context, qa)
+        kept = ask(base, qb, a.new_tokens)  # the document's KV is kept in host memory
+    kv = tmp / f"kv-{context}"
+    ref = run_json(a, context, qa, kv)  # cold too; saves its KV to --kv-dir
+    with server(a, ["--kv-dir", str(kv), *common(a, context)], tmp / f"serve-{context}-b.log") as base:
+        disk = ask(base, qb, a.new_tokens)  # a new server: the document's KV from disk
     return {"context": context, "prompt_tokens": cold["prompt_tokens"], "mode": a.mode,
             "dtype": a.dtype, "new_tokens": a.new_tokens,
             "ttft_cold_s": round(cold["ttft_s"], 3), "ttft_kept_s": round(kept["ttft_s"], 3),
@@ -144,7 +145,7 @@ def one_context(a, context: int, tmp: Path) -> dict:
             "client_ms_per_token": round(cold["client_ms_per_token"] or 0, 2),
             "run_ms_per_token": round(ref["decode_ms_per_token"], 2),
             "run_prefill_s": round(ref["prefill_s"], 3), "same_text_as_run": cold["text"] == ref["text"],
-            "acceptance": cold.get("acceptance")}
+            "kept_text_as_disk": kept["text"] == disk["text"], "acceptance": cold.get("acceptance")}
 
 
 def throughput(a, tmp: Path) -> dict:

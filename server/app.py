@@ -170,20 +170,25 @@ def make_job(s: Served, req: Request, ids: list[int], max_tokens: int | None) ->
     return Job(ids, opts, req.stops(), asyncio.get_running_loop(), time.monotonic() + s.timeout)
 
 
-async def events(job: Job, request: HttpRequest):
-    """The job's events until done or error; a client that hangs up cancels the job."""
+async def events(job: Job, request: HttpRequest, every: float = 0.5):
+    """The job's events until done or error; a client that hangs up (checked every `every`
+    seconds, text arriving or not) cancels the job."""
+    checked = time.monotonic()
     while True:
         try:
-            kind, value = await asyncio.wait_for(job.events.get(), 0.5)
+            kind, value = await asyncio.wait_for(job.events.get(), every)
         except asyncio.TimeoutError:
+            kind = None
+        if time.monotonic() - checked >= every:
+            checked = time.monotonic()
             if await request.is_disconnected():
                 job.cancel()
                 return
-            continue
         if kind == "error":
             status, message = value
             raise ApiError(status, message, kind=KINDS.get(status, "invalid_request_error"))
-        yield kind, value
+        if kind is not None:
+            yield kind, value
         if kind == "done":
             return
 

@@ -209,14 +209,19 @@ def test_bad_requests_get_openai_errors(srv):
     assert chat(base, "Say yes.", 2).choices[0].message.content  # still serving
 
 
-def test_hang_up_cancels_and_the_next_request_runs(srv):
+@pytest.mark.parametrize("stream", [True, False])
+def test_hang_up_cancels_and_the_next_request_runs(srv, stream):
     base, _ = srv
-    body = {"prompt": "Once upon a time", "max_tokens": 3000, "temperature": 0, "stream": True}
+    body = {"prompt": "Once upon a time", "max_tokens": 3000, "temperature": 0, "stream": stream}
     before = metric(base, "triforce_cancelled_total")
-    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
-        for i, _ in enumerate(r.iter_lines()):
-            if i == 6:
-                break  # hang up mid-stream
+    if stream:
+        with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
+            for i, _ in enumerate(r.iter_lines()):
+                if i == 6:
+                    break  # hang up mid-stream
+    else:
+        with pytest.raises(httpx.ReadTimeout):  # gives up waiting and closes the connection
+            httpx.post(base + "/v1/completions", json=body, timeout=3)
     t0 = time.perf_counter()
     r = client(base).completions.create(model=MODEL, prompt="The sky is", max_tokens=4, temperature=0)
     assert r.choices[0].text and time.perf_counter() - t0 < 30  # not behind 3000 tokens
