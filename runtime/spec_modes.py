@@ -17,6 +17,7 @@ from .engine import AutoGamma, Engine, Rebuild
 from .errors import TriforceError
 from .generate import Stats, capacity, peak_memory_gb, prefill, stop_ids
 from .graphs import combined
+from .hostread import to_host
 from .offloaded import finish_stats, make_full_cache
 from .retrieval import Recorder, RetrievalCache
 from .sampling import probs, sample
@@ -113,7 +114,7 @@ def speculate(kind: str, loaded, prompt, opts, full, logits, on_token=None):
     auto = AutoGamma(o.gamma2_start) if o.gamma2 == "auto" and kind != "draft" else None  # adapts gamma2
     eng = Engine(levels, gammas, sp, gen, auto, Rebuild.parse(opts.retrieval.rebuild), agree=agree)
     t1 = time.perf_counter()
-    seq = list(prompt) + [int(sample(probs(logits[0], sp), gen))]
+    seq = list(prompt) + [to_host(sample(probs(logits[0], sp), gen))]  # counted as 'other'
     with torch.inference_mode():
         toks = eng.run(seq, opts.max_new_tokens, stop_ids(loaded, opts), on_token)
     t2 = time.perf_counter()
