@@ -45,6 +45,8 @@ def test_geometry_rows_and_table(tmp_path):
     for m in OURS + [HF]:
         assert f"| 256 | {m} |" in stdout
     assert "triforce vs graphed autoregressive at 256:" in stdout
+    assert by["triforce"]["host_reads"]["full"] <= 1  # one read per top verification
+    assert "host reads per verification at 256 (triforce): ngram 0, full 1\n" in stdout
 
 
 def test_checkpoint_with_transformers_and_essays(tmp_path, tiny_model_dir):
