@@ -82,8 +82,8 @@ def check_forward(s: dict):
 
 def test_copy_spans_copy_s_and_overlap(model, tmp_path):
     """An offloaded forward has copy spans, copy_s > 0 and 0 <= overlap <= 1; its Chrome
-    trace has a copy track, compute spans, and the forward."""
-    cache = OffloadedCache(CFG, CAP, transfer_chunk=8, on_chip=1)
+    trace has a copy track, compute spans, and the forward (spans: --profile)."""
+    cache = OffloadedCache(CFG, CAP, transfer_chunk=8, on_chip=1, profile=True)
     verifications(model, cache, 3)
     fw = cache.forwards
     assert [f["tokens"] for f in fw[-3:]] == [5, 5, 5]

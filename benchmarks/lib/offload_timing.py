@@ -67,10 +67,15 @@ class NoCopy(ChunkCopier):
 
 
 def make_cache(loaded, context: int, tokens: int, transfer_chunk: int, overlap: bool = True,
-               on_chip: int = 0, copier_cls=ChunkCopier, slots: int | None = None) -> OffloadedCache:
+               on_chip: int = 0, copier_cls=ChunkCopier, slots: int | None = None,
+               profile: bool | None = None) -> OffloadedCache:
+    """`profile` (default: on CUDA, where copy and overlap figures need per-chunk events;
+    the CPU sums them without spans) records the per-chunk timeline."""
+    if profile is None:
+        profile = torch.device(loaded.device).type == "cuda"
     cache = OffloadedCache(loaded.cfg, context + tokens, dtype=loaded.dtype, device=loaded.device,
                            on_chip=on_chip, transfer_chunk=transfer_chunk, overlap=overlap,
-                           copier_cls=copier_cls, **({"depth": slots} if slots else {}))
+                           copier_cls=copier_cls, profile=profile, **({"depth": slots} if slots else {}))
     fill_random(cache, context)
     if copier_cls is NoCopy:  # touch the slots: never-written pages all read one zero page
         cache.sched.k.normal_()
