@@ -158,8 +158,8 @@ def tune_rows(loaded, context: int, tokens: int, sizes: list[int], repeats: int 
     for c in sizes:
         gbs = link_throughput(c, context, bpt, loaded.device)
         r = verify_latency(loaded, context, tokens, c, repeats=repeats)
-        rows.append({"chunk": c, "link_gbps": gbs, "verify_ms": 1000 * r["latency_s"],
-                     "overlap": r["overlap"]})
+        rows.append({"chunk": c, "copy_bytes": c * bpt // 2, "link_gbps": gbs,
+                     "verify_ms": 1000 * r["latency_s"], "overlap": r["overlap"]})
         if progress:
             progress(rows[-1])
     return rows, best_chunk(rows)
