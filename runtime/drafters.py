@@ -82,43 +82,46 @@ class ModelLevel:
 class NgramIndex:
     """Where each n-gram of a token list last occurred, kept up to date incrementally.
 
-    `at[n][gram]` lists the starts i (ascending) of `gram` with i + n <= len - 1: every
-    occurrence that a later token follows (never the suffix itself). Appending a token
-    adds one start per n; truncating pops the removed starts, which are the last of their
-    lists. `toks` is the indexed copy of the tokens (the caller's list changes under it).
+    `at[n][gram]` is the latest start i of `gram` with i + n <= len - 1: an occurrence that
+    a later token follows (never the suffix itself). `prev[n][i]` is the start of the same
+    n-gram before i (-1: none), so truncating restores what appending replaced. `toks` is
+    the indexed copy of the tokens (the caller's list changes under it).
     """
 
     def __init__(self, ns):
-        self.at = {n: {} for n in ns}  # n -> {n-gram tuple: [start, ...]}
+        self.at = {n: {} for n in ns}  # n -> {n-gram tuple: latest start}
+        self.prev = {n: [] for n in ns}  # n -> [earlier start of the n-gram at i, per start i]
         self.toks: list[int] = []
 
     def extend(self, seq: list[int]):
         """Index seq[len(toks):] (seq[:len(toks)] must be the indexed tokens)."""
         toks = self.toks
-        for t in seq[len(toks):]:
-            L = len(toks)  # the new token's position: the n-grams ending at L-1 become eligible
-            for n, at in self.at.items():
-                if L >= n:
-                    at.setdefault(tuple(toks[L - n: L]), []).append(L - n)
-            toks.append(t)
+        toks.extend(seq[len(toks):])
+        for n, at in self.at.items():
+            prev = self.prev[n]
+            i0, end = len(prev), len(toks) - n  # new eligible starts: i0 .. end-1
+            for i, gram in enumerate(zip(*(toks[i0 + j: end + j] for j in range(n))), i0):
+                prev.append(at.get(gram, -1))
+                at[gram] = i
 
     def truncate(self, m: int):
         """Forget tokens from position m on."""
         toks = self.toks
-        for L in range(len(toks) - 1, m - 1, -1):  # undo the appends of positions L, newest first
-            for n, at in self.at.items():
-                if L >= n:
-                    key = tuple(toks[L - n: L])
-                    starts = at[key]
-                    starts.pop()
-                    if not starts:
-                        del at[key]
+        for n, at in self.at.items():
+            prev = self.prev[n]
+            lo = max(m - n, 0)  # starts >= lo are no longer followed by a kept token
+            for i in range(len(prev) - 1, lo - 1, -1):
+                gram = tuple(toks[i: i + n])
+                if prev[i] < 0:
+                    del at[gram]
+                else:
+                    at[gram] = prev[i]
+            del prev[lo:]
         del toks[m:]
 
     def last(self, n: int, gram: tuple) -> int | None:
         """The latest eligible start of `gram`, or None."""
-        starts = self.at[n].get(gram)
-        return starts[-1] if starts else None
+        return self.at[n].get(gram)
 
 
 class NgramDrafter:
