@@ -29,7 +29,9 @@ from .tp import agree
 def make_drafter(o: GenerationOptions, loaded, prompt, full):
     """The bottom level: n-gram lookup, the target over a streaming cache, or a draft model."""
     if o.draft == "ngram":
-        return NgramDrafter(loaded.cfg.vocab_size, o.ngram, loaded.device)
+        dr = NgramDrafter(loaded.cfg.vocab_size, o.ngram, loaded.device)
+        dr.sync(prompt)  # index the prompt while building, not in the first draft
+        return dr
     mk = lambda cfg: StreamingCache(cfg, o.draft_sink, o.draft_window, max(64, o.gamma1 + 16),
                                     dtype=loaded.dtype, device=loaded.device)
     if o.draft == "self":
