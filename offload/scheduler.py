@@ -19,7 +19,7 @@ transfer chunks stream ahead of the forward.
 
 Per streamed chunk the host only pops a slot and submits one fetch, then waits for and
 hands out one chunk: the slots' fetch and read views are made once, the store's views
-of whole chunks are kept (`_src`), and the timeline (spans, marks) is there only under
+of whole chunks are kept (`_pair`), and the timeline (spans, marks) is there only under
 `--profile`. Without it a CPU wait is timed by two clock reads (`waited`, for the
 per-forward overlap summary).
 
