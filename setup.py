@@ -5,7 +5,7 @@ from setuptools import setup
 # triforce_offload would shadow the installed package), the top-level folders are mapped
 # into it, and the benchmark library beside the benchmark scripts becomes `triforce_offload.bench`.
 SUBPACKAGES = {"runtime": "runtime", "offload": "offload", "kernels": "kernels", "cli": "cli",
-               "bench": "benchmarks/lib"}
+               "server": "server", "bench": "benchmarks/lib"}
 
 setup(
     name="triforce-offload",

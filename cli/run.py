@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
 
@@ -13,10 +13,11 @@ from ..runtime import tp as tensor_parallel
 from ..runtime.data import builtin_prompt, check_builtin_prompt, encode_prompt
 from ..runtime.errors import TriforceError
 from ..runtime.options import (GenerationOptions, ModelOptions, OffloadOptions, ParallelOptions,
-                               RetrievalOptions, RunOptions)
+                               RetrievalOptions, ReuseOptions, RunOptions)
+from ..runtime.prefix_cache import prefix_store
 from .app import app, read_prompt
 from .launch import join, launch_ranks
-from .options import options
+from .options import options, pick
 from .plan import plan_settings
 from .progress import bar, print_stream
 from .show import compare_table, err, stats_line
@@ -32,6 +33,7 @@ def run(
     retrieval: RetrievalOptions,
     offload: OffloadOptions,
     parallel: ParallelOptions,
+    reuse: Annotated[ReuseOptions, pick("kv_dir", "kv_dir_limit")],
     prompt: Optional[str] = typer.Option(None, help="Prompt text ('-' reads stdin) "
                                          "[default: ~4K tokens of essays + a summary request]"),
     prompt_file: Optional[Path] = typer.Option(None, help="Read the prompt from a file ('-' for stdin)."),
@@ -52,9 +54,11 @@ def run(
     check_builtin_prompt(builtin_prompt)  # before any loading
     if compare is not None:
         gen.but(mode=compare)  # checks the name before any loading
+    if reuse.kv_dir and parallel.tp > 1:
+        raise TriforceError("--kv-dir works in one process: each --tp rank holds another slice of the KV")
     text = read_prompt(prompt, prompt_file)  # here: ranks have no stdin
     job = Job(model, RunOptions(gen, retrieval, offload), text, (builtin_prompt, prompt_tokens),
-              chat, plan, compare, as_json)
+              chat, plan, compare, as_json, reuse)
     if not launch_ranks(run_job, parallel.tp, model, gen.draft, dict(job=job, tp=parallel.tp)):
         run_job(job, parallel.tp)  # else the ranks ran it; rank 0 printed
 
@@ -62,14 +66,20 @@ def run(
 class Job:
     """One `run` invocation, as the ranks of `--tp` receive it (picklable)."""
 
-    def __init__(self, model, opts, text, builtin, chat, plan, compare, as_json):
+    def __init__(self, model, opts, text, builtin, chat, plan, compare, as_json, reuse=None):
         self.model, self.opts, self.text, self.builtin = model, opts, text, builtin  # (kind, tokens)
         self.chat, self.plan, self.compare, self.as_json = chat, plan, compare, as_json
+        self.reuse = reuse  # ReuseOptions: --kv-dir
 
 
 def run_job(job: Job, tp: int):
     model = job.model.but(device=join(tp, job.model.device, job.model.model, job.opts.generation.draft))
     loaded = api.load(model, progress=lambda m: err.print(m), shard=tensor_parallel.shard_fn())
+    if job.reuse is not None and job.reuse.kv_dir:
+        if api.world_size() > 1:
+            raise TriforceError("--kv-dir works in one process: each rank holds another slice of the KV")
+        loaded.prefix = prefix_store(job.reuse, loaded, memory=False,
+                                     note=lambda m: err.print(m, highlight=False))
     ids = (builtin_prompt(loaded.tokenizer, *job.builtin, chat=job.chat) if job.text is None
            else encode_prompt(loaded.tokenizer, job.text, job.chat))
     opts = job.opts
@@ -83,6 +93,7 @@ def run_job(job: Job, tp: int):
             print(json.dumps({"text": text, **d}))
         return
     err.print(f"now {job.compare} on the same prompt:", highlight=False)
+    loaded.prefix = None  # the compared mode prefills too
     text2, d2 = generate(loaded, ids, opts.but(mode=job.compare), stream=False)
     if job.as_json:
         print(json.dumps({"text": text, **d, "compare": {"text": text2, **d2}}))

@@ -17,6 +17,7 @@ from .generate import autoregressive, capacity, stop_ids
 from .loader import load_model, parse_dtype
 from .offloaded import finish_stats, make_full_cache
 from .options import ModelOptions, RunOptions
+from .prefix_cache import lease
 from .spec_modes import SPEC_MODES
 from .distributed import world_size
 from .tp import sync_sampling
@@ -29,6 +30,7 @@ class Loaded:
     tokenizer: object  # HF tokenizer
     device: torch.device  # where it runs
     dtype: torch.dtype  # weights and KV dtype
+    prefix: object = None  # a PrefixCache: full caches come from it and go back after a run (serve)
 
     @property
     def eos(self) -> set[int]:
@@ -82,18 +84,21 @@ def load(model: ModelOptions | str | None = None, dtype: str | None = None, devi
 def run_autoregressive(loaded: Loaded, prompt, opts: RunOptions, on_token=None, progress=None):
     # FullCache, or OffloadedCache with --offload
     return run_with_cache(lambda cap: make_full_cache(loaded, cap, opts), loaded, prompt, opts,
-                          on_token, progress)
+                          on_token, progress, reuse=True)
 
 
-def run_with_cache(make_cache, loaded, prompt, opts, on_token=None, progress=None):
-    """Autoregressive decoding over the full cache `make_cache(capacity)` builds; the
-    cache's own figures (overlap, streamed GB, --profile trace) go into the Stats."""
+def run_with_cache(make_cache, loaded, prompt, opts, on_token=None, progress=None, reuse=False):
+    """Autoregressive decoding over the full cache `make_cache(capacity)` builds (`reuse`:
+    or a kept one of loaded.prefix holding a prefix of the prompt); the cache's own
+    figures (overlap, streamed GB, --profile trace) go into the Stats."""
     cap, max_new = capacity(loaded, len(prompt), opts)
-    cache = make_cache(cap)
-    toks, st = autoregressive(loaded.model, cache, prompt, opts.sampling, max_new,
-                              stop_ids(loaded, opts), on_token, opts.prefill_chunk, progress,
-                              opts.graphs)
-    finish_stats(cache, st, opts)
+    with lease(loaded if reuse else None, prompt, cap, make_cache) as kv:
+        toks, st = autoregressive(loaded.model, kv.cache, prompt, opts.sampling, max_new,
+                                  stop_ids(loaded, opts), on_token, opts.prefill_chunk, progress,
+                                  opts.graphs, kv.start)
+        finish_stats(kv.cache, st, opts)
+        kv.ids = prompt + toks
+    kv.report(st)
     return toks, st
 
 

@@ -144,6 +144,13 @@ class FullCache(KVCache):
         """The same with `start` on the device (the caller checked the capacity on the host)."""
         return write_and_attend(self.k[layer], self.v[layer], q, k, v, start)
 
+    def put(self, layer: int, start: int, k, v):
+        """Write K, V [B, Hkv, T, D] of positions start.. as they are (a kept or saved
+        prefix, runtime/prefix_cache.py); the caller commits."""
+        end = self.check_end(start + k.shape[2])
+        self.k[layer][:, :, start:end].copy_(k)
+        self.v[layer][:, :, start:end].copy_(v)
+
     def keys(self, layer: int, end: int | None = None):
         """Committed (or up to `end`) K and V of a layer: [B, Hkv, S, D] views."""
         end = self.length if end is None else end

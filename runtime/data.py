@@ -49,7 +49,11 @@ def check_builtin_prompt(kind: str) -> str:
 
 def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
     if chat and getattr(tokenizer, "chat_template", None):
-        msgs = [{"role": "user", "content": text}]
-        out = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+        return encode_chat(tokenizer, [{"role": "user", "content": text}])
     return tokenizer(text).input_ids
+
+
+def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+    """Messages [{"role", "content"}] through the chat template, ready for the reply."""
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)

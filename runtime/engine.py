@@ -212,15 +212,14 @@ class Engine:
         self._since_build, self._acc_ema = 0, 1.0
 
     def run(self, seq: list[int], max_new: int, eos: set[int], on_token=None) -> list[int]:
-        """Decode after prefill: seq ends with the first new token (already sampled)."""
+        """Decode after prefill: seq ends with the first new token (already sampled).
+        `on_token(t)` returning True ends decoding after t (within one verification)."""
         start, out = len(seq) - 1, []
         while True:
             new = seq[start + len(out):]
             for t in new:
                 out.append(t)
-                if on_token:
-                    on_token(t)
-                if t in eos or len(out) >= max_new:
+                if (on_token and on_token(t)) or t in eos or len(out) >= max_new:
                     return out
             self.verify(len(self.levels) - 1, seq)
 

@@ -110,7 +110,8 @@ def _prefill_chunks(model, cache, ids, start, prefill_chunk, progress):
 def decode(model, cache, first_logits, start: int, sp: SamplingParams, max_new: int,
            eos: set[int], on_token=None, gen=None, step=None):
     """Autoregressive decoding from the logits of the last prompt token; returns new token ids.
-    `step` (a graphs.Step over model and cache) runs the one-token forwards; default eager."""
+    `step` (a graphs.Step over model and cache) runs the one-token forwards; default eager.
+    `on_token(t)` returning True ends generation after t (a stop string, a cancelled request)."""
     out, logits, pos = [], first_logits, start
     gen = gen or sp.generator(first_logits.device)
     step = step or Step(model, cache, graphs=False)
@@ -118,9 +119,7 @@ def decode(model, cache, first_logits, start: int, sp: SamplingParams, max_new: 
         tok = sample(probs(logits, sp), gen)  # [B]
         t = to_host(tok[0])  # the one blocking read per token
         out.append(t)
-        if on_token:
-            on_token(t)
-        if t in eos or len(out) == max_new:
+        if (on_token and on_token(t)) or t in eos or len(out) == max_new:
             break
         logits = step(tok[:, None], pos)[:, -1]
         pos += 1
@@ -131,13 +130,14 @@ def decode(model, cache, first_logits, start: int, sp: SamplingParams, max_new: 
 
 def autoregressive(model, cache, prompt: list[int], sp: SamplingParams, max_new: int,
                    eos: set[int], on_token=None, prefill_chunk: int = 512, progress=None,
-                   graphs: bool = True):
+                   graphs: bool = True, start: int = 0):
     """Prefill (eager) then decode one token at a time (CUDA graphs where the cache allows).
-    Returns (new token ids, Stats)."""
+    `cache` may hold the KV of prompt[:start] already (a kept prefix): only the rest is
+    prefilled. Returns (new token ids, Stats)."""
     dev = next(model.parameters()).device
-    ids = torch.tensor([prompt], device=dev)
+    ids = torch.tensor([prompt[start:]], device=dev)
     t0 = time.perf_counter()
-    logits = prefill(model, cache, ids, prefill_chunk=prefill_chunk, progress=progress)
+    logits = prefill(model, cache, ids, start, prefill_chunk, progress)
     t1 = time.perf_counter()
     step = Step(model, cache, graphs)
     toks = decode(model, cache, logits, len(prompt), sp, max_new, eos, on_token, step=step)

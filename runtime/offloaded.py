@@ -262,6 +262,14 @@ class OffloadedCache(KVCache):
         if self.sched is not None and self.sched.overlap:
             self.sched.start(self.length)
 
+    def put(self, layer: int, start: int, k, v):
+        """Write K, V [B, Hkv, T, D] of positions start.. straight into the store (or the
+        on-chip layer); the caller commits. Nothing may be in flight for those positions."""
+        if layer < self.on_chip:
+            return self.chip.put(layer, start, k, v)
+        self.check_end(start + k.shape[2])
+        self.store.write(layer, start, k, v)
+
     def keys(self, layer: int, end: int | None = None):
         """Committed (or up to `end`) K, V of a layer as [B, Hkv, S, D] views: device views
         for on-chip layers, host store views otherwise (after pending write-backs land)."""

@@ -7,6 +7,7 @@
 | `GenerationOptions` | mode, length, prefill, drafter and gammas (+ the sampling fields) |
 | `RetrievalOptions` | the retrieval level: budget, retrieval chunk, rebuilds |
 | `OffloadOptions` | the full cache in host memory: offload, on-chip layers, transfer chunk, staging |
+| `ReuseOptions` | KV kept across runs: in host memory (serve), on disk (--kv-dir) |
 | `ParallelOptions` | tensor-parallel ranks |
 | `RunOptions` | what `api.generate` takes: generation + retrieval + offload |
 
@@ -167,6 +168,32 @@ class OffloadOptions(Options):
     overlap: bool = opt(True, "False: the serialized reference (copy, then compute).", cli=False)
 
 
+def parse_size(text: str) -> int:
+    """'4G', '512M', '1.5GiB', '100000' -> bytes (powers of 1024); ValueError if not a size."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b)?\s*", str(text).lower())
+    if m is None:
+        raise ValueError(text)
+    return int(float(m[1]) * 1024 ** " kmgt".index(m[2] or " "))
+
+
+def _size(v: str):
+    try:
+        parse_size(v)
+    except ValueError:
+        return "give a size such as 4G, 512M or a byte count"
+    return None
+
+
+@dataclass
+class ReuseOptions(Options):
+    kv_cache_mem: str = opt("4G", "serve: host memory for the KV of finished requests, kept for "
+                            "prompts that share their prefix (0: none).", check=_size)
+    kv_dir: str | None = opt(None, "Save each run's KV in this folder and load a saved prefix "
+                             "instead of prefilling it (same model, dtype and RoPE only).")
+    kv_dir_limit: str = opt("20G", "Size limit of --kv-dir; the least recently used entries go first.",
+                            check=_size)
+
+
 @dataclass
 class ParallelOptions(Options):
     tp: int = opt(1, "Tensor-parallel ranks: split heads and MLP over N processes (gloo on CPU, "
@@ -216,7 +243,7 @@ class RunOptions:
 
 def _unique_names():
     seen = {}
-    for t in (ModelOptions, ParallelOptions, *GROUPS.values()):
+    for t in (ModelOptions, ParallelOptions, ReuseOptions, *GROUPS.values()):
         for n in t.names():
             if n in seen and not issubclass(t, seen[n]) and not issubclass(seen[n], t):
                 raise AssertionError(f"option {n!r} is in {seen[n].__name__} and {t.__name__}")

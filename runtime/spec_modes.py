@@ -19,6 +19,7 @@ from .generate import Stats, capacity, peak_memory_gb, prefill, stop_ids
 from .graphs import combined
 from .hostread import to_host
 from .offloaded import finish_stats, make_full_cache
+from .prefix_cache import lease
 from .retrieval import Recorder, RetrievalCache
 from .sampling import probs, sample
 from .streaming import StreamingCache
@@ -86,18 +87,24 @@ def build_levels(kind, opts, loaded, prompt, full, notes: list):
 
 
 def run_speculative(kind: str, loaded, prompt, opts, on_token=None, progress=None):
-    """Prefill the full cache (recording the last prompt token's queries), then speculate."""
+    """Prefill the full cache (recording the last prompt token's queries), then speculate.
+    A kept cache of loaded.prefix may hold a prefix of the prompt: only the rest (at least
+    its last token, for the queries) is prefilled."""
     check_draft(opts.generation, loaded)  # a draft model
     # with another tokenizer fail before the long prefill
     cap, max_new = capacity(loaded, len(prompt), opts)
-    full = Recorder(make_full_cache(loaded, cap, opts))  # in memory, or offloaded with --offload
-    t0 = time.perf_counter()
-    ids = torch.tensor([prompt], device=loaded.device)
-    logits = prefill(loaded.model, full, ids, prefill_chunk=opts.prefill_chunk, progress=progress)
-    toks, st = speculate(kind, loaded, prompt, opts.but(max_new_tokens=max_new), full, logits,
-                         on_token)
-    st.prefill_s = time.perf_counter() - t0 - st.decode_s
-    finish_stats(full.inner, st, opts)
+    # in memory, or offloaded with --offload; with loaded.prefix maybe holding a prefix already
+    with lease(loaded, prompt, cap, lambda c: make_full_cache(loaded, c, opts)) as kv:
+        full = Recorder(kv.cache)
+        t0 = time.perf_counter()
+        ids = torch.tensor([prompt[kv.start:]], device=loaded.device)
+        logits = prefill(loaded.model, full, ids, kv.start, opts.prefill_chunk, progress)
+        toks, st = speculate(kind, loaded, prompt, opts.but(max_new_tokens=max_new), full,
+                             logits, on_token)
+        st.prefill_s = time.perf_counter() - t0 - st.decode_s
+        finish_stats(full.inner, st, opts)
+        kv.ids = prompt + toks
+    kv.report(st)
     return toks, st
 
 

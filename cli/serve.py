@@ -1,0 +1,107 @@
+"""`triforce-offload serve`: the OpenAI-compatible server (server/) over one loaded model.
+
+Its model, generation, retrieval and offload options are `run`'s, built from the same
+option types (runtime/options.py); the sampling ones are the defaults of requests that do
+not set them.
+"""
+from __future__ import annotations
+
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..runtime import api
+from ..runtime.errors import TriforceError
+from ..runtime.options import (GenerationOptions, ModelOptions, OffloadOptions, RetrievalOptions,
+                               ReuseOptions, RunOptions)
+from ..runtime.prefix_cache import prefix_store
+from .app import app
+from .options import options
+from .show import err
+
+
+@app.command()
+@options
+def serve(
+    model: ModelOptions,
+    gen: GenerationOptions,
+    retrieval: RetrievalOptions,
+    offload: OffloadOptions,
+    reuse: ReuseOptions,
+    host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0: every interface)."),
+    port: int = typer.Option(8000, help="Port to listen on (0: a free one, printed at start)."),
+    served_model_name: Optional[str] = typer.Option(None, help="Model id in /v1/models and requests "
+                                                    "[default: the model's file or folder name]."),
+    api_key: Optional[str] = typer.Option(None, help="Require 'Authorization: Bearer KEY' (401 without)."),
+    max_queue: int = typer.Option(16, help="Requests that may wait for the model; more get 429."),
+    request_timeout: float = typer.Option(600.0, help="Seconds a request may take from arrival; "
+                                          "generation then stops (finish_reason length)."),
+):
+    """Serve the OpenAI API (chat and completions, streamed or not) with KV reuse across
+    requests; --max-new-tokens, --temperature, --top-p, --top-k and --seed are the defaults
+    of requests that do not set them."""
+    try:
+        import uvicorn
+        from ..server.app import Served, build
+        from ..server.metrics import Metrics
+        from ..server.worker import Worker
+    except ImportError as e:
+        raise TriforceError(f"serve needs fastapi and uvicorn ({e.name} is missing): "
+                            "pip install 'triforce-offload[serve]'") from None
+    if max_queue < 1 or request_timeout <= 0:
+        raise TriforceError("--max-queue must be >= 1 and --request-timeout > 0")
+    if api.world_size() > 1:
+        raise TriforceError("serve runs in one process; tensor parallelism (--tp, torchrun) is run's")
+    sock = listen(host, port)  # a taken port is an error before the model loads
+    loaded = api.load(model, progress=lambda m: err.print(m))
+    loaded.prefix = prefix_store(reuse, loaded, memory=True, save_later=True,
+                                 note=lambda m: err.print(m, highlight=False))
+    opts, metrics = RunOptions(gen, retrieval, offload), Metrics()
+    worker = Worker(loaded, max_queue, metrics)
+    name = served_model_name or model_name(model.model)
+    served = Served(loaded, opts, name, worker, metrics, api_key, request_timeout, int(time.time()))
+    config = uvicorn.Config(build(served), log_level="warning", timeout_graceful_shutdown=5)
+    host, port = sock.getsockname()[:2]
+    err.print(f"serving {name} ({opts.mode}, {loaded.dtype} on {loaded.device}) on "
+              f"http://{host}:{port}/v1", highlight=False)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # uvicorn re-raises it once it stopped
+    run_server(config, worker).run(sockets=[sock])
+
+
+def model_name(model: str | None) -> str:
+    if model is None:
+        return "SmolLM2-135M-Instruct"
+    path = Path(model)
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A bound socket (before the model loads: a taken port is a one-line error at once)."""
+    if not 0 <= port <= 65535:
+        raise TriforceError(f"--port {port}: must be 0..65535")
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError as e:
+        raise TriforceError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def run_server(config, worker):
+    """uvicorn, whose SIGTERM/SIGINT first cancel the generation (it ends within one
+    verification) and the queued requests (503), so shutdown never waits on them."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            worker.shutdown()
+            super().handle_exit(sig, frame)
+
+    return Server(config)

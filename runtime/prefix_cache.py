@@ -1,0 +1,177 @@
+"""Full caches that outlive their runs: KV reuse across requests (`serve`).
+
+After a run its full cache (FullCache, or OffloadedCache with its KV in host memory) is
+kept with the token ids whose KV it holds (prompt + generated tokens). A later prompt that
+shares a prefix with a kept entry starts from that KV and prefills only the rest; always
+at least its last token, whose forward gives the first logits and the queries the
+retrieval level is built from. The levels above the full cache (retrieval cache, drafters)
+are rebuilt from it as after any prefill, so the output is the cold start's.
+
+A kept cache was closed after its run (finish_stats): an offloaded one's copier thread
+starts again on its next use. An entry is taken over when the prompt reuses most of it (this run's entry supersedes it)
+and it has room; otherwise the shared prefix is copied into a new cache and the entry
+stays for other prompts. Entries are evicted least recently used first to stay within
+`max_bytes`.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+
+
+ROOM = 1024  # kept caches' capacity is a multiple of this many tokens
+
+
+def prefix_store(o, loaded, memory: bool, note=print, save_later: bool = False):
+    """The PrefixCache for ReuseOptions `o`: host memory up to --kv-cache-mem (`memory`:
+    serve) and --kv-dir; None when neither is asked for."""
+    from .options import parse_size
+    disk = None
+    if o.kv_dir:
+        from .kv_disk import KVDir
+        disk = KVDir(o.kv_dir, parse_size(o.kv_dir_limit), loaded, note)
+    mem = parse_size(o.kv_cache_mem) if memory else 0
+    return PrefixCache(mem, disk, save_later) if mem or disk else None
+
+
+@dataclass(eq=False)  # compared by identity (numpy ids have no truth value)
+class Entry:
+    ids: np.ndarray  # token ids whose KV the cache holds, [n] int64
+    cache: object  # a full cache committed to len(ids)
+
+
+class PrefixCache:
+    def __init__(self, max_bytes: int, disk=None, save_later: bool = False):
+        self.max_bytes = max_bytes  # kept caches' bytes at most (cache.nbytes())
+        self.disk = disk  # a kv_disk.KVDir (--kv-dir): runs' KV saved there, prefixes loaded
+        self.save_later = save_later  # keep() queues the disk save for save() (the server)
+        self.entries: list[Entry] = []  # least recently used first
+        self.unsaved: list[tuple] = []  # (cache, ids) to write to disk
+        self.lock = threading.Lock()  # /metrics reads nbytes from another thread
+
+    def nbytes(self) -> int:
+        with self.lock:
+            return sum(e.cache.nbytes() for e in self.entries)
+
+    def match(self, prompt: list[int]) -> tuple[Entry | None, int]:
+        """The entry sharing the longest prefix with `prompt` and that length, at most
+        len(prompt) - 1 (the last prompt token is always prefilled)."""
+        p = np.asarray(prompt, dtype=np.int64)
+        best, n_best = None, 0
+        for e in self.entries:
+            m = min(len(e.ids), len(p) - 1)
+            diff = np.flatnonzero(e.ids[:m] != p[:m])
+            n = int(diff[0]) if diff.size else m
+            if n > n_best:
+                best, n_best = e, n
+        return best, n_best
+
+    def take(self, prompt: list[int], capacity: int, make) -> tuple[object, int, str | None]:
+        """(a full cache of at least `capacity` tokens holding the KV of prompt[:n], n, where
+        the KV came from: "memory", "disk" or None); `make(capacity)` builds a new cache,
+        with room to spare (a follow-up's longer prompt then fits without a copy)."""
+        self.save()
+        new = lambda: make(-(-capacity // ROOM) * ROOM)
+        with self.lock:
+            e, n = self.match(prompt)
+        name, n_disk = self.disk.match(prompt) if self.disk else (None, 0)
+        if n_disk > n:
+            cache = new()
+            if self.disk.load(name, cache, n_disk):
+                return cache, n_disk, "disk"
+            if e is None:
+                return cache, 0, None  # a failed load committed nothing
+        if e is None:
+            return new(), 0, None
+        with self.lock:
+            self.entries.remove(e)
+            superseded = 2 * n >= len(e.ids)  # this run's entry will hold most of it
+            if not superseded:
+                self.entries.append(e)  # most recently used
+        if superseded and e.cache.capacity >= capacity:
+            e.cache.rollback(n)  # to the shared prefix
+            return e.cache, n, "memory"
+        cache = new()
+        copy_prefix(e.cache, cache, n)
+        if superseded:
+            e.cache.close()
+        return cache, n, "memory"
+
+    def keep(self, cache, ids: list[int]):
+        """Keep `cache` holding the KV of ids[:cache.length] (and save it to disk); drops
+        entries it contains and evicts the least recently used ones beyond max_bytes."""
+        cache.hold(None)  # a layer-major prefill may have been cancelled
+        n = min(cache.length, len(ids))
+        if self.disk is not None and n:
+            self.unsaved.append((cache, ids[:n]))
+            if not self.save_later:
+                self.save()
+        if n == 0 or cache.nbytes() > self.max_bytes:
+            return cache.close()
+        new = Entry(np.asarray(ids[:n], dtype=np.int64), cache)
+        with self.lock:
+            gone = [e for e in self.entries if len(e.ids) <= n and np.array_equal(e.ids, new.ids[:len(e.ids)])]
+            self.entries = [e for e in self.entries if e not in gone] + [new]
+            while sum(e.cache.nbytes() for e in self.entries) > self.max_bytes:
+                gone.append(self.entries.pop(0))
+        for e in gone:
+            e.cache.close()
+
+    def save(self):
+        """Write the queued KV to disk (before the cache can be taken again)."""
+        while self.unsaved:
+            cache, ids = self.unsaved.pop(0)
+            self.disk.save(cache, ids)
+
+    def clear(self):
+        with self.lock:
+            gone, self.entries = self.entries, []
+        for e in gone:
+            e.cache.close()
+
+
+def copy_prefix(src, dst, n: int):
+    """Copy the KV of positions [0, n) from one full cache to another and commit n."""
+    for layer in range(src.n_layers):
+        k, v = src.keys(layer, n)  # [B, Hkv, n, D]
+        dst.put(layer, 0, k, v)
+    dst.commit(n)
+
+
+class Lease:
+    """One run's full cache: `cache` holds the KV of prompt[:start] (from `source`, taking
+    `take_s` seconds); the run sets `ids` to the tokens its cache holds at the end (prompt
+    + generated) to keep them."""
+
+    def __init__(self, cache, start: int, ids: list[int], source=None, take_s: float = 0.0):
+        self.cache, self.start, self.ids, self.source, self.take_s = cache, start, ids, source, take_s
+        self.kept = False  # from a PrefixCache: report() adds the reuse figures
+
+    def report(self, st):
+        """Add the reuse to the run's Stats: its time to the prefill, what it reused."""
+        if self.kept:
+            st.prefill_s += self.take_s
+            st.extra.update(reused_tokens=self.start, reused_from=self.source)
+
+
+@contextmanager
+def lease(loaded, prompt: list[int], capacity: int, make):
+    """A Lease from `loaded.prefix` (a PrefixCache; None: a new cache from position 0),
+    handed back on exit, also after an error or a cancel (then with what it holds of the
+    prompt: the committed length bounds what is kept)."""
+    store = getattr(loaded, "prefix", None)
+    if store is None:
+        yield Lease(make(capacity), 0, prompt)
+        return
+    t0 = time.perf_counter()
+    cache, start, source = store.take(prompt, capacity, make)
+    out = Lease(cache, start, prompt, source, time.perf_counter() - t0)
+    out.kept = True
+    try:
+        yield out
+    finally:
+        store.keep(out.cache, out.ids)

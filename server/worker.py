@@ -1,0 +1,215 @@
+"""One generation at a time: a bounded FIFO queue, the worker thread that owns the model,
+and the request's way back to the event loop.
+
+A request is a `Job`. The worker runs `api.generate` with an `on_token` that decodes the
+text, holds back what may begin a stop string, and hands each new piece to the job's
+asyncio queue; it returns True (end generation) on a stop string, a cancel (the client
+hung up, the server stops) or the time limit, so generation ends within one verification.
+A cancel during the prefill ends it at the next prefill chunk (the progress callback).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ..offload.errors import OffloadError
+from ..runtime import api
+from ..runtime.errors import TriforceError
+from .metrics import Metrics
+
+log = logging.getLogger("triforce_offload.server")
+
+
+class Cancelled(Exception):
+    """The job was cancelled (499: the client hung up; 503: the server stops) or ran out
+    of time before its first token (504)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class Result:
+    text: str  # the whole completion (up to a stop string)
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str  # stop | length
+    figures: dict  # the stats line's figures (the response's `triforce` field)
+
+
+@dataclass
+class Job:
+    ids: list[int]  # prompt token ids
+    opts: api.RunOptions  # per-request sampling and max tokens on the server's options
+    stops: list[str]  # stop strings
+    loop: asyncio.AbstractEventLoop  # where `events` is read
+    deadline: float  # time.monotonic() after which generation stops
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # ("delta", str) ... ("done", Result)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    arrived: float = field(default_factory=time.monotonic)
+
+    def emit(self, kind: str, value=None):
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+        except RuntimeError:  # the event loop is closed: the server is gone
+            pass
+
+    def cancel(self):
+        self.cancelled.set()
+
+
+class TextStream:
+    """Text of a growing token list. New text is released unless it may be the start of
+    a stop string or ends in an incomplete UTF-8 character; a stop string ends the text."""
+
+    def __init__(self, tokenizer, stops: list[str], lock):
+        self.tok, self.stops, self.lock = tokenizer, stops, lock
+        self.ids, self.text, self.sent, self.stopped = [], "", 0, False
+
+    def decode(self) -> str:
+        with self.lock:
+            return self.tok.decode(self.ids, skip_special_tokens=True)
+
+    def add(self, t: int) -> str:
+        self.ids.append(t)
+        text = self.decode()
+        if text.endswith("\ufffd"):
+            return ""
+        self.text = text
+        hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.text, self.stopped = text[:min(hits)], True
+            return self._release(len(self.text))
+        hold = max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        return self._release(len(text) - hold)
+
+    def finish(self) -> str:
+        if not self.stopped:
+            self.text = self.decode()
+        return self._release(len(self.text))
+
+    def _release(self, end: int) -> str:
+        out = self.text[self.sent:end]
+        self.sent = max(self.sent, end)
+        return out
+
+
+class Worker:
+    def __init__(self, loaded: api.Loaded, max_queue: int, metrics: Metrics):
+        self.loaded, self.metrics = loaded, metrics
+        self.queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self.current: Job | None = None
+        self.closing = False
+        # the event loop encodes prompts while this thread decodes: a fast tokenizer used
+        # from two threads at once can fail ("Already borrowed")
+        self.tokenizer_lock = threading.Lock()
+        self.thread = threading.Thread(target=self._loop, name="generation", daemon=True)
+        self.thread.start()
+
+    def submit(self, job: Job):
+        """Queue the job; queue.Full when --max-queue jobs wait already."""
+        if self.closing:
+            raise queue.Full
+        self.queue.put_nowait(job)
+
+    def depth(self) -> int:
+        return self.queue.qsize()
+
+    def shutdown(self):
+        """Cancel the running job and every queued one; the thread ends."""
+        self.closing = True
+        if self.current is not None:
+            self.current.cancel()
+        while True:
+            try:
+                job = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.emit("error", (503, "the server is shutting down"))
+        self.queue.put(None)
+
+    def _loop(self):
+        while (job := self.queue.get()) is not None:
+            if job.cancelled.is_set():
+                continue  # hung up while queued
+            self.current = job
+            try:
+                self._run(job)
+            except Cancelled as e:
+                self.metrics.inc("timeouts_total" if e.status == 504 else "cancelled_total")
+                job.emit("error", (e.status, str(e)))
+            except (TriforceError, OffloadError) as e:
+                job.emit("error", (400, str(e)))
+            except Exception as e:  # the server keeps serving
+                log.exception("generation failed")
+                job.emit("error", (500, f"generation failed: {type(e).__name__}: {e}"))
+            finally:
+                self.current = None
+            self._save()
+
+    def _save(self):
+        """--kv-dir: write the finished request's KV once its response is out."""
+        try:
+            if self.loaded.prefix is not None:
+                self.loaded.prefix.save()
+        except Exception:  # a full disk must not stop the server
+            log.exception("saving the KV to --kv-dir failed")
+
+    def _run(self, job: Job):
+        text = TextStream(self.loaded.tokenizer, job.stops, self.tokenizer_lock)
+        state = {"first": None, "timed_out": False}
+
+        def on_token(t: int) -> bool:
+            if state["first"] is None:
+                state["first"] = time.monotonic()
+            piece = text.add(t)
+            if piece:
+                job.emit("delta", piece)
+            state["timed_out"] = time.monotonic() > job.deadline
+            return text.stopped or job.cancelled.is_set() or state["timed_out"]
+
+        def progress(done: int = 0, total: int = 0):
+            if job.cancelled.is_set():
+                raise self._cancelled()
+            if time.monotonic() > job.deadline:
+                raise Cancelled(504, "the request ran past its time limit (--request-timeout) "
+                                "before its first token")
+
+        progress()
+        toks, st = api.generate(self.loaded, job.ids, job.opts, on_token, progress)
+        if job.cancelled.is_set():
+            raise self._cancelled()
+        rest = text.finish()
+        if rest:
+            job.emit("delta", rest)
+        stopped = text.stopped or (toks and toks[-1] in self.loaded.eos and not job.opts.ignore_eos)
+        figures = stats_figures(st.as_dict(), state["first"] - job.arrived, state["timed_out"])
+        if state["timed_out"]:
+            self.metrics.inc("timeouts_total")
+        self.metrics.record(st.as_dict(), figures)
+        job.emit("done", Result(text.text, len(job.ids), len(toks), "stop" if stopped else "length",
+                                figures))
+
+
+    def _cancelled(self) -> Cancelled:
+        if self.closing:
+            return Cancelled(503, "the server is shutting down")
+        return Cancelled(499, "cancelled: the client closed the connection")
+
+
+def stats_figures(d: dict, ttft: float, timed_out: bool) -> dict:
+    """The stats line's figures for a response's `triforce` field."""
+    keep = ("mode", "prompt_tokens", "new_tokens", "reused_tokens", "reused_from", "prefill_s",
+            "decode_ms_per_token", "tokens_per_s", "acceptance", "acceptance_per_token",
+            "mean_accepted", "rebuilds", "notes", "overlap")
+    out = {k: d[k] for k in keep if k in d}
+    out.update(time_to_first_token_s=round(ttft, 4), timed_out=timed_out)
+    for k in ("prefill_s", "decode_ms_per_token", "tokens_per_s"):
+        out[k] = round(out[k], 4)
+    return out
