@@ -271,7 +271,7 @@ def generate(L, mode: str, prompt: list[int], a, n: int) -> dict:
            "prefill_s": round(st.prefill_s, 3), "capture_s": capture_s,
            "timed_captures": st.extra.get("graph_captures", 0),
            "new_tokens": len(toks), "graphs": st.extra.get("graphs")}
-    for k in ("acceptance", "mean_accepted", "notes"):
+    for k in ("acceptance", "mean_accepted", "host_reads", "notes"):
         if st.extra.get(k) not in (None, [], {}):
             row[k] = st.extra[k]
     return row
@@ -487,7 +487,15 @@ def table(rows: list[dict], copy_bps: float) -> str:
     if tri:
         lines.append("")
         lines += [f"triforce vs graphed autoregressive at {c}: {x:.2f}x" for c, x in tri]
+    lines += host_read_lines(rows)
     return "\n".join(lines)
+
+
+def host_read_lines(rows: list[dict]) -> list[str]:
+    """Blocking device-to-host reads per top verification, by level (runtime/hostread.py)."""
+    return [f"host reads per verification at {r['context']} ({r['mode']}): "
+            + ", ".join(f"{k} {v:g}" for k, v in r["host_reads"].items())
+            for r in rows if r.get("host_reads")]
 
 
 if __name__ == "__main__":

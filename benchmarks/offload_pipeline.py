@@ -29,6 +29,9 @@ Per context:
   decode ms      the same for one token (autoregressive + offload); x floor = decode / floor
   overlap        the verification's overlap efficiency from its timeline (copy and compute
                  spans of this forward)
+  host us/chunk  host microseconds per streamed chunk spent in the pipeline itself
+                 (scheduler, copier, timeline): a pass over every layer's prefix with no
+                 attention, wall time minus the time blocked waiting for copies, / chunks
 With --compare (default), also the serial reference, measured in interleaved rounds so load
 drift hits them alike (it holds a second host store and the KV resident on the device: use
 --no-compare where that does not fit):
@@ -53,7 +56,7 @@ from types import SimpleNamespace
 
 import torch
 
-from triforce_offload.bench.offload_timing import compare, make_cache, verify_once
+from triforce_offload.bench.offload_timing import compare, host_per_chunk, make_cache, verify_once
 from triforce_offload.offload.costmodel import default_transfer_chunk
 from triforce_offload.offload.tune import link_gbps
 from triforce_offload.runtime import api
@@ -73,6 +76,10 @@ def latencies(loaded, context: int, tokens: int, transfer_chunk: int, repeats: i
             s = verify_once(loaded.model, cache, t, loaded.device)
             if r and (name not in best or s["latency_s"] < best[name]["latency_s"]):
                 best[name] = s
+    if cache.spans is not None:  # CUDA: the timed cache records spans; measure one without
+        cache.close()
+        cache = make_cache(loaded, context, tokens, transfer_chunk, profile=False)
+    best["host"] = host_per_chunk(cache, repeats)
     cache.close()
     return best
 
@@ -88,7 +95,8 @@ def row(loaded, context: int, args, link: float) -> dict:
          "verify_x_floor": v["latency_s"] / floor, "decode_ms": 1000 * d["latency_s"],
          "decode_x_floor": d["latency_s"] / floor, "verify_overlap": v["overlap"],
          "verify_copy_ms": 1000 * v["copy_s"], "verify_wait_ms": 1000 * v["wait_s"],
-         "decode_overlap": d["overlap"]}
+         "decode_overlap": d["overlap"], "host_us_per_chunk": 1e6 * lat["host"]["host_s_per_chunk"],
+         "chunks_per_pass": lat["host"]["chunks"]}
     if args.compare:
         gc.collect()
         t = compare(loaded, context, args.tokens, args.chunk, args.repeats)
@@ -117,14 +125,14 @@ def prefill_row(loaded, context: int, args) -> dict:
 
 
 HEAD = (f"{'context':>8} {'KV GB':>6} {'link GB/s':>9} {'floor ms':>8} {'verify ms':>9} "
-        f"{'x floor':>7} {'decode ms':>9} {'x floor':>7} {'overlap':>7}")
+        f"{'x floor':>7} {'decode ms':>9} {'x floor':>7} {'overlap':>7} {'host us/chunk':>13}")
 HEAD_CMP = f" {'serial ms':>9} {'copy ms':>8} {'compute ms':>10} {'speedup':>7} {'efficiency':>10}"
 
 
 def line(r: dict) -> str:
     s = (f"{r['context']:>8} {r['kv_gb']:>6.3f} {r['link_gbps']:>9.2f} {r['floor_ms']:>8.2f} "
          f"{r['verify_ms']:>9.1f} {r['verify_x_floor']:>7.2f} {r['decode_ms']:>9.1f} "
-         f"{r['decode_x_floor']:>7.2f} {r['verify_overlap']:>7.2f}")
+         f"{r['decode_x_floor']:>7.2f} {r['verify_overlap']:>7.2f} {r['host_us_per_chunk']:>13.1f}")
     if "serialized_ms" in r:
         s += (f" {r['serialized_ms']:>9.1f} {r['copy_ms']:>8.1f} {r['compute_ms']:>10.1f} "
               f"{r['speedup']:>7.2f} {r['efficiency']:>10.2f}")

@@ -51,7 +51,8 @@ def tune(
     rows, best = tune_rows(loaded, context, tokens, chunks, repeats,
                            progress=lambda r: err.print(f"chunk {r['chunk']}: "
                                                         f"{r['verify_ms']:.1f} ms", highlight=False))
-    meta = {"context": context, "tokens": tokens, "dtype": str(loaded.dtype)}
+    meta = {"context": context, "tokens": tokens, "dtype": str(loaded.dtype),
+            "bytes_per_token": rows[0]["copy_bytes"] * 2 // rows[0]["chunk"]}  # K + V, one layer
     path = save_profile(loaded.device, rows, best, meta) if save else None
     if plot:
         plot_rows(rows, plot)

@@ -8,6 +8,11 @@ One interface, two backends:
   the PCIe transfer) and sets one `threading.Event` per copy. torch releases the GIL
   inside copy_, so the copies overlap with compute in the main thread.
 
+Per copy the host does little: no timeline unless `--profile` (then every copy is a
+span, below), and a `SimpleQueue` hand-off to the worker on the CPU. Without a timeline
+the CPU worker still sums its copy seconds (`busy`), two clock reads per copy, for the
+per-forward overlap summary.
+
 With a timeline, every copy is a span between two timing events of the timeline's clock:
 on CUDA a `torch.cuda.Event(enable_timing=True)` pair recorded on the copy stream around
 the copy (the end event is also the copy's completion signal), resolved later, never
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 
 import numpy as np
 import torch
@@ -69,6 +75,7 @@ class ChunkCopier:
         self.cuda = self.device.type == "cuda"
         self.timeline = timeline
         self.bytes = 0  # total bytes moved host->device
+        self.busy = 0.0  # seconds the CPU worker spent copying (the cheap overlap summary)
         self.q = None
         self.thread = None
         if self.cuda:
@@ -86,7 +93,7 @@ class ChunkCopier:
     def fetch(self, dst: tuple, src: tuple, tag, after: Signal | None = None) -> Signal:
         """Copy host tensors `src` into device staging `dst` (pairwise same shape,
         contiguous): one chunk's K and V, signalled together."""
-        self.bytes += sum(s.numel() * s.element_size() for s in src)
+        self.bytes += sum(s.nbytes for s in src)
         return self._submit(dst, src, tag, after, "copy")
 
     def write_back(self, dst: tuple, src: tuple, tag) -> Signal:
@@ -119,9 +126,9 @@ class ChunkCopier:
             tl.span(track, f"{track} {tag}", t0, ev, tag=str(tag))
         return Signal(ev, cuda=True)
 
-    def _queue(self) -> queue.Queue:
+    def _queue(self) -> queue.SimpleQueue:
         if self.thread is None:
-            self.q = queue.Queue()
+            self.q = queue.SimpleQueue()  # a C queue: a fraction of Queue's locking per chunk
             self.thread = threading.Thread(target=self._worker, name="kv-copier", daemon=True)
             self.thread.start()
         return self.q
@@ -137,7 +144,7 @@ class ChunkCopier:
                 sig.event.set()
                 continue
             tl = self.timeline
-            t0 = tl.event() if tl is not None else None
+            t0 = tl.event() if tl is not None else time.perf_counter()
             try:
                 self.copy(dst, src)
             except Exception as e:  # surfaced to the waiter, never lost in the thread
@@ -145,6 +152,8 @@ class ChunkCopier:
             if tl is not None:
                 tl.span(track, f"{track} {tag}", t0, tl.event(), tag=str(tag))
                 tl.mark("signal", tag)
+            elif track == "copy":
+                self.busy += time.perf_counter() - t0
             sig.event.set()
 
     def copy(self, dst: tuple, src: tuple):

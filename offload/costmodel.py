@@ -61,10 +61,11 @@ def staging_bytes(transfer_chunk: int, kv_layer_bytes: float, depth: int = STAGE
     return depth * transfer_chunk * kv_layer_bytes
 
 
-def default_transfer_chunk(kv_layer_bytes: float) -> int:
+def default_transfer_chunk(kv_layer_bytes: float, min_copy_bytes: float = MIN_COPY_BYTES) -> int:
     """Tokens per copy when none is given or tuned: one copy (the K or the V of one layer's
-    chunk) moves at least MIN_COPY_BYTES, where the link reaches its speed."""
-    return max(1, math.ceil(MIN_COPY_BYTES / (kv_layer_bytes / 2)))
+    chunk) moves at least `min_copy_bytes` (MIN_COPY_BYTES, or where a tuned profile's
+    link curve reaches its speed: `tune.min_copy_bytes`)."""
+    return max(1, math.ceil(min_copy_bytes / (kv_layer_bytes / 2)))
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,18 @@ A pass's copies that started before the forward that consumes it are on the `pre
 thread of that forward's `--profile` trace. The ring bounds them: at most `depth`
 transfer chunks stream ahead of the forward.
 
+Per streamed chunk the host only pops a slot and submits one fetch, then waits for and
+hands out one chunk: the slots' fetch and read views are made once, the store's views
+of whole chunks are kept (`_pair`), and the timeline (spans, marks) is there only under
+`--profile`. Without it a CPU wait is timed by two clock reads (`waited`, for the
+per-forward overlap summary).
+
 `overlap=False` gives the serialized reference: each group of slots is copied in full
 and waited for before its compute starts, and nothing streams ahead.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -65,6 +72,11 @@ class PipelineScheduler:
         self.v = torch.empty(shape, dtype=s.dtype, device=device)
         self.free = list(range(self.n_slots))
         self.current = None  # the Pass streaming now (None: none)
+        self.dst = [(self.k[i], self.v[i]) for i in range(depth)]  # fetch targets [C, B, Hkv, D]
+        self.read = [(self.k[i].permute(1, 2, 0, 3), self.v[i].permute(1, 2, 0, 3))
+                     for i in range(depth)]  # what attention reads, [B, Hkv, C, D]
+        self.views = {}  # (layer, c0) -> the store's K, V of a whole chunk (made once)
+        self.waited = 0.0  # seconds blocked in CPU waits (the cheap overlap summary)
 
     def nbytes(self) -> int:
         """Device bytes of the ring: `costmodel.staging_bytes(transfer_chunk, bytes per token, depth)`."""
@@ -98,11 +110,20 @@ class PipelineScheduler:
         while self.free and p.next_job < limit:
             layer, c0, c1 = p.jobs[p.next_job]
             slot = self.free.pop()
-            n = c1 - c0
-            src = (self.store.k[layer][c0:c1], self.store.v[layer][c0:c1])
-            sig = self.copier.fetch((self.k[slot, :n], self.v[slot, :n]), src, (layer, c0), after)
-            p.inflight[p.next_job] = (slot, sig)
+            dst, src = self._pair(slot, layer, c0, c1)
+            p.inflight[p.next_job] = (slot, self.copier.fetch(dst, src, (layer, c0), after))
             p.next_job += 1
+
+    def _pair(self, slot: int, layer: int, c0: int, c1: int):
+        """(staging K, V; store K, V) of one fetch: views made once for whole chunks."""
+        if c1 - c0 < self.transfer_chunk:  # the last, partial chunk of a prefix
+            n = c1 - c0
+            return ((self.k[slot, :n], self.v[slot, :n]),
+                    (self.store.k[layer][c0:c1], self.store.v[layer][c0:c1]))
+        src = self.views.get((layer, c0))
+        if src is None:
+            src = self.views[layer, c0] = (self.store.k[layer][c0:c1], self.store.v[layer][c0:c1])
+        return self.dst[slot], src
 
     def stream(self, layer: int, end: int):
         """Yield (c0, k [B,Hkv,n,D], v [B,Hkv,n,D]) for the chunks of `layer`'s prefix
@@ -132,13 +153,19 @@ class PipelineScheduler:
         slot, sig = p.inflight[j]
         if not self.overlap:
             self._wait_group(p, j)
-        with Span(self.timeline, "wait", f"wait L{layer} @{c0}", until=sig.end):
-            sig.wait()  # CUDA: a stream-side wait, the span ends at the copy's end event
         if self.timeline is not None:
+            with Span(self.timeline, "wait", f"wait L{layer} @{c0}", until=sig.end):
+                sig.wait()  # CUDA: a stream-side wait, the span ends at the copy's end event
             self.timeline.mark("read", (layer, c0))
-        n = c1 - c0
-        k = self.k[slot, :n].permute(1, 2, 0, 3)  # [B, Hkv, n, D]
-        v = self.v[slot, :n].permute(1, 2, 0, 3)
+        elif sig.cuda:
+            sig.wait()
+        else:
+            t = time.perf_counter()
+            sig.wait()
+            self.waited += time.perf_counter() - t
+        k, v = self.read[slot]  # [B, Hkv, C, D]
+        if c1 - c0 < self.transfer_chunk:
+            k, v = k[:, :, : c1 - c0], v[:, :, : c1 - c0]
         return c0, k, v
 
     def _wait_group(self, p: Pass, j: int):

@@ -109,6 +109,7 @@ class Forward:
     t1: object
     tokens: int
     tails: list = field(default_factory=list)  # last end event of each track: done => all done
+    counts: dict | None = None  # copy_s, wait_s summed without spans (no --profile); None: from spans
 
     def done(self) -> bool:
         """Whether every event has landed (non-blocking: streams complete in order, so
@@ -146,12 +147,12 @@ class Timeline:
             self.spans = []
             self.tails = {}
 
-    def take(self, t0, t1, tokens: int) -> Forward:
+    def take(self, t0, t1, tokens: int, counts: dict | None = None) -> Forward:
         """The spans since the last take/clear as one forward's record (and start afresh)."""
         with self.lock:
             spans, tails = self.spans, list(self.tails.values())
             self.spans, self.tails = [], {}
-        return Forward(spans, t0, t1, tokens, tails)
+        return Forward(spans, t0, t1, tokens, tails, counts)
 
     def resolve(self, spans=None) -> list:
         """Spans as (track, name, t0, t1, args) in host seconds."""
@@ -178,8 +179,12 @@ class Timeline:
         compute = wall - time the compute thread (stream) waited for copies; overlap
         efficiency = (copy + compute - wall) / min(copy, compute): 1 when the shorter one
         is fully hidden."""
-        wall = t1 - t0
         copy, wait = Timeline.busy_of(spans, "copy", t0, t1), Timeline.busy_of(spans, "wait", t0, t1)
+        return Timeline.figures(t1 - t0, copy, wait)
+
+    @staticmethod
+    def figures(wall: float, copy: float, wait: float) -> dict:
+        """The summary from a forward's wall, copy-busy and wait seconds."""
         compute = wall - wait
         lo = min(copy, compute)
         eff = (copy + compute - wall) / lo if lo > 0 else 0.0
@@ -194,7 +199,10 @@ class Timeline:
         forward span). Later forwards are measured from this one's start (`rebase`)."""
         t0, t1 = self.clock.seconds(fw.t0), self.clock.seconds(fw.t1)
         spans = self.resolve(fw.spans)
-        s = self.summarize(spans, t0, t1)
+        if fw.counts is None:
+            s = self.summarize(spans, t0, t1)
+        else:  # no --profile: the copier's and scheduler's sums, no spans
+            s = self.figures(t1 - t0, min(fw.counts["copy_s"], t1 - t0), fw.counts["wait_s"])
         s["tokens"] = fw.tokens
         self.clock.rebase(fw.t0, t0)
         spans.append(("forward", f"forward ({fw.tokens} tokens)", t0, t1, {"tokens": fw.tokens}))

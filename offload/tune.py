@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .copier import ChunkCopier
-from .costmodel import default_transfer_chunk
+from .costmodel import MIN_COPY_BYTES, default_transfer_chunk
 from ..settings import environment
 
 SIZES = tuple(2 ** i for i in range(6, 15))  # 64 .. 16384 tokens
@@ -61,13 +61,35 @@ def profile_chunk(device) -> int | None:
     return int(prof["transfer_chunk"]) if prof and "transfer_chunk" in prof else None
 
 
+LINK_SPEED = 0.9  # a copy size "reaches the link's speed" at this fraction of the best GB/s
+
+
+def min_copy_bytes(prof: dict | None) -> int:
+    """The smallest copy that reaches LINK_SPEED of the link's best GB/s on the profile's
+    measured curve (rows with `copy_bytes`); MIN_COPY_BYTES without one."""
+    rows = [r for r in (prof or {}).get("rows", []) if r.get("copy_bytes") and r.get("link_gbps")]
+    if not rows:
+        return MIN_COPY_BYTES
+    top = max(r["link_gbps"] for r in rows)
+    return min(r["copy_bytes"] for r in rows if r["link_gbps"] >= LINK_SPEED * top)
+
+
 def transfer_chunk_for(device, kv_layer_bytes: float, given: int | None = None) -> int:
     """The transfer chunk every offloaded cache uses: `given` (--transfer-chunk or a plan),
-    else the profile `tune` saved for this device, else >= MIN_COPY_BYTES per copy."""
-    return given or profile_chunk(device) or default_transfer_chunk(kv_layer_bytes)
+    else the chunk `tune` chose for this device (for a profile that names its K+V bytes per
+    token, only for a model with those bytes), else enough tokens per copy to reach the
+    link's speed: from the profile's link curve, or MIN_COPY_BYTES."""
+    if given:
+        return given
+    prof = load_profile(device)
+    if prof and "transfer_chunk" in prof and prof.get("bytes_per_token", kv_layer_bytes) == kv_layer_bytes:
+        return int(prof["transfer_chunk"])
+    return default_transfer_chunk(kv_layer_bytes, min_copy_bytes(prof))
 
 
 def save_profile(device, rows: list[dict], chunk: int, meta: dict) -> Path:
+    """Write the profile: the chosen chunk, the measured rows (with `copy_bytes`, the link
+    curve `min_copy_bytes` reads) and `meta` (`bytes_per_token` of the tuned model)."""
     p = profile_path(device)
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps({"device": device_name(device), "transfer_chunk": chunk,

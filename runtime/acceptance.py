@@ -6,11 +6,15 @@ rejection; there, sample from norm(max(0, p - q)); if all are accepted, sample a
 token from p_{g+1}. The output is distributed exactly as sampling from p. Greedy needs no
 special case: `sampling.probs` makes p and q one-hot, so acceptance is argmax agreement.
 A deterministic drafter (n-gram) has one-hot q and stays lossless the same way.
+
+The accepted count and the next token are computed on the device and read back together:
+one blocking host read per verification (`hostread.to_host`).
 """
 from __future__ import annotations
 
 import torch
 
+from .hostread import to_host
 from .sampling import sample
 
 
@@ -22,29 +26,39 @@ def one_hot(tokens: list[int], vocab: int, device="cpu") -> torch.Tensor:
     return q
 
 
-def n_accepted(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor, u: torch.Tensor) -> int:
-    """Leading drafts accepted: draft [g], q [g, V], p [>=g, V], uniforms u [g]."""
+def n_accepted(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Leading drafts accepted, a 0-dim long on the device: draft [g], q [g, V], p [>=g, V], uniforms u [g]."""
     g = draft.shape[0]
     idx = draft[:, None]
     pd, qd = p[:g].gather(1, idx)[:, 0], q.gather(1, idx)[:, 0]  # [g]
     ok = u * qd < pd  # u < p/q without dividing; p = 0 never accepts
-    return int(ok.long().cumprod(0).sum())
+    return ok.long().cumprod(0).sum()
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """norm(max(0, p - q)) for [V] rows; p itself if the difference vanishes (p == q)."""
+    """norm(max(0, p - q)) for [V] rows; p itself if the difference vanishes (p == q).
+    Chosen on the device (no host read of the sum)."""
     r = (p - q).clamp_min(0)
-    s = r.sum()
-    return r / s if s > 0 else p
+    s = r.sum(-1, keepdim=True)
+    return torch.where(s > 0, r / s, p)
+
+
+def verdict(draft: list[int], q: torch.Tensor, p: torch.Tensor, gen=None) -> torch.Tensor:
+    """[k accepted, next token] as one long tensor on p's device: q [g, V], p [g+1, V]."""
+    g = len(draft)
+    if g == 0:
+        return torch.stack([torch.zeros((), dtype=torch.long, device=p.device), sample(p[0], gen)])
+    d = torch.tensor(draft, device=p.device)
+    u = torch.rand(g, generator=gen, device=p.device)
+    k = n_accepted(d, q, p, u)  # [] on the device
+    pk = p.index_select(0, k.view(1))[0]  # [V]: p_{k+1}, the bonus row when k == g
+    qk = q.index_select(0, k.clamp_max(g - 1).view(1))[0]
+    nxt = torch.where(k == g, pk, residual(pk, qk))
+    return torch.stack([k, sample(nxt, gen)])
 
 
 def accept(draft: list[int], q: torch.Tensor, p: torch.Tensor, gen=None) -> tuple[int, int]:
-    """Verify a draft: q [g, V] (draft probs), p [g+1, V] (target probs) -> (k accepted, next token)."""
-    g = len(draft)
-    if g == 0:
-        return 0, int(sample(p[0], gen))
-    d = torch.tensor(draft, device=p.device)
-    u = torch.rand(g, generator=gen, device=p.device)
-    k = n_accepted(d, q, p, u)
-    nxt = p[g] if k == g else residual(p[k], q[k])
-    return k, int(sample(nxt, gen))
+    """Verify a draft: q [g, V] (draft probs), p [g+1, V] (target probs) -> (k accepted,
+    next token), with one blocking host read."""
+    k, x = to_host(verdict(draft, q, p, gen))
+    return k, x

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import torch
 
 from .errors import TriforceError
 from .graphs import Step
+from .hostread import to_host
 from .sampling import probs, sample
 from .acceptance import one_hot
 
@@ -58,10 +58,11 @@ class ModelLevel:
             self.cache.rollback(n)
 
     def draft(self, seq, g, sp, gen) -> torch.Tensor:
+        """g tokens, one forward each; each needs its token on the host (one read)."""
         qs = []
         for _ in range(g):
             p = probs(self.forward(seq, 1)[0], sp)  # [V]
-            seq.append(int(sample(p, gen)))
+            seq.append(to_host(sample(p, gen)))
             qs.append(p)
         return torch.stack(qs)
 
@@ -78,12 +79,59 @@ class ModelLevel:
         self.time += time.perf_counter() - t0
 
 
+class NgramIndex:
+    """Where each n-gram of a token list last occurred, kept up to date incrementally.
+
+    `at[n][gram]` is the latest start i of `gram` with i + n <= len - 1: an occurrence that
+    a later token follows (never the suffix itself). `prev[n][i]` is the start of the same
+    n-gram before i (-1: none), so truncating restores what appending replaced. `toks` is
+    the indexed copy of the tokens (the caller's list changes under it).
+    """
+
+    def __init__(self, ns):
+        self.at = {n: {} for n in ns}  # n -> {n-gram tuple: latest start}
+        self.prev = {n: [] for n in ns}  # n -> [earlier start of the n-gram at i, per start i]
+        self.toks: list[int] = []
+
+    def extend(self, seq: list[int]):
+        """Index seq[len(toks):] (seq[:len(toks)] must be the indexed tokens)."""
+        toks = self.toks
+        toks.extend(seq[len(toks):])
+        for n, at in self.at.items():
+            prev = self.prev[n]
+            i0, end = len(prev), len(toks) - n  # new eligible starts: i0 .. end-1
+            for i, gram in enumerate(zip(*(toks[i0 + j: end + j] for j in range(n))), i0):
+                prev.append(at.get(gram, -1))
+                at[gram] = i
+
+    def truncate(self, m: int):
+        """Forget tokens from position m on."""
+        toks = self.toks
+        for n, at in self.at.items():
+            prev = self.prev[n]
+            lo = max(m - n, 0)  # starts >= lo are no longer followed by a kept token
+            for i in range(len(prev) - 1, lo - 1, -1):
+                gram = tuple(toks[i: i + n])
+                if prev[i] < 0:
+                    del at[gram]
+                else:
+                    at[gram] = prev[i]
+            del prev[lo:]
+        del toks[m:]
+
+    def last(self, n: int, gram: tuple) -> int | None:
+        """The latest eligible start of `gram`, or None."""
+        return self.at[n].get(gram)
+
+
 class NgramDrafter:
     """Prompt lookup: find the last n tokens earlier in the context, propose what followed.
 
     Tries n = max_n .. min_n and takes the most recent match (single-token matches are
     mostly noise on prose: they cost verification rows and are rarely accepted).
-    Deterministic, so q is one-hot.
+    Deterministic, so q is one-hot. The drafts are host data (token lists): no device
+    read. The n-gram index grows with each appended token and is truncated on rollback
+    (`NgramIndex`), so a draft costs O(n) at any context length.
     """
 
     name = "ngram"
@@ -93,18 +141,29 @@ class NgramDrafter:
     def __init__(self, vocab: int, max_n: int = 3, device="cpu", min_n: int = 2):
         self.vocab, self.max_n, self.min_n, self.device = vocab, max_n, min_n, device
         self.time = 0.0  # seconds spent looking up
+        self.index = NgramIndex(range(min_n, max_n + 1))
+        self._seq = None  # the list indexed (the engine's shared token list)
+
+    def sync(self, seq: list[int]):
+        """Bring the index up to seq. Another list than last time: keep the index only if
+        it starts with the indexed tokens (checked once per list, e.g. prompt -> engine)."""
+        ix = self.index
+        if seq is not self._seq:
+            n = len(ix.toks)
+            if len(seq) < n or seq[:n] != ix.toks:
+                self.index = ix = NgramIndex(list(ix.at))
+            self._seq = seq
+        elif len(seq) < len(ix.toks):  # truncated without a rollback: forget the tail
+            ix.truncate(len(seq))
+        ix.extend(seq)
 
     def lookup(self, seq: list[int], g: int) -> list[int]:
-        a = np.asarray(seq, dtype=np.int64)
-        L = len(a)
+        self.sync(seq)
+        L = len(seq)
         for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
-            hit = np.ones(L - n, dtype=bool)  # candidate starts 0 .. L-n-1 (not the suffix itself)
-            for j in range(n):
-                hit &= a[j: L - n + j] == a[L - n + j]
-            idx = np.flatnonzero(hit)
-            if idx.size:
-                s = int(idx[-1]) + n
-                return a[s: s + g].tolist()
+            i = self.index.last(n, tuple(seq[L - n:]))
+            if i is not None:
+                return seq[i + n: i + n + g]
         return []
 
     def draft(self, seq, g, sp, gen) -> torch.Tensor:
@@ -115,7 +174,9 @@ class NgramDrafter:
         return one_hot(toks, self.vocab, self.device)
 
     def rollback(self, n: int):
-        """Stateless: nothing to undo."""
+        """Positions from n on are forgotten (the engine truncates the shared list)."""
+        if n < len(self.index.toks):
+            self.index.truncate(n)
 
 
 def check_vocab(target_tok, draft_tok, show: int = 5):

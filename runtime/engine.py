@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import TriforceError
+from .hostread import READS
 from .protocols import RetrievalKV, VerifyingLevel
 from .sampling import SamplingParams, probs
 from .acceptance import accept
@@ -26,6 +27,8 @@ class LevelStats:
     accepted: int = 0  # of which accepted
     produced: int = 0  # tokens it emitted (accepted + corrected/bonus)
     rejected: int = 0  # verifications that rejected a draft token (k < g)
+    host_reads: int = 0  # blocking device-to-host reads of its verifications (the levels below not counted)
+    max_host_reads: int = 0  # the most in one verification (the goal: 1)
 
     def add(self, g: int, k: int):
         self.verifications += 1
@@ -33,6 +36,11 @@ class LevelStats:
         self.accepted += k
         self.produced += k + 1
         self.rejected += k < g
+
+    def read(self, n: int):
+        """One verification made n blocking host reads."""
+        self.host_reads += n
+        self.max_host_reads = max(self.max_host_reads, n)
 
     @property
     def per_token(self) -> float:
@@ -112,6 +120,7 @@ class Engine:
     agree: object = int  # makes a value every tensor-parallel rank's (spec_modes passes tp.agree)
     stats: list = field(default_factory=list)  # LevelStats per verifying level
     rebuilds: int = 0  # retrieval cache rebuilds
+    reads0: dict = field(default_factory=dict)  # hostread.READS counts when the engine was made
     _since_build: int = 0
     _acc_ema: float = 1.0
 
@@ -123,6 +132,7 @@ class Engine:
             if not isinstance(lv, VerifyingLevel):
                 raise TypeError(f"level {lv.name!r} cannot verify: only levels[0] may be a drafter")
         self.stats = [LevelStats() for _ in self.levels[1:]]
+        self.reads0 = dict(READS.count)
 
     @property
     def top(self):
@@ -131,14 +141,25 @@ class Engine:
     def produce(self, i: int, seq: list[int], n: int) -> torch.Tensor:
         """Append >= n tokens (fewer for a drafter) from level i's distribution; their probs [t, V]."""
         if i == 0:
-            return self.levels[0].draft(seq, n, self.sp, self.gen)
+            with READS.at(self.levels[0].name):  # a model drafter reads each token back
+                return self.levels[0].draft(seq, n, self.sp, self.gen)
         rows, m0 = [], len(seq)
         while len(seq) - m0 < n:
             rows.append(self.verify(i, seq))
         return torch.cat(rows)
 
     def verify(self, i: int, seq: list[int]) -> torch.Tensor:
-        """Level i checks a draft of level i-1 appended to seq; returns probs of the kept tokens."""
+        """Level i checks a draft of level i-1 appended to seq; returns probs of the kept
+        tokens. Its own blocking host reads (one: the accepted count and the next token
+        together) are counted under its name; the levels below count theirs."""
+        name = self.levels[i].name
+        n0 = READS.count[name]
+        with READS.at(name):
+            p = self._verify(i, seq)
+        self.stats[i - 1].read(READS.count[name] - n0)
+        return p
+
+    def _verify(self, i: int, seq: list[int]) -> torch.Tensor:
         m, lv, top = len(seq), self.levels[i], i == len(self.levels) - 1
         f0 = lv.held
         if top:
@@ -215,4 +236,12 @@ class Engine:
             "levels": {names[i + 1]: vars(s).copy() for i, s in enumerate(self.stats)},
             "gammas": list(self.gammas),
             "rebuilds": self.rebuilds,
+            "host_reads": self.host_reads(),
         }
+
+    def host_reads(self) -> dict:
+        """Blocking device-to-host reads per verification of the top level, by the level
+        that made them (the top's own: 1; a model drafter: one per drafted token)."""
+        n = max(self.stats[-1].verifications, 1)
+        return {lv.name: round((READS.count[lv.name] - self.reads0.get(lv.name, 0)) / n, 3)
+                for lv in self.levels}

@@ -9,6 +9,7 @@ import torch
 
 from .errors import TriforceError
 from .graphs import Step
+from .hostread import to_host
 from .offloaded import prefill_layer_major
 from .sampling import SamplingParams, probs, sample
 
@@ -116,7 +117,7 @@ def decode(model, cache, first_logits, start: int, sp: SamplingParams, max_new: 
     step = step or Step(model, cache, graphs=False)
     for _ in range(max_new):
         tok = sample(probs(logits, sp), gen)  # [B]
-        t = int(tok[0])
+        t = to_host(tok[0])  # the one blocking read per token
         out.append(t)
         if (on_token and on_token(t)) or t in eos or len(out) == max_new:
             break

@@ -21,6 +21,11 @@ When each transfer starts is the caller's to say, never a side effect of the len
   forward (events only: no host synchronisation) instead of guessing its edges from layer
   indices.
 
+Per-chunk spans (copies, waits) are recorded only under `--profile` (`profile=True`):
+without it a forward keeps two timing events and, on the CPU, the copier's copy seconds
+and the scheduler's wait seconds (`overlap` from those sums); on CUDA `overlap` then
+needs `--profile`.
+
 Prefill never re-streams: `prefill_layer_major` runs every prompt chunk through layer l
 (the model's own `layer_step`) before layer l+1, and the cache holds that one layer's
 prompt KV on the device meanwhile (`hold`), so each chunk attends to its predecessors
@@ -84,7 +89,7 @@ class OffloadedCache(KVCache):
     def __init__(self, cfg, capacity: int, batch: int = 1, dtype=torch.float32, device="cpu",
                  on_chip: int = 0, transfer_chunk: int | None = None, depth: int = STAGE_DEPTH,
                  overlap: bool = True, copier_cls=ChunkCopier, log_order: bool = False,
-                 prefill_chunk: int = PREFILL_CHUNK):
+                 prefill_chunk: int = PREFILL_CHUNK, profile: bool = False):
         super().__init__(cfg, batch)
         if not 0 <= on_chip <= cfg.n_layers:
             raise TriforceError(f"--on-chip {on_chip}: must be between 0 and {cfg.n_layers} layers")
@@ -94,12 +99,13 @@ class OffloadedCache(KVCache):
         self.capacity, self.on_chip, self.device = capacity, on_chip, device
         self.transfer_chunk = transfer_chunk  # tokens per host-to-device copy
         self._check(cfg, spec, depth, prefill_chunk)
-        self.timeline = Timeline(log_order, device_clock(device))
+        self.timeline = Timeline(log_order, device_clock(device))  # forwards' edges, always
+        self.spans = self.timeline if profile or log_order else None  # per-chunk spans: --profile
         self.store: HostStore = HostKVStore(spec)
-        self.copier = copier_cls(device, self.timeline)
+        self.copier = copier_cls(device, self.spans)
         weakref.finalize(self, self.copier.close)  # stop the copier thread with the cache
         self.sched = PipelineScheduler(self.store, self.copier, transfer_chunk, device, depth,
-                                       overlap, self.timeline) if spec.layers else None
+                                       overlap, self.spans) if spec.layers else None
         self.chip = FullCache(cfg, capacity, batch, dtype, device) if on_chip else None
         self.write_backs = {}  # layer -> Signal of its latest write-back
         self._forwards = []  # per-forward timing summaries (`forwards`)
@@ -108,6 +114,7 @@ class OffloadedCache(KVCache):
         self.held = None  # (layer, K, V [B, Hkv, S, D]) on the device during a layer-major prefill
         self.fresh = {}  # layer -> (start, k, v [B, Hkv, T, D]): the latest forward's device KV
         self._t0 = None  # timing event of the running forward's start (`begin_forward`)
+        self._sums0 = None  # copy and wait sums at its start (`_sums`)
         self._tokens = 0  # its tokens
 
     def _check(self, cfg, spec: StoreSpec, depth: int, prefill_chunk: int):
@@ -130,6 +137,13 @@ class OffloadedCache(KVCache):
                                "rollback() first")
         self._t0 = self.timeline.event()
         self._tokens = n_tokens
+        self._sums0 = self._sums()
+
+    def _sums(self) -> dict | None:
+        """Copy and wait seconds so far, without spans (the CPU, no --profile); else None."""
+        if self.spans is not None or self.sched is None or self.copier.cuda:
+            return None
+        return {"copy_s": self.copier.busy, "wait_s": self.sched.waited}
 
     def attend(self, layer, q, k, v, start):
         self.end_of(q, start)
@@ -145,7 +159,7 @@ class OffloadedCache(KVCache):
         if self.held is not None and self.held[0] == layer:
             return self._attend_held(layer, q, k, v, start)
         acc = StreamedAttention(q, k.shape[1])
-        with Span(self.timeline, "compute", f"attention L{layer}", tokens=q.shape[2]):
+        with Span(self.spans, "compute", f"attention L{layer}", tokens=q.shape[2]):
             for _, kc, vc in self.sched.stream(layer, start):
                 acc.add(kc, vc)  # all keys < start: no mask
             acc.add_causal(k, v, start, start)  # the forward's own tokens
@@ -161,7 +175,7 @@ class OffloadedCache(KVCache):
             raise RuntimeError(f"attend up to {end} past the held prefill end {K.shape[2]}")
         K[:, :, start:end] = k
         V[:, :, start:end] = v
-        with Span(self.timeline, "compute", f"attention L{layer}", tokens=q.shape[2]):
+        with Span(self.spans, "compute", f"attention L{layer}", tokens=q.shape[2]):
             out = attention(q, K[:, :, :end], V[:, :, :end], start)
         self._write_back(layer, k, v, start)
         return out
@@ -203,7 +217,9 @@ class OffloadedCache(KVCache):
         t1 = self.timeline.event()
         # the spans since the last forward: its copies, waits, compute, and the prefetch
         # that ran before it (while the draft levels ran); resolved later, never waited for
-        self._pending.append(self.timeline.take(self._t0, t1, tokens))
+        sums, s0 = self._sums(), self._sums0
+        counts = None if sums is None else {k: sums[k] - s0[k] for k in sums}
+        self._pending.append(self.timeline.take(self._t0, t1, tokens, counts))
         self._settle(keep=self.PENDING)
 
     def _settle(self, keep: int = 0):
@@ -292,7 +308,7 @@ class OffloadedCache(KVCache):
 
     def stats(self) -> dict:
         """Figures for Stats.extra: mean overlap of decode/verify forwards, bytes streamed."""
-        fw = [f for f in self.forwards if f["copy_s"] > 0]
+        fw = [f for f in self.forwards if f["copy_s"] > 0]  # CUDA without --profile: none
         out = {"offload": True, "on_chip": self.on_chip, "transfer_chunk": self.transfer_chunk,
                "streamed_gb": self.copier.bytes / 2 ** 30}
         if self.sched is not None:
@@ -352,7 +368,7 @@ def make_full_cache(loaded, capacity: int, opts) -> KVCache:
         return FullCache(loaded.cfg, capacity, dtype=loaded.dtype, device=loaded.device)
     return OffloadedCache(loaded.cfg, capacity, dtype=loaded.dtype, device=loaded.device,
                           on_chip=o.on_chip, transfer_chunk=o.transfer_chunk, depth=o.stage_depth,
-                          overlap=o.overlap, prefill_chunk=opts.prefill_chunk)
+                          overlap=o.overlap, prefill_chunk=opts.prefill_chunk, profile=bool(o.profile))
 
 
 def finish_stats(cache: KVCache, st, opts) -> None:

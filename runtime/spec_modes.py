@@ -17,6 +17,7 @@ from .engine import AutoGamma, Engine, Rebuild
 from .errors import TriforceError
 from .generate import Stats, capacity, peak_memory_gb, prefill, stop_ids
 from .graphs import combined
+from .hostread import to_host
 from .offloaded import finish_stats, make_full_cache
 from .prefix_cache import lease
 from .retrieval import Recorder, RetrievalCache
@@ -29,7 +30,9 @@ from .tp import agree
 def make_drafter(o: GenerationOptions, loaded, prompt, full):
     """The bottom level: n-gram lookup, the target over a streaming cache, or a draft model."""
     if o.draft == "ngram":
-        return NgramDrafter(loaded.cfg.vocab_size, o.ngram, loaded.device)
+        dr = NgramDrafter(loaded.cfg.vocab_size, o.ngram, loaded.device)
+        dr.sync(prompt)  # index the prompt while building, not in the first draft
+        return dr
     mk = lambda cfg: StreamingCache(cfg, o.draft_sink, o.draft_window, max(64, o.gamma1 + 16),
                                     dtype=loaded.dtype, device=loaded.device)
     if o.draft == "self":
@@ -120,7 +123,7 @@ def speculate(kind: str, loaded, prompt, opts, full, logits, on_token=None):
     auto = AutoGamma(o.gamma2_start) if o.gamma2 == "auto" and kind != "draft" else None  # adapts gamma2
     eng = Engine(levels, gammas, sp, gen, auto, Rebuild.parse(opts.retrieval.rebuild), agree=agree)
     t1 = time.perf_counter()
-    seq = list(prompt) + [int(sample(probs(logits[0], sp), gen))]
+    seq = list(prompt) + [to_host(sample(probs(logits[0], sp), gen))]  # counted as 'other'
     with torch.inference_mode():
         toks = eng.run(seq, opts.max_new_tokens, stop_ids(loaded, opts), on_token)
     t2 = time.perf_counter()

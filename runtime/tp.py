@@ -37,6 +37,7 @@ import torch.nn as nn
 
 from .config import ModelConfig
 from .errors import TriforceError
+from .hostread import to_host
 
 
 def check(cfg: ModelConfig, world: int, what: str = "--tp"):
@@ -174,7 +175,7 @@ def agree(x: int) -> int:
     if dist.get_backend() == "nccl":
         t = t.cuda()
     dist.broadcast(t, src=0)
-    return int(t)
+    return to_host(t)[0]
 
 
 def sync_sampling(sp):

@@ -50,6 +50,8 @@ def test_geometry_rows_and_table(tmp_path):
     ops = by[OURS[0]]["ops_per_layer"]  # one decode step under runtime/opcount.py's counter
     assert 0 < ops["eager"] <= 20 and 0 < ops["fixed"] <= 20 and ops["fixed_syncs"] == 0
     assert f"work ops per layer per decode step: eager {ops['eager']} " in stdout
+    assert by["triforce"]["host_reads"]["full"] <= 1  # one read per top verification
+    assert "host reads per verification at 256 (triforce): ngram 0, full 1\n" in stdout
 
 
 def test_checkpoint_with_transformers_and_essays(tmp_path, tiny_model_dir):

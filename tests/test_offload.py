@@ -238,6 +238,21 @@ def test_tune_helpers(tmp_path, monkeypatch):
     assert tune.link_throughput(64, 1000, 768, "cpu", repeats=1) > 0
 
 
+def test_min_copy_size_from_the_tuned_link_curve(tmp_path, monkeypatch):
+    """A profile tuned on another model (other K+V bytes per token) gives its link curve:
+    the smallest copy at 90% of the best GB/s sets the chunk; the same model gets the
+    tuned chunk itself; no curve: 4 MiB per copy."""
+    monkeypatch.setenv("TRIFORCE_OFFLOAD_CACHE", str(tmp_path))
+    assert tune.transfer_chunk_for("cpu", 1024) == 4 * 2 ** 20 // 512
+    rows = [{"chunk": c, "copy_bytes": c * 256, "link_gbps": g, "verify_ms": 1.0}
+            for c, g in ((64, 2.0), (256, 9.5), (1024, 10.0), (4096, 9.8))]
+    tune.save_profile("cpu", rows, 1024, {"bytes_per_token": 512})
+    assert tune.min_copy_bytes(tune.load_profile("cpu")) == 256 * 256  # 9.5 >= 0.9 * 10
+    assert tune.transfer_chunk_for("cpu", 512) == 1024  # the tuned model: its chunk
+    assert tune.transfer_chunk_for("cpu", 1024) == 256 * 256 // 512  # another: the curve
+    assert tune.transfer_chunk_for("cpu", 1024, given=7) == 7
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_prefill_never_restreams(model, overlap):
     """A multi-chunk prefill streams nothing for a fresh prompt (chunk-major forwards

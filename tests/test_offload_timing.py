@@ -82,8 +82,8 @@ def check_forward(s: dict):
 
 def test_copy_spans_copy_s_and_overlap(model, tmp_path):
     """An offloaded forward has copy spans, copy_s > 0 and 0 <= overlap <= 1; its Chrome
-    trace has a copy track, compute spans, and the forward."""
-    cache = OffloadedCache(CFG, CAP, transfer_chunk=8, on_chip=1)
+    trace has a copy track, compute spans, and the forward (spans: --profile)."""
+    cache = OffloadedCache(CFG, CAP, transfer_chunk=8, on_chip=1, profile=True)
     verifications(model, cache, 3)
     fw = cache.forwards
     assert [f["tokens"] for f in fw[-3:]] == [5, 5, 5]
@@ -286,6 +286,8 @@ def check_rows(rows, device: str):
             assert r[f"{k}_ms"] > 0
             assert r[f"{k}_x_floor"] == pytest.approx(r[f"{k}_ms"] / r["floor_ms"])
         assert r["verify_copy_ms"] > 0 and 0.0 <= r["verify_overlap"] <= 1.0
+        # host microseconds per streamed chunk: a pass of 2 layers' prefix in 64-token chunks
+        assert r["host_us_per_chunk"] > 0 and r["chunks_per_pass"] == 2 * (r["context"] // 64)
 
 
 def test_offload_pipeline_bench_on_cpu(tmp_path):
@@ -296,6 +298,46 @@ def test_offload_pipeline_bench_on_cpu(tmp_path):
     check_rows(rows, "cpu")
     assert all(r["serialized_ms"] > 0 and r["compute_ms"] > 0 for r in rows)
     assert "x floor" in stdout and "link" in stdout and "serial ms" in stdout
+    assert "host us/chunk" in stdout
+
+
+def test_per_chunk_spans_only_under_profile(model):
+    """Without --profile a forward records no per-chunk span (copier and scheduler have no
+    timeline), yet its summary has copy_s, wait_s and overlap from the copier's and the
+    scheduler's sums; with it, copies are spans."""
+    plain = OffloadedCache(CFG, CAP, transfer_chunk=8, on_chip=1)
+    spans = []
+    plain.timeline.span = lambda *a, **kw: spans.append(a)  # any span recorded
+    verifications(model, plain, 3)
+    assert spans == [] and plain.copier.timeline is None and plain.sched.timeline is None
+    for s in plain.forwards[-3:]:
+        check_forward(s)
+    assert 0.0 <= plain.stats()["overlap"] <= 1.0 and plain.trace["traceEvents"]
+    plain.close()
+    prof = OffloadedCache(CFG, CAP, transfer_chunk=8, on_chip=1, profile=True)
+    verifications(model, prof, 1)
+    assert any(e.get("cat") == "copy" for e in prof.trace["traceEvents"])
+    prof.close()
+
+
+def test_run_records_spans_only_with_profile(tiny_model_dir, tmp_path):
+    """`--profile` turns the per-chunk timeline on; a plain offloaded run keeps it off."""
+    from triforce_offload.runtime import offloaded
+    made = []
+    orig = offloaded.OffloadedCache.__init__
+
+    def init(self, *a, **kw):
+        orig(self, *a, **kw)
+        made.append(self.spans is not None)
+    offloaded.OffloadedCache.__init__ = init
+    try:
+        L = api.load(str(tiny_model_dir), "fp32", "cpu")
+        for prof in (None, str(tmp_path / "t.json")):
+            api.generate(L, list(range(5, 80)), api.RunOptions.of(max_new_tokens=4, mode="autoregressive",
+                         **{"offload": "on", "transfer_chunk": 16, "profile": prof}))
+    finally:
+        offloaded.OffloadedCache.__init__ = orig
+    assert made == [False, True]
 
 
 def test_offload_pipeline_prefill_streams_nothing_but_the_prefetch(tmp_path):

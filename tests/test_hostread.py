@@ -1,0 +1,171 @@
+"""Blocking device-to-host reads in the decode loop: at most one per verification of the
+top level, all through `hostread.to_host`, and none that bypass it.
+
+On the CPU nothing actually syncs, so two independent counts: the helper's own (`READS`),
+and a dispatch mode that sees every raw read (`aten._local_scalar_dense`, `aten.item`, a
+copy from a non-CPU tensor to the CPU) — `int(t)`, `t.item()`, `bool(t)`, `float(t)` all
+go through `_local_scalar_dense`. The helper's reads of CPU tensors (`tolist`) are not
+dispatched, so the raw count must be zero during decoding.
+"""
+import ast
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from helpers_spec import repetitive_prompt, tiny
+from triforce_offload.runtime.api import RunOptions, generate
+from triforce_offload.runtime.acceptance import accept, one_hot, verdict
+from triforce_offload.runtime.drafters import NgramDrafter
+from triforce_offload.runtime.hostread import READS
+from triforce_offload.runtime.sampling import SamplingParams
+
+ROOT = Path(__file__).resolve().parent.parent
+RAW = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default}
+
+
+class RawReads(TorchDispatchMode):
+    """Counts raw blocking reads while `on` is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.on, self.raw = False, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.on and (func in RAW or self._to_cpu(func, args, kwargs)):
+            self.raw.append(str(func))
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def _to_cpu(func, args, kwargs) -> bool:
+        src = args[1] if func is torch.ops.aten.copy_.default else args[0]
+        dst = (args[0].device if func is torch.ops.aten.copy_.default
+               else kwargs.get("device")) if func in (torch.ops.aten.copy_.default,
+                                                      torch.ops.aten._to_copy.default) else None
+        return (dst is not None and torch.device(dst).type == "cpu"
+                and isinstance(src, torch.Tensor) and src.device.type != "cpu")
+
+
+def decode_reads(mode, temperature=0.0, **extra):
+    """Generate with the dispatch mode counting raw reads from the first decoded token on."""
+    L = tiny(vocab=64, layers=2)
+    prompt = repetitive_prompt(300, 64)
+    watch = RawReads()
+
+    def on_token(_):
+        watch.on = True
+    with watch:
+        opts = RunOptions.of(mode=mode, max_new_tokens=40, budget=64, **extra,
+                             sampling=SamplingParams(temperature=temperature, seed=0))
+        toks, st = generate(L, prompt, opts, on_token=on_token)
+    return toks, st, watch.raw
+
+
+@pytest.mark.parametrize("draft", ["ngram", "self"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_triforce_top_verification_reads_once(draft, temperature):
+    toks, st, raw = decode_reads("triforce", draft=draft, temperature=temperature)
+    assert len(toks) == 40 and raw == []  # nothing bypasses the helper
+    top, mid = st.extra["levels"]["full"], st.extra["levels"]["retrieval"]
+    assert top["verifications"] > 1 and top["max_host_reads"] == 1
+    assert top["host_reads"] == top["verifications"] and st.extra["host_reads"]["full"] == 1.0
+    assert mid["max_host_reads"] == 1  # the retrieval level's verifications: one each too
+    if draft == "ngram":  # host data: the drafts need no read
+        assert st.extra["host_reads"]["ngram"] == 0
+    else:  # a model drafter reads each drafted token back
+        assert st.extra["host_reads"]["self"] > 0
+
+
+def test_accept_is_one_read_and_verdict_none():
+    p = one_hot([3, 1, 2, 0], 5)
+    watch = RawReads()
+    watch.on = True
+    n0 = READS.count["other"]
+    with watch:
+        v = verdict([3, 1, 4], one_hot([3, 1, 4], 5), p)
+        assert READS.count["other"] == n0
+        assert accept([3, 1, 4], one_hot([3, 1, 4], 5), p) == (2, 2)
+        assert accept([], one_hot([], 5), p) == (0, 3)
+    assert READS.count["other"] == n0 + 2 and watch.raw == []
+    assert v.tolist() == [2, 2]
+
+
+DECODE_LOOP = ["runtime/acceptance.py", "runtime/drafters.py", "runtime/engine.py",
+               "runtime/sampling.py", "runtime/spec_modes.py", "runtime/generate.py",
+               "runtime/retrieval.py"]
+
+
+def raw_reads_in(path: Path) -> list[str]:
+    """`.item()`, `.tolist()`, `.cpu()`, `.numpy()` calls, and int/float/bool of a call's
+    result (`int(sample(p))`, `int(ok.sum())`), outside runtime/hostread.py."""
+    bad = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        if isinstance(f, ast.Attribute) and f.attr in ("item", "tolist", "cpu", "numpy"):
+            bad.append(f"{path.name}:{node.lineno} .{f.attr}()")
+        if (isinstance(f, ast.Name) and f.id in ("int", "float", "bool") and node.args
+                and _tensorish(node.args[0])):
+            bad.append(f"{path.name}:{node.lineno} {f.id}(...)")
+    return bad
+
+
+def _tensorish(a) -> bool:
+    """A call's result (`sample(p)`, `ok.sum()`) or an element of a named value (`tok[0]`);
+    not text parsing such as `int(line.split()[1])`."""
+    return isinstance(a, ast.Call) or (isinstance(a, ast.Subscript) and isinstance(a.value, ast.Name))
+
+
+def test_decode_loop_modules_read_only_through_the_helper():
+    bad = [b for m in DECODE_LOOP for b in raw_reads_in(ROOT / m)]
+    assert bad == [], bad
+
+
+def scan(seq, g, max_n=3, min_n=2):
+    """The n-gram lookup as it was (a numpy scan of the whole sequence per draft)."""
+    a = np.asarray(seq, dtype=np.int64)
+    L = len(a)
+    for n in range(min(max_n, L - 1), min_n - 1, -1):
+        hit = np.ones(L - n, dtype=bool)
+        for j in range(n):
+            hit &= a[j: L - n + j] == a[L - n + j]
+        idx = np.flatnonzero(hit)
+        if idx.size:
+            s = int(idx[-1]) + n
+            return a[s: s + g].tolist()
+    return []
+
+
+@pytest.mark.parametrize("min_n,max_n", [(2, 3), (1, 4)])
+def test_incremental_ngram_index_drafts_as_the_scan(min_n, max_n):
+    """Random appends, drafts and engine-style rollbacks (truncate, append, roll back):
+    every draft equals the full scan's."""
+    rng = random.Random(min_n)
+    dr = NgramDrafter(6, max_n=max_n, min_n=min_n)
+    seq = [rng.randrange(6) for _ in range(50)]
+    for _ in range(400):
+        m = len(seq)
+        want = scan(seq, 4, max_n, min_n)
+        dr.draft(seq, 4, None, None)
+        assert seq[m:] == want
+        seq += [rng.randrange(6) for _ in range(rng.randrange(3))]  # levels above add tokens
+        k = rng.randrange(m - 5, len(seq) + 1)  # accepted prefix, maybe below the draft
+        del seq[k:]
+        seq.append(rng.randrange(6))
+        dr.rollback(k)
+    assert dr.index.toks == seq[:len(dr.index.toks)]
+
+
+def test_ngram_lookup_on_a_new_list_reindexes():
+    dr = NgramDrafter(10, max_n=3)
+    assert dr.lookup([1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3], 3) == [7, 8, 5]
+    assert dr.lookup([4, 5, 6, 4, 5], 4) == [6, 4, 5]  # another list: not the old tokens
+    seq = [4, 5, 6, 4, 5, 7, 4, 5]
+    assert dr.lookup(seq, 2) == [7, 4]  # extends the same prefix
+    del seq[5:]
+    assert dr.lookup(seq, 2) == [6, 4]  # truncated without a rollback
