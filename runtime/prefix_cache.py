@@ -7,11 +7,13 @@ at least its last token, whose forward gives the first logits and the queries th
 retrieval level is built from. The levels above the full cache (retrieval cache, drafters)
 are rebuilt from it as after any prefill, so the output is the cold start's.
 
-A kept cache was closed after its run (finish_stats): an offloaded one's copier thread
-starts again on its next use. An entry is taken over when the prompt reuses most of it (this run's entry supersedes it)
+An entry is taken over when the prompt reuses most of it (this run's entry supersedes it)
 and it has room; otherwise the shared prefix is copied into a new cache and the entry
 stays for other prompts. Entries are evicted least recently used first to stay within
-`max_bytes`.
+`max_bytes`. With a KVDir (`--kv-dir`) every kept cache is also saved to disk, and a
+prefix that is longer on disk than in memory is loaded from there. A kept cache was
+closed after its run (finish_stats): an offloaded one's copier thread starts again on
+its next use.
 """
 from __future__ import annotations
 
