@@ -51,7 +51,11 @@ def package(src: Path, name: str, tmp: Path):
     """Import the package folders of `src` as `name` (relative imports keep them apart)."""
     d = tmp / name
     d.mkdir()
-    (d / "__init__.py").write_text("")
+    root = src / "package"  # the import root's own modules (errors, settings), where a revision has them
+    for f in (root.glob("*.py") if root.is_dir() else []):
+        os.symlink(f, d / f.name)
+    if not (d / "__init__.py").exists():
+        (d / "__init__.py").write_text("")
     for sub, rel in PARTS.items():
         os.symlink(src / rel, d / sub)
     return importlib.import_module(f"{name}.runtime.loader"), importlib.import_module(f"{name}.runtime.cache")

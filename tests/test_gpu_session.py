@@ -21,7 +21,7 @@ def test_dry_run_lists_the_measurements_and_writes_nothing(tmp_path):
     assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
     assert "-m cuda" in a.stdout and "--geometry llama2-7b" in a.stdout and "--geometry smollm2" in a.stdout
     assert "offload_pipeline.py" in b.stdout and "--contexts 131072 --no-compare --prefill" in b.stdout
-    assert "-P -m pytest" in a.stdout
+    assert "-m pytest -q -rs -m cuda" in a.stdout
     assert "triforce+offload" in b.stdout and "--device cuda" in b.stdout
     assert not (tmp_path / "o").exists()
 
