@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import os
 import statistics
@@ -58,6 +59,10 @@ def package(src: Path, name: str, tmp: Path):
         (d / "__init__.py").write_text("")
     for sub, rel in PARTS.items():
         os.symlink(src / rel, d / sub)
+    # register the folder as package `name` (its subpackages resolve through its __path__)
+    spec = importlib.util.spec_from_file_location(name, d / "__init__.py", submodule_search_locations=[str(d)])
+    sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sys.modules[name])
     return importlib.import_module(f"{name}.runtime.loader"), importlib.import_module(f"{name}.runtime.cache")
 
 
@@ -128,7 +133,6 @@ def main(argv=None):
     V = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        sys.path.insert(0, str(tmp))
         for tag, src in (("base", export(a.base, tmp)), ("this", ROOT)):
             loader, cache = package(src, f"ab_{tag}", tmp)
             model, cfg, tokenizer = loader.load_model(None, torch.float32, "cpu", rope)
