@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from . import native
-from ..settings import environment
+from ..settings import env
 
 
 def _fold(q: torch.Tensor, n_kv: int) -> torch.Tensor:
@@ -100,7 +100,7 @@ def static_path(device) -> tuple[str, str]:
     `triton` on CPU tensors); by default CUDA takes flash-attn when installed, else the
     Triton kernel, else SDPA over the whole buffer with a length mask (flash/efficient
     backends, never cuDNN); the CPU takes the masked SDPA."""
-    return _static_path(environment().attention, torch.device(device).type)
+    return _static_path(env("attention"), torch.device(device).type)
 
 
 @functools.lru_cache(maxsize=None)

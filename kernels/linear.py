@@ -17,13 +17,13 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from ..settings import environment
+from ..settings import env
 
 _onednn: bool | None = None
 
 
 def _probe() -> bool:
-    if environment().linear == "torch":
+    if env("linear") == "torch":
         return False
     op = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
     if op is None or not torch.backends.mkldnn.is_available():

@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from ..settings import environment
+from ..settings import env, environment
 
 SOURCE = Path(__file__).with_name("cpu_attention.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=gnu11"]
@@ -64,7 +64,7 @@ def compiler() -> str | None:
 def flags() -> list[str]:
     """FLAGS plus `$TRIFORCE_OFFLOAD_NATIVE_CFLAGS` (e.g. `-fsanitize=address,undefined` or
     `-D_FORTIFY_SOURCE=3`: the tests build a checked kernel this way)."""
-    return FLAGS + environment().native_cflags.split()
+    return FLAGS + env("native_cflags").split()
 
 
 def build() -> Path:
@@ -99,7 +99,7 @@ def load():
     """The ctypes library, or None (with the reason in `reason()`)."""
     global _lib, _error, _bits
     if _lib is None:
-        if environment().native == "0":
+        if env("native") == "0":
             _lib, _error = False, "disabled by TRIFORCE_OFFLOAD_NATIVE=0"
         else:
             try:
@@ -134,7 +134,7 @@ def vector_bits() -> int:
 def enabled() -> bool:
     """Whether attention dispatches to the kernel: built, and either a 512-bit build
     (`TRIFORCE_OFFLOAD_NATIVE` unset or `auto`) or forced with `TRIFORCE_OFFLOAD_NATIVE=1`."""
-    return available() and (environment().native == "1" or vector_bits() >= 512)
+    return available() and (env("native") == "1" or vector_bits() >= 512)
 
 
 def status() -> str:

@@ -7,6 +7,7 @@ fields into command-line options, the Python API takes the objects as they are, 
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field, fields, replace
 
@@ -101,20 +102,34 @@ _LOWER = {"native", "linear", "attention"}  # choices, case-insensitive
 _PARSE = {"bool": _flag, "float": float, "str": str, "str | None": lambda v: v or None}
 
 
-def environment() -> EnvOptions:
-    """EnvOptions from os.environ, read now (tests change the environment between calls);
-    a value that does not parse or check names its variable."""
-    vals = {}
-    for f in fields(EnvOptions):
-        raw = os.environ.get(f.metadata["env"])
-        if raw is None:
-            continue
-        try:
-            vals[f.name] = _PARSE[f.type](raw.strip().lower() if f.name in _LOWER else raw)
-        except ValueError:
-            raise TriforceError(f"{f.metadata['env']}={raw!r}: expected a {f.type}") from None
+_ENV_FIELDS = {f.name: f for f in fields(EnvOptions)}
+
+
+def env(name: str):
+    """One EnvOptions field, read from os.environ now (tests change the environment between
+    calls): a lookup and a cached parse, cheap enough for the attention dispatch that reads
+    it on every call."""
+    return _env_value(name, os.environ.get(_ENV_FIELDS[name].metadata["env"]))
+
+
+@functools.lru_cache(maxsize=256)
+def _env_value(name: str, raw: str | None):
+    """The checked value of field `name` for the variable's text `raw`; a value that does
+    not parse or check names its variable."""
+    f = _ENV_FIELDS[name]
+    if raw is None:
+        return f.default
+    var = f.metadata["env"]
     try:
-        return EnvOptions(**vals)
-    except TriforceError as e:
-        name = next(f.metadata["env"] for f in fields(EnvOptions) if flag_of(f) in str(e))
-        raise TriforceError(f"{name}: {str(e).split(': ', 1)[1]}") from None
+        v = _PARSE[f.type](raw.strip().lower() if name in _LOWER else raw)
+    except ValueError:
+        raise TriforceError(f"{var}={raw!r}: expected a {f.type}") from None
+    why = f.metadata["check"](v) if f.metadata["check"] is not None and v is not None else None
+    if why:
+        raise TriforceError(f"{var}: {why}")
+    return v
+
+
+def environment() -> EnvOptions:
+    """Every EnvOptions field from os.environ, read now."""
+    return EnvOptions(**{n: env(n) for n in _ENV_FIELDS})

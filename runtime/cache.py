@@ -31,7 +31,7 @@ import torch
 from ..kernels.attention import attention, static_attention
 from .config import ModelConfig
 from .errors import TriforceError
-from ..settings import environment
+from ..settings import env
 
 
 class KVCache:
@@ -124,7 +124,7 @@ class FullCache(KVCache):
         # the static path (default on CUDA; TRIFORCE_OFFLOAD_STATIC=1 anywhere) reads whole
         # buffers through the length-masked reference: slots must then hold finite values
         if static is None:
-            static = torch.device(device).type == "cuda" or environment().static
+            static = torch.device(device).type == "cuda" or env("static")
         self.static = static
         alloc = torch.zeros if self.static else torch.empty
         shape = (batch, cfg.n_kv_heads, capacity, cfg.head_dim)  # [B, Hkv, S, D]

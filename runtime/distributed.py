@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import TriforceError
-from ..settings import environment
+from ..settings import env
 
 GRACE_S = 2.0  # after a first failure, wait this long to find the rank that caused it
 POLL_S = 0.1  # watchdog poll interval
@@ -50,7 +50,7 @@ def rank() -> int:
 
 
 def timeout_s() -> float:
-    return environment().tp_timeout
+    return env("tp_timeout")
 
 
 def backend(device: str) -> str:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 from ..kernels.attention import fallback_notes
-from ..settings import environment
+from ..settings import env
 from .distributed import world_size
 
 TP_NOTE = ("CUDA graphs off under tensor parallelism: a captured graph would not replay the "
@@ -52,7 +52,7 @@ class Step:
             graphs = False
             self.notes.append(TP_NOTE)
         self.graphed = bool(graphs and static and self.device.type == "cuda")
-        self.static = self.graphed or (static and environment().static)
+        self.static = self.graphed or (static and env("static"))
         self.start = torch.zeros(1, dtype=torch.int64, device=self.device)  # static start
         self.graphs: dict[tuple, _Graph | None] = {}  # None: capture failed, run eager
         self.pool = None  # one memory pool shared by this step's graphs
