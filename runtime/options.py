@@ -121,11 +121,7 @@ class GenerationOptions(SamplingParams):
 
 def _rebuild(v: str):
     from .engine import Rebuild
-    try:
-        Rebuild.parse(v)
-    except TriforceError:
-        return "allowed are never, every:N (N >= 1), adaptive"
-    return None
+    Rebuild.parse(v)  # refuses a bad policy in its own words (--rebuild 'x': allowed are ...)
 
 
 @dataclass
@@ -239,15 +235,3 @@ class RunOptions:
     max_context = property(lambda self: self.generation.max_context)
     ignore_eos = property(lambda self: self.generation.ignore_eos)
     graphs = property(lambda self: self.generation.graphs)
-
-
-def _unique_names():
-    seen = {}
-    for t in (ModelOptions, ParallelOptions, ReuseOptions, *GROUPS.values()):
-        for n in t.names():
-            if n in seen and not issubclass(t, seen[n]) and not issubclass(seen[n], t):
-                raise AssertionError(f"option {n!r} is in {seen[n].__name__} and {t.__name__}")
-            seen.setdefault(n, t)
-
-
-_unique_names()

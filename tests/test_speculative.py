@@ -123,3 +123,15 @@ def test_run_options_route_flat_options_once_and_refuse_unknown_ones():
         RunOptions.of(**{"budgte": 512})
     with pytest.raises(TriforceError, match="--offload 'maybe'"):
         RunOptions.of(**{"offload": "maybe"})
+
+
+def test_option_names_are_unique_across_option_types():
+    """RunOptions.of routes a flat name to the one type that has it, and the CLI makes one
+    flag per field: a name in two types (other than a subclass's inherited fields) is a bug."""
+    from triforce_offload.runtime import options as o
+    types = [o.ModelOptions, o.ParallelOptions, o.ReuseOptions, *o.GROUPS.values()]
+    seen = {}
+    for t in types:
+        for n in t.names():
+            other = seen.setdefault(n, t)
+            assert other is t or issubclass(t, other) or issubclass(other, t), (n, other, t)
