@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 
 from ..offload.errors import OffloadError
 from ..runtime.errors import TriforceError
@@ -67,7 +68,7 @@ def main():
     try:
         app()
     except (TriforceError, OffloadError) as e:
-        err.print(f"[bold red]error:[/] {e}", highlight=False)
+        err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)  # the text as is: no markup
         sys.exit(2)
     except KeyboardInterrupt:
         err.print("interrupted")

@@ -280,3 +280,10 @@ def test_device_index_is_checked_and_made_current(monkeypatch):
     with pytest.raises(TriforceError, match="has 2 CUDA device"):
         resolve_device("cuda:2")
     assert resolve_device("cuda") == torch.device("cuda") and len(made) == 1
+
+
+def test_error_line_keeps_square_brackets(tiny_model_dir):
+    """The error line prints the message as is: rich would read `[x]` as markup and drop it
+    (serve's `pip install 'triforce-offload[serve]'` hint lost its extra that way)."""
+    r = cli("run", "--model", tiny_model_dir, "--rebuild", "every:[x]")
+    assert_user_error(r, "--rebuild 'every:[x]': allowed are")
