@@ -137,13 +137,16 @@ def _triton_gaps(device) -> str:
     return "".join(f"; {g}: length-masked SDPA there" for g in gaps)
 
 
-def static_attention(q, k, v, length: torch.Tensor):
+def static_attention(q, k, v, length: torch.Tensor, shared: dict | None = None):
     """Causal attention of the last T of `length` tokens over whole fixed-capacity buffers.
 
     q [B, Hq, T, D] at positions length-T .. length-1; k, v [B, Hkv, cap, D] hold keys at
     positions 0 .. cap-1, valid below `length` (int64 device tensor [B]). Shapes do not
     depend on the length, so a step replays as a CUDA graph; nothing reads `length` on the
-    host. Returns [B, Hq, T, D]."""
+    host. Returns [B, Hq, T, D]. `shared`: a dict that lives for one forward (a static
+    cache's per-forward state): what every layer derives from `length` alone (flash-attn's
+    int32 lengths, the SDPA path's mask) the first layer makes and the others reuse."""
+    shared = {} if shared is None else shared
     path = static_path(q.device)[0]
     B = q.shape[0]
     if path == "flash-attn" and not flash_attn_fits(q):  # fp32 (tests) or an odd head size
@@ -151,7 +154,7 @@ def static_attention(q, k, v, length: torch.Tensor):
         path = "triton" if triton_attention.available() else "sdpa"
     if path == "flash-attn":
         from flash_attn import flash_attn_with_kvcache
-        lens = length.to(torch.int32).expand(B).contiguous()  # [B]
+        lens = _once(shared, ("lens", B), lambda: length.to(torch.int32).expand(B).contiguous())  # [B]
         o = flash_attn_with_kvcache(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                     cache_seqlens=lens, causal=True)  # [B, T, Hq, D]
         return o.transpose(1, 2)
@@ -160,7 +163,14 @@ def static_attention(q, k, v, length: torch.Tensor):
     if path == "triton":
         from .triton_attention import decode_attention
         return decode_attention(q, k, v, length)
-    return _masked_attention(q, k, v, length)
+    return _masked_attention(q, k, v, length, shared)
+
+
+def _once(shared: dict, key, make):
+    """shared[key], made by the first layer that asks."""
+    if key not in shared:
+        shared[key] = make()
+    return shared[key]
 
 
 FALLBACKS: dict[str, None] = {}  # why static attention left the Triton kernel, each once
@@ -195,18 +205,25 @@ def sm80(index: int | None) -> bool:
     return torch.cuda.get_device_capability(index) >= (8, 0)
 
 
-def _masked_attention(q, k, v, length):
+def _masked_attention(q, k, v, length, shared: dict | None = None):
     """The reference of `static_attention`: SDPA over every slot with a [B, 1, G*T, cap]
-    mask built on the device from `length` (slots past it must hold finite values: zeros):
-    two ops for a decode step, whose one query row sees the slots below `length`."""
+    mask built on the device from `length` (slots past it must hold finite values: zeros);
+    with `shared`, once per forward."""
     B, Hq, T, D = q.shape
     n_kv, cap = k.shape[1], k.shape[2]
-    limit = length.view(-1, 1, 1, 1)  # [B, 1, 1, 1]
-    if T > 1:  # folded row g*T + t sits at position length - T + t: sees slots < limit + t - (T-1)
-        t = torch.arange(1 - T, 1, device=q.device).repeat(Hq // n_kv)  # [G*T]
-        limit = limit + t[:, None]  # [B, 1, G*T, 1]
-    mask = torch.arange(cap, device=q.device) < limit  # [B, 1, G*T or 1, cap]
+    make = lambda: static_mask(length, T, Hq // n_kv, cap)  # noqa: E731
+    mask = make() if shared is None else _once(shared, ("mask", T, Hq // n_kv, cap), make)
     return _unfold(sdpa(_fold(q, n_kv), k, v, attn_mask=mask), Hq)
+
+
+def static_mask(length: torch.Tensor, T: int, group: int, cap: int) -> torch.Tensor:
+    """[B, 1, G*T or 1, cap] bool: folded query row g*T + t (position length - T + t) sees
+    slots < length - (T-1) + t; one comparison for a decode step."""
+    limit = length.view(-1, 1, 1, 1)  # [B, 1, 1, 1]
+    if T > 1:
+        t = torch.arange(1 - T, 1, device=length.device).repeat(group)  # [G*T]
+        limit = limit + t[:, None]  # [B, 1, G*T, 1]
+    return torch.arange(cap, device=length.device) < limit
 
 
 def attention(q, k, v, q_pos0: int, k_pos0: int = 0, scale: float | None = None):

@@ -3,7 +3,8 @@ moves the length. The full interface is `protocols.Cache`; this is what each cal
 
 - `begin_forward(start, n_tokens)` / `end_forward()`: `Transformer.forward` brackets the
   layer loop of one forward of n_tokens tokens at positions start.. with them (and the
-  layer-major prefill its whole pass). No-ops here; an offloaded cache times the forward.
+  layer-major prefill its whole pass). No-ops here; a static cache computes what every
+  layer of a fixed-shape forward shares (`PerForward`); an offloaded cache times the forward.
 - `attend(layer, q, k, v, start)`: q [B, Hq, T, D] and k, v [B, Hkv, T, D] are the rotated
   projections of T new tokens at absolute positions start .. start+T-1. The cache stores
   k, v as *pending* entries and returns the attention output [B, Hq, T, D], causal by
@@ -103,15 +104,46 @@ class KVCache:
         """Release threads and buffers that outlive the cache's use."""
 
 
-def write_and_attend(K, V, q, k, v, slot: torch.Tensor):
+def static_slots(slot: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """What a fixed-shape forward of T tokens from slot `slot` (int64 device tensor [1])
+    needs in every layer: the slots it writes ([1], or [T]), the valid length after it
+    ([1]), and a dict for what attention derives from that length (`static_attention`'s
+    `shared`). Device tensors only, no host read."""
+    pos = slot if T == 1 else slot + torch.arange(T, device=slot.device, dtype=slot.dtype)
+    return pos, slot + T, {}
+
+
+def write_and_attend(K, V, q, k, v, slots: tuple):
     """The fixed-shape step of a preallocated cache: write k, v [B, Hkv, T, D] into the
-    buffers K, V [B, Hkv, cap, D] at slots slot + [0, T) (`slot` an int64 device tensor
-    [1]) and attend causally over the whole buffers up to slot + T."""
-    T = q.shape[2]
-    pos = slot if T == 1 else slot + torch.arange(T, device=q.device, dtype=slot.dtype)
+    buffers K, V [B, Hkv, cap, D] at `slots` (from `static_slots`) and attend causally over
+    the whole buffers up to its length."""
+    pos, length, shared = slots
     K.index_copy_(2, pos, k)
     V.index_copy_(2, pos, v)
-    return static_attention(q, K, V, slot + T)
+    return static_attention(q, K, V, length, shared)
+
+
+class PerForward:
+    """What every layer of one fixed-shape forward shares, computed once in `begin_forward`
+    (inside a captured graph: device ops only) and dropped in `end_forward`. A layer whose
+    (start, T) is not the announced forward's (attend called outside a model forward)
+    computes its own."""
+
+    def __init__(self, make):
+        self.make = make  # (start, T) -> the shared value
+        self.key, self.value = None, None
+
+    def begin(self, start, T: int):
+        if isinstance(start, torch.Tensor):
+            self.key, self.value = (start, T), self.make(start, T)
+
+    def end(self):
+        self.key, self.value = None, None
+
+    def get(self, start: torch.Tensor, T: int):
+        if self.key is not None and self.key[0] is start and self.key[1] == T:
+            return self.value
+        return self.make(start, T)
 
 
 class FullCache(KVCache):
@@ -130,6 +162,13 @@ class FullCache(KVCache):
         shape = (batch, cfg.n_kv_heads, capacity, cfg.head_dim)  # [B, Hkv, S, D]
         self.k = [alloc(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
         self.v = [alloc(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
+        self._slots = PerForward(static_slots)  # slots and length of a fixed-shape forward
+
+    def begin_forward(self, start, n_tokens: int):
+        self._slots.begin(start, n_tokens)
+
+    def end_forward(self):
+        self._slots.end()
 
     def attend(self, layer, q, k, v, start):
         if isinstance(start, torch.Tensor):
@@ -142,7 +181,7 @@ class FullCache(KVCache):
 
     def _attend_static(self, layer, q, k, v, start: torch.Tensor):
         """The same with `start` on the device (the caller checked the capacity on the host)."""
-        return write_and_attend(self.k[layer], self.v[layer], q, k, v, start)
+        return write_and_attend(self.k[layer], self.v[layer], q, k, v, self._slots.get(start, q.shape[2]))
 
     def put(self, layer: int, start: int, k, v):
         """Write K, V [B, Hkv, T, D] of positions start.. as they are (a kept or saved

@@ -8,8 +8,9 @@ and start in static buffers, and afterwards only copies new ids and the start in
 replays. Prefill (long, varying chunks) stays eager; so does everything on the CPU, over
 a cache that is not static (offloaded, streaming), or with graphs turned off (`--no-graphs`).
 A replay runs no Python: the cache's `begin_forward`/`end_forward`, which the forward
-calls, run at capture only, so a static cache keeps them free of host work (the no-ops
-of `cache.KVCache`); after every replay the step calls `cache.on_replay()` instead.
+calls, run at capture only, so a static cache keeps them free of host work (the device
+ops a static cache issues there, its slots and length once per forward, are captured
+with the rest); after every replay the step calls `cache.on_replay()` instead.
 If a capture fails the step runs that shape on the cache's dynamic eager forward (an int
 start, not the fixed-shape one that may be what broke) and says so once (in `notes`, shown
 on the stats line). `TRIFORCE_OFFLOAD_STATIC=1` runs the fixed-shape

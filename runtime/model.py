@@ -165,7 +165,7 @@ class Transformer(nn.Module):
         return self.model.embed_tokens(ids)
 
     def rope(self, start, T: int, dtype, device):
-        """cos, sin [T, D] of positions start..start+T-1 (`start` an int or a device tensor [1])."""
+        """cos, sin [T, 1, D] of positions start..start+T-1 (`start` an int or a device tensor [1])."""
         if isinstance(start, torch.Tensor):
             pos = start + torch.arange(T, device=device, dtype=start.dtype)
         else:

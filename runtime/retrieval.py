@@ -19,7 +19,7 @@ import torch
 
 from ..kernels.attention import attention
 from ..kernels.retrieval import chunk_means, chunk_scores, gather_chunks, top_chunks
-from .cache import KVCache, write_and_attend
+from .cache import KVCache, PerForward, static_slots, write_and_attend
 from .errors import TriforceError
 
 
@@ -119,6 +119,14 @@ class RetrievalCache(KVCache):
         self.n_retrieved = 0  # slots holding retrieved tokens (all before `base`)
         self.holds_all = False  # the context fitted the budget: nothing was dropped
         self.offset = torch.zeros(1, dtype=torch.int64, device=device)  # n_retrieved - base, on the device
+        # a fixed-shape forward's slots (start + offset ..) and length, once for every layer
+        self._slots = PerForward(lambda start, T: static_slots(start + self.offset, T))
+
+    def begin_forward(self, start, n_tokens: int):
+        self._slots.begin(start, n_tokens)
+
+    def end_forward(self):
+        self._slots.end()
 
     @staticmethod
     def fits(length: int, budget: int, retrieval_chunk: int) -> bool:
@@ -165,7 +173,7 @@ class RetrievalCache(KVCache):
 
     def attend(self, layer, q, k, v, start):
         if isinstance(start, torch.Tensor):  # slots as positions: the same causal order
-            return write_and_attend(self.k[layer], self.v[layer], q, k, v, start + self.offset)
+            return write_and_attend(self.k[layer], self.v[layer], q, k, v, self._slots.get(start, q.shape[2]))
         s, T = self._slot(start), q.shape[2]
         if start < self.base or s + T > self.slots:
             raise TriforceError(f"retrieval cache: positions {start}..{start + T - 1} are outside "

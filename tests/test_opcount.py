@@ -106,3 +106,19 @@ def test_bundled_model_decode_step(smol_dir):
     model, cfg, _ = load_model(smol_dir)
     ops = opcount.decode_step_ops(model, cfg)
     assert ops["eager"] <= LIMIT and ops["fixed"] <= LIMIT and ops["fixed_syncs"] == 0, ops
+
+
+def test_fixed_verification_shares_its_slots_across_layers(monkeypatch):
+    """A fixed-shape verification (T=5) over the full and the retrieval cache: the new
+    tokens' slots and the length are computed once per forward (the cache's begin_forward)
+    and the attention mask by the first layer only, not in every layer."""
+    from triforce_offload.runtime.retrieval import RetrievalCache
+    monkeypatch.setenv("TRIFORCE_OFFLOAD_STATIC", "1")
+    L = tiny(layers=3)
+    for cache in (_prefilled(L, 20, static=True), RetrievalCache(L.cfg, 16, 4, 24)):
+        step = Step(L.model, cache)
+        c = opcount.count(L.model, lambda: step(torch.randint(0, 64, (1, 5)), 20))
+        layers = [[o.name for o in c.ops if o.layer == i] for i in range(3)]
+        assert "arange" in layers[0]  # the mask, made once
+        assert layers[1] == layers[2] and "arange" not in layers[1] and len(layers[1]) <= LIMIT
+        assert layers[1].count("add") == 2  # the two residual adds: no position arithmetic

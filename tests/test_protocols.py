@@ -12,7 +12,7 @@ import torch
 from helpers_spec import repetitive_prompt, run, tiny
 from triforce_offload.offload.store import HostKVStore, StoreSpec
 from triforce_offload.runtime import protocols as P
-from triforce_offload.runtime.cache import FullCache, KVCache
+from triforce_offload.runtime.cache import FullCache
 from triforce_offload.runtime.drafters import ModelLevel, NgramDrafter
 from triforce_offload.runtime.engine import Engine
 from triforce_offload.runtime.generate import prefill
@@ -141,10 +141,24 @@ def test_a_forward_tells_its_cache_where_it_begins_and_ends(L):
 
 
 def test_static_caches_keep_graph_safe_hooks(L):
-    """A graph replay runs no Python: the caches that are graphed keep the base class's
-    no-op hooks (a Recorder passes them to the cache it wraps)."""
-    for cls in (FullCache, RetrievalCache):
-        assert cls.begin_forward is KVCache.begin_forward and cls.end_forward is KVCache.end_forward
+    """A graph replay runs no Python: the hooks of the caches that are graphed issue device
+    ops only (the slots and length every layer of a fixed-shape forward shares, captured
+    with the forward), read nothing on the host, and leave nothing behind for a later
+    forward, whose start tensor Step refills in place (a Recorder passes the hooks on to
+    the cache it wraps)."""
+    from triforce_offload.runtime.opcount import OpCount
+    D, Hkv = L.cfg.head_dim, L.cfg.n_kv_heads
+    q, k, v = torch.randn(1, L.cfg.n_heads, 1, D), torch.randn(1, Hkv, 1, D), torch.randn(1, Hkv, 1, D)
+    for c in (FullCache(L.cfg, 64, static=True), RetrievalCache(L.cfg, 32, 8, 40)):
+        start = torch.tensor([3])
+        with torch.inference_mode(), OpCount() as ops:
+            c.begin_forward(start, 1)
+            c.end_forward()
+        assert ops.ops and not ops.syncs
+        start.fill_(10)  # the next step, same tensor
+        with torch.inference_mode():
+            c.attend(0, q, k, v, start)
+        assert torch.equal(c.k[0][:, :, 10], k[:, :, 0]) and not c.k[0][:, :, 3].any()
     rec = Recorder(Spy(L.cfg, 64))
     rec.begin_forward(torch.tensor([3]), 1)
     rec.end_forward()
