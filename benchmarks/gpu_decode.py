@@ -1,4 +1,4 @@
-"""Decode speed against the hardware floor: eager and graphed autoregressive, triforce, transformers.
+"""Decode speed against the hardware floor: eager, graphed and compiled autoregressive, triforce, transformers.
 
 Usage:
     python benchmarks/gpu_decode.py --geometry llama2-7b              # 4K/16K/32K (+128K where it fits), bf16
@@ -20,6 +20,8 @@ device (`offload off`):
   autoregressive eager    `graphs=False`
   autoregressive graphed  `graphs=True` (on the CPU the same code path; `graphs` in the row
                           says whether CUDA graphs actually replayed)
+  autoregressive compiled `graphs=True, compile=True` (`--compile`: torch.compile under the
+                          captured step; its compile seconds are in `warm_up_s`, untimed)
   triforce                n-gram drafter -> target + retrieval cache (`--budget`) -> target
                           + full cache, graphed; acceptance from the engine
   transformers            `generate` on the same weights (a real `--model` only)
@@ -62,8 +64,9 @@ import torch
 from triforce_offload.bench.geometries import GEOMETRIES, geometry_config, p_bytes, random_model
 from triforce_offload.runtime import opcount
 
-MODES = ("eager", "graphed", "triforce", "hf")
+MODES = ("eager", "graphed", "compiled", "triforce", "hf")
 LABEL = {"eager": "autoregressive eager", "graphed": "autoregressive graphed",
+         "compiled": "autoregressive compiled",
          "triforce": "triforce", "hf": "transformers generate"}
 SLACK = 64  # cache capacity past prompt + new tokens (generate.capacity)
 
@@ -85,7 +88,8 @@ def args_(argv=None):
                     help="prompt + new tokens, comma- or space-separated (131072 skipped where "
                          "it does not fit)")
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    ap.add_argument("--modes", nargs="+", default=[m for m in MODES if m != "compiled"], choices=MODES,
+                    help="default: all but compiled (gpu_session.py c runs that)")
     ap.add_argument("--prompt-text", choices=("random", "essays"), default="random")
     ap.add_argument("--rope-scaling", default=None,
                     help="for --model: e.g. linear:4 (default: linear stretch when a context "
@@ -234,7 +238,7 @@ def options(mode: str, a, n: int):
         return api.RunOptions.of(mode="triforce", max_new_tokens=n, ignore_eos=True, graphs=True,
                               **{"budget": a.budget, "gamma2": a.gamma2, "offload": "off"})
     return api.RunOptions.of(mode="autoregressive", max_new_tokens=n, ignore_eos=True,
-                          graphs=mode == "graphed", **{"offload": "off"})
+                             graphs=mode != "eager", compile=mode == "compiled", **{"offload": "off"})
 
 
 def steady_ms(marks: list[float]) -> float | None:
@@ -251,8 +255,8 @@ def run_ours(L, mode: str, prompt: list[int], a, n: int) -> dict:
     """One timed run of `mode`: autoregressive through `run_ar`; triforce after an untimed
     run at the same settings (every kernel specialization it launches compiled, its
     retrieval level built), its graph captures timed apart and left out of ms/token."""
-    if mode in ("eager", "graphed"):
-        return run_ar(L, mode == "graphed", prompt, a, n)
+    if mode in ("eager", "graphed", "compiled"):
+        return run_ar(L, mode, prompt, a, n)
     generate(L, mode, prompt, a, n)  # warm-up: same prompt, same settings
     return generate(L, mode, prompt, a, n)
 
@@ -277,20 +281,21 @@ def generate(L, mode: str, prompt: list[int], a, n: int) -> dict:
     return row
 
 
-def run_ar(L, graphed: bool, prompt: list[int], a, n: int) -> dict:
+def run_ar(L, mode: str, prompt: list[int], a, n: int) -> dict:
     """Autoregressive decode with no capture or compile in the timed region: prefill, one
     untimed decode of the same length over the same cache and `Step` (graphs captured,
     kernels compiled for exactly these shapes), roll back to the prompt, time the decode."""
     from triforce_offload.runtime.generate import capacity, decode, prefill
     from triforce_offload.runtime.graphs import Step
     from triforce_offload.runtime.offloaded import make_full_cache
-    opts = options("graphed" if graphed else "eager", a, n)
+    opts = options(mode, a, n)
     cap, max_new = capacity(L, len(prompt), opts)
     cache = make_full_cache(L, cap, opts)
     t0 = time.perf_counter()
     logits = prefill(L.model, cache, torch.tensor([prompt], device=L.device), prefill_chunk=opts.prefill_chunk)
     sync(L.device)
-    step, t1 = Step(L.model, cache, graphed), time.perf_counter()
+    g = opts.generation
+    step, t1 = Step(L.model, cache, g.graphs, g.compile), time.perf_counter()
     decode(L.model, cache, logits, len(prompt), opts.sampling, max_new, set(), step=step)
     sync(L.device)
     warm_s, captures = time.perf_counter() - t1, len(step.graphs)
@@ -299,7 +304,8 @@ def run_ar(L, graphed: bool, prompt: list[int], a, n: int) -> dict:
     cache.close()
     return {**row, "prefill_s": round(t1 - t0, 3), "warm_up_s": round(warm_s, 3),
             "capture_s": round(step.capture_s, 3), "timed_captures": len(step.graphs) - captures,
-            "graphs": step.figures()["graphs"], **({"notes": step.notes} if step.notes else {})}
+            "graphs": step.figures()["graphs"], "compiled": step.forward is not step.model,
+            **({"notes": step.notes} if step.notes else {})}
 
 
 def timed_decode(L, cache, step, logits, start: int, sp, max_new: int) -> dict:
@@ -402,11 +408,16 @@ def main(argv=None):
             continue
         prompt = prompts[ctx] = make_prompt(L, a, ctx - a.new_tokens)
         kv = L.cfg.kv_bytes_per_token(elem) * ctx
+        first = None  # (label, tokens) of the first autoregressive row: the others must match
         for mode in a.modes:
             if mode == "hf":
                 continue
             r = median_run(lambda: run_ours(L, mode, prompt, a, a.new_tokens), a.repeats)
-            r.pop("tokens", None)
+            toks = r.pop("tokens", None)
+            if toks is not None and first is None:
+                first = (LABEL[mode], toks)
+            elif toks is not None:  # bf16: a fused kernel may round differently (docs/gpu.md)
+                r["same_tokens_as"] = {first[0]: toks == first[1]}
             emit({"context": ctx, "prompt_tokens": len(prompt), "mode": LABEL[mode], **r,
                   "kv_bytes": kv, "bytes_per_token": weights + kv,
                   **figures(r, weights + kv, copy_bps)})
@@ -482,11 +493,11 @@ def table(rows: list[dict], copy_bps: float) -> str:
             f"| {r['floor_ratio']:.2f}x | {vs} "
             f"| {'' if r.get('graphs') is None else ('yes' if r['graphs'] else 'no')} "
             f"| {acc} | {ma} |")
-    tri = [(r["context"], graphed[r["context"]] / r["ms_per_token"]) for r in rows
-           if r.get("mode") == "triforce" and "ms_per_token" in r and r["context"] in graphed]
-    if tri:
-        lines.append("")
-        lines += [f"triforce vs graphed autoregressive at {c}: {x:.2f}x" for c, x in tri]
+    lines.append("")
+    for mode in ("triforce", LABEL["compiled"]):  # what decides --compile's default
+        lines += [f"{mode} vs graphed autoregressive at {r['context']}: "
+                  f"{graphed[r['context']] / r['ms_per_token']:.2f}x" for r in rows
+                  if r.get("mode") == mode and "ms_per_token" in r and r["context"] in graphed]
     lines += host_read_lines(rows)
     return "\n".join(lines)
 

@@ -1,9 +1,10 @@
-"""Everything a GPU should measure for this project, in two calls of at most ten minutes.
+"""Everything a GPU should measure for this project, in calls of at most ten minutes.
 
 Usage (on the GPU machine, from the project root, after `. .gpu/bin/env.sh`; see
 docs/gpu.md, "Measuring on a GPU"):
     python benchmarks/gpu_session.py a                     # cuda tests, resident decode
     python benchmarks/gpu_session.py b --model /root/w/smol.gguf   # offloaded, real weights
+    python benchmarks/gpu_session.py c                     # --compile against graphs alone
     python benchmarks/gpu_session.py a --dry-run           # print the commands only
     python benchmarks/gpu_session.py a --smoke             # the same commands shrunk, on the CPU
 
@@ -15,7 +16,10 @@ joined): `offload_pipeline.py` against the PCIe floor (7B geometry at 16K, SmolL
 resident cache; `bench` with the offloaded contenders autoregressive+offload,
 retrieval+offload and triforce+offload at 32K), and last the 7B geometry at 128K with its
 offloaded prefill timed. These are the issue targets' measurements (GPU decode at memory
-speed, offloaded decode at the link's speed).
+speed, offloaded decode at the link's speed). Stage `c` (third call, when time is left):
+graphed against compiled autoregressive (`--compile`, torch.compile under the captured
+step; compile seconds reported apart) on the SmolLM2 and 7B geometries, what decides
+whether `--compile` becomes the default on CUDA.
 
 Each command runs under a deadline (the stage's `--budget-s`, 540 s by default, shared in
 order); a command that would start with less than a minute left is skipped and listed, so a
@@ -71,6 +75,18 @@ def stage_a(out: Path, smoke: bool) -> list[tuple[str, list[str], int]]:
         cmds.append(("cuda tests", [py, "-m", "pytest", "-q", "-rs", "-m", "cuda", "-p",
                                     "no:cacheprovider", "tests"], 150))
     return cmds
+
+
+def stage_c(out: Path, smoke: bool) -> list[tuple[str, list[str], int]]:
+    """(name, argv, timeout_s) of the third call: --compile against graphs alone."""
+    py, jl = sys.executable, str(out / "c.jsonl")
+    gd = [py, "benchmarks/gpu_decode.py", "--out", jl, "--modes", "graphed", "compiled"]
+    if smoke:
+        gd += ["--device", "cpu", "--layers", "2", "--new-tokens", "4", "--copy-mib", "16", "--threads", "1"]
+        return [("compile smollm2", [*gd, "--geometry", "smollm2", "--contexts", "256"], 240)]
+    gd += ["--new-tokens", "64", "--repeats", "2"]
+    return [("compile smollm2", [*gd, "--geometry", "smollm2", "--contexts", "4096", "32768"], 240),
+            ("compile llama2-7b", [*gd, "--geometry", "llama2-7b", "--contexts", "16384"], 270)]
 
 
 def stage_b(out: Path, smoke: bool, model: str) -> list[tuple[str, list[str], int]]:
@@ -137,7 +153,7 @@ def run(cmds, log: Path, budget_s: float, dry: bool) -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("stage", choices=("a", "b"))
+    ap.add_argument("stage", choices=("a", "b", "c"))
     ap.add_argument("--model", default="/root/w/smol.gguf",
                     help="the real checkpoint of stage b (`bundled`: the installed SmolLM2)")
     ap.add_argument("--out", default=os.environ.get("OUT") or "results/gpu_session")
@@ -148,7 +164,8 @@ def main(argv=None) -> int:
     out = Path(a.out).resolve()
     if not a.dry_run:
         out.mkdir(parents=True, exist_ok=True)
-    cmds = stage_a(out, a.smoke) if a.stage == "a" else stage_b(out, a.smoke, a.model)
+    cmds = {"a": lambda: stage_a(out, a.smoke), "b": lambda: stage_b(out, a.smoke, a.model),
+            "c": lambda: stage_c(out, a.smoke)}[a.stage]()
     if a.stage == "b" and not a.dry_run and not Path(a.model).exists() and a.model != "bundled":
         print(f"gpu_session: model {a.model} not found (join .gpu/a/part and .gpu/b/part first)",
               file=sys.stderr)

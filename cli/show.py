@@ -19,6 +19,7 @@ def show_info(d: dict):
     for k, v in d.get("cpu_kernels", {}).items():
         t.add_row(f"cpu {k.replace('_', ' ')}", v)
     t.add_row("gpu attention", d["gpu_attention"])
+    t.add_row("gpu compile", d["gpu_compile"])
     for g in d["gpus"] or [{"name": "none"}]:
         link = (f"PCIe gen {g['pcie_gen']} x{g['pcie_width']}" if "pcie_gen" in g
                 else g.get("pcie", ""))

@@ -93,6 +93,7 @@ def _flash_attn_reason() -> str:
     return ""
 
 
+@torch.compiler.assume_constant_result  # a compiled step takes the path it was traced with
 def static_path(device) -> tuple[str, str]:
     """(kernel, why) of the fixed-capacity attention path on `device`.
 
@@ -153,17 +154,43 @@ def static_attention(q, k, v, length: torch.Tensor, shared: dict | None = None):
         from . import triton_attention
         path = "triton" if triton_attention.available() else "sdpa"
     if path == "flash-attn":
-        from flash_attn import flash_attn_with_kvcache
         lens = _once(shared, ("lens", B), lambda: length.to(torch.int32).expand(B).contiguous())  # [B]
-        o = flash_attn_with_kvcache(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                    cache_seqlens=lens, causal=True)  # [B, T, Hq, D]
-        return o.transpose(1, 2)
+        return (flash_decode if torch.compiler.is_compiling() else _flash_decode)(q, k, v, lens)
     if path == "triton" and not _triton_fits(q, k):
         path = "sdpa"
     if path == "triton":
-        from .triton_attention import decode_attention
-        return decode_attention(q, k, v, length)
+        return (triton_decode if torch.compiler.is_compiling() else _triton_decode)(q, k, v, length)
     return _masked_attention(q, k, v, length, shared)
+
+
+def _flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    from flash_attn import flash_attn_with_kvcache
+    o = flash_attn_with_kvcache(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                cache_seqlens=lens, causal=True)  # [B, T, Hq, D]
+    return o.transpose(1, 2)
+
+
+def _triton_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+    from .triton_attention import decode_attention
+    return decode_attention(q, k, v, length)  # [B, Hq, T, D] contiguous
+
+
+# The two kernels as custom ops for a compiled step (--compile, runtime/graphs.py): opaque
+# to torch.compile (one graph around them, no tracing into flash-attn's binding or the
+# Triton launcher's host logic); their fakes give the real outputs' shapes and strides.
+flash_decode = torch.library.custom_op("triforce_offload::flash_decode", _flash_decode, mutates_args=())
+triton_decode = torch.library.custom_op("triforce_offload::triton_decode", _triton_decode, mutates_args=())
+
+
+@flash_decode.register_fake
+def _(q, k, v, lens):
+    B, Hq, T, D = q.shape
+    return q.new_empty(B, T, Hq, D).transpose(1, 2)
+
+
+@triton_decode.register_fake
+def _(q, k, v, length):
+    return q.new_empty(q.shape)
 
 
 def _once(shared: dict, key, make):

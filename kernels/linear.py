@@ -50,7 +50,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """F.linear, routed to oneDNN for float32 on the CPU when no gradient is wanted."""
     if (x.dtype == torch.float32 and x.device.type == "cpu" and weight.dtype == torch.float32
             and weight.is_contiguous() and not (torch.is_grad_enabled() and weight.requires_grad)
-            and onednn_enabled()):
+            and not torch.compiler.is_compiling() and onednn_enabled()):  # inductor lowers F.linear
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 

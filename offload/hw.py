@@ -58,6 +58,7 @@ def system_info() -> dict:
         "gpus": gpus(),
         "cpu_kernels": cpu_kernels(),
         "gpu_attention": gpu_attention(),
+        "gpu_compile": gpu_compile(),
     }
 
 
@@ -67,6 +68,12 @@ def gpu_attention() -> str:
         return "none (no CUDA device)"
     from ..kernels.attention import status
     return status("cuda")
+
+
+def gpu_compile() -> str:
+    """What --compile does on the first GPU (runtime/graphs.py)."""
+    from ..runtime.graphs import compile_status
+    return compile_status("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def cpu_kernels() -> dict:

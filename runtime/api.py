@@ -95,7 +95,7 @@ def run_with_cache(make_cache, loaded, prompt, opts, on_token=None, progress=Non
     with lease(loaded if reuse else None, prompt, cap, make_cache) as kv:
         toks, st = autoregressive(loaded.model, kv.cache, prompt, opts.sampling, max_new,
                                   stop_ids(loaded, opts), on_token, opts.prefill_chunk, progress,
-                                  opts.graphs, kv.start)
+                                  opts.graphs, kv.start, opts.generation.compile)
         finish_stats(kv.cache, st, opts)
         kv.ids = prompt + toks
     kv.report(st)

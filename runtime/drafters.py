@@ -25,10 +25,11 @@ from .acceptance import one_hot
 class ModelLevel:
     """A model over one cache: the target over full/retrieval caches, or a draft model."""
 
-    def __init__(self, model, cache, name: str, graphs: bool = False, held: int = 0):
+    def __init__(self, model, cache, name: str, graphs: bool = False, held: int = 0,
+                 compile: bool = False):
         self.model, self.cache, self.name = model, cache, name
         self.device = next(model.parameters()).device
-        self.step = Step(model, cache, graphs)  # CUDA graphs over a static cache
+        self.step = Step(model, cache, graphs, compile)  # CUDA graphs (compiled) over a static cache
         self.held = held  # leading positions of seq held by the cache (it may arrive filled)
         self.time = 0.0  # seconds spent in forwards
 

@@ -130,7 +130,7 @@ def decode(model, cache, first_logits, start: int, sp: SamplingParams, max_new: 
 
 def autoregressive(model, cache, prompt: list[int], sp: SamplingParams, max_new: int,
                    eos: set[int], on_token=None, prefill_chunk: int = 512, progress=None,
-                   graphs: bool = True, start: int = 0):
+                   graphs: bool = True, start: int = 0, compile: bool = False):
     """Prefill (eager) then decode one token at a time (CUDA graphs where the cache allows).
     `cache` may hold the KV of prompt[:start] already (a kept prefix): only the rest is
     prefilled. Returns (new token ids, Stats)."""
@@ -139,7 +139,7 @@ def autoregressive(model, cache, prompt: list[int], sp: SamplingParams, max_new:
     t0 = time.perf_counter()
     logits = prefill(model, cache, ids, start, prefill_chunk, progress)
     t1 = time.perf_counter()
-    step = Step(model, cache, graphs)
+    step = Step(model, cache, graphs, compile)
     toks = decode(model, cache, logits, len(prompt), sp, max_new, eos, on_token, step=step)
     t2 = time.perf_counter()
     st = Stats(len(prompt), len(toks), t1 - t0, t2 - t1, peak_memory_gb(dev))

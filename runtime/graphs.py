@@ -19,6 +19,16 @@ the graph path's arithmetic end to end that way.
 
 gpt-fast's `generate.py` does the same with `torch.compile(mode="reduce-overhead")`; a
 hand-made `torch.cuda.CUDAGraph` keeps the dependency surface to torch itself.
+
+`compile=True` (`--compile`) puts `torch.compile` (inductor, no cudagraphs of its own:
+this step captures) under the fixed-shape forward: it fuses each layer's norms, rotary,
+KV write, SwiGLU and residual adds into a few generated kernels, so a captured graph holds
+fewer, larger kernels. The attention kernels stay opaque (custom ops,
+`kernels.attention`), the KV buffers are written in place (inductor keeps the
+`index_copy_` on the cache's buffer), and each (tokens, last_only) shape of each level
+compiles once, inside the capture's warm-up (so in `capture_s`). Off by default until a GPU
+measurement says it pays; it never applies where the step is not fixed-shape (the CPU
+without `TRIFORCE_OFFLOAD_STATIC=1`, offloaded or streaming caches): that is said once.
 """
 from __future__ import annotations
 
@@ -32,6 +42,8 @@ from .distributed import world_size
 
 TP_NOTE = ("CUDA graphs off under tensor parallelism: a captured graph would not replay the "
            "all_reduce hooks as collectives")
+COMPILE_NOTE = "--compile not applied {why}: it compiles fixed-shape steps, which run on CUDA over a resident cache"
+RECOMPILE_LIMIT = 64  # compiled shapes per code object: levels x verification widths (gamma2 auto)
 
 
 @dataclass
@@ -44,7 +56,7 @@ class _Graph:
 class Step:
     """`step(ids, start, last_only)` = `model(ids, start, cache, last_only)`, graphed where it can be."""
 
-    def __init__(self, model, cache, graphs: bool = True):
+    def __init__(self, model, cache, graphs: bool = True, compile: bool = False):
         self.model, self.cache = model, cache
         self.device = next(model.parameters()).device
         static = cache.static
@@ -54,12 +66,24 @@ class Step:
             self.notes.append(TP_NOTE)
         self.graphed = bool(graphs and static and self.device.type == "cuda")
         self.static = self.graphed or (static and env("static"))
+        why = compile_gap(self.device) if compile and self.static else None
+        self.forward = compiled(model) if compile and self.static and not why else model  # fixed-shape
+        if compile and not self.static:
+            self.notes.append(COMPILE_NOTE.format(why=self._where(static)))
+        elif why:
+            self.notes.append(f"--compile not applied: {why}")
         self.start = torch.zeros(1, dtype=torch.int64, device=self.device)  # static start
         self.graphs: dict[tuple, _Graph | None] = {}  # None: capture failed, run eager
         self.pool = None  # one memory pool shared by this step's graphs
         self.replays = 0
         self.eager = 0  # steps run on the dynamic eager forward after a failed capture
         self.capture_s = 0.0  # warm-ups and captures, inside the decode time a user sees
+
+    def _where(self, static: bool) -> str:
+        """Where --compile does not apply (one note per run: the levels' notes are merged)."""
+        if self.device.type != "cuda":
+            return f"on {self.device.type}"
+        return "under tensor parallelism" if static else "over a cache with dynamic shapes (offloaded)"
 
     def figures(self) -> dict:
         """For Stats.extra: whether steps replayed as graphs, how many were captured and
@@ -80,7 +104,7 @@ class Step:
             self.eager += 1  # break the fixed-shape forward too, so the cache's dynamic one
             return self.model(ids, start, self.cache, last_only)
         if g is None:  # not graphed (TRIFORCE_OFFLOAD_STATIC=1): the fixed-shape forward, eager
-            return self.model(ids, self.start, self.cache, last_only)
+            return self.forward(ids, self.start, self.cache, last_only)
         g.ids.copy_(ids, non_blocking=True)
         g.graph.replay()
         self.replays += 1
@@ -89,7 +113,7 @@ class Step:
 
     def _capture(self, ids, last_only) -> _Graph | None:
         static_ids = ids.clone()
-        run = lambda: self.model(static_ids, self.start, self.cache, last_only)  # noqa: E731
+        run = lambda: self.forward(static_ids, self.start, self.cache, last_only)  # noqa: E731
         t0 = time.perf_counter()
         try:
             return self._capture_on(self.device, static_ids, run)
@@ -115,9 +139,43 @@ class Step:
             return _Graph(graph, static_ids, out)
 
 
+def compile_gap(device) -> str | None:
+    """Why torch.compile cannot build the fixed-shape step on `device`, or None: inductor
+    generates Triton kernels on CUDA (C++ on the CPU, where the tests run it)."""
+    if torch.device(device).type != "cuda":
+        return None
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        return f"inductor needs triton on CUDA ({e})"
+    return None
+
+
+def compile_status(device) -> str:
+    """What `--compile` does on `device`, for `info`."""
+    if torch.device(device).type != "cuda":
+        return "not applied (no CUDA device): steps there are not fixed-shape"
+    gap = compile_gap(device)
+    if gap:
+        return f"unavailable: {gap}"
+    import triton
+    return (f"--compile: torch.compile (inductor, Triton {triton.__version__}) under the captured "
+            "step; off by default until measured on a GPU")
+
+
+def compiled(model):
+    """`model` under torch.compile for the fixed-shape step: static shapes (one compile per
+    shape, as one graph each), inductor's default mode (the caller captures the graph)."""
+    import torch._dynamo
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    return torch.compile(model, dynamic=False)
+
+
 def combined(steps) -> dict:
     """The figures of several levels' steps as one (the stats line shows them)."""
     d = {"graphs": any(s.replays for s in steps)}
+    if any(s.forward is not s.model for s in steps):
+        d["compiled"] = True
     captures = sum(g is not None for s in steps for g in s.graphs.values())
     if captures:
         d.update(graph_captures=captures, capture_s=round(sum(s.capture_s for s in steps), 3))

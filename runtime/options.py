@@ -95,6 +95,9 @@ class GenerationOptions(SamplingParams):
     max_context: int | None = opt(None, "Cap the cache capacity (tokens).", check=at_least(1))
     graphs: bool = opt(True, "Replay fixed-shape decode and verification steps as CUDA graphs "
                        "(GPU only; prefill stays eager).")
+    compile: bool = opt(False, "torch.compile the fixed-shape decode and verification steps (CUDA, "
+                        "resident cache; fuses each layer's small ops, compiles once per step shape). "
+                        "Off until measured to pay on a GPU.")
     ignore_eos: bool = opt(False, "Generate exactly max_new_tokens (benchmarks).", cli=False)
     draft: str = opt("ngram", "Bottom drafter: ngram (prompt lookup), self (the target over a "
                      "streaming cache) or a draft model path (same tokenizer).", check=_draft)

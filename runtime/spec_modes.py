@@ -58,7 +58,7 @@ def check_draft(o: GenerationOptions, loaded):
 def build_levels(kind, opts, loaded, prompt, full, notes: list):
     """[drafter?, target+retrieval?, target+full] and their gammas for `kind`."""
     g, r, n = opts.generation, opts.retrieval, len(prompt)
-    top = ModelLevel(loaded.model, full, "full", g.graphs, held=n)
+    top = ModelLevel(loaded.model, full, "full", g.graphs, held=n, compile=g.compile)
     levels, gammas = [top], []
     if kind in ("triforce", "retrieval"):
         budget, chunk = r.budget_for(n), r.retrieval_chunk
@@ -75,7 +75,7 @@ def build_levels(kind, opts, loaded, prompt, full, notes: list):
             ret.build(full, full.q, n)
             if ret.holds_all:
                 notes.append(f"prompt of {n} tokens fits the budget: the retrieval cache holds all of it")
-            mid = ModelLevel(loaded.model, ret, "retrieval", g.graphs, held=n)
+            mid = ModelLevel(loaded.model, ret, "retrieval", g.graphs, held=n, compile=g.compile)
             levels.insert(0, mid)
             gammas.insert(0, g.gamma2_start)
             notes.append(f"retrieval level: budget {budget} tokens of {n} "

@@ -99,8 +99,8 @@ def test_timed_decode_contains_no_capture(monkeypatch):
     monkeypatch.setenv("TRIFORCE_OFFLOAD_STATIC", "1")  # the fixed-shape path on the CPU
     init = graphs.Step.__init__
 
-    def on_a_card(self, model, cache, graphs_on=True):
-        init(self, model, cache, graphs_on)
+    def on_a_card(self, model, cache, graphs_on=True, compile=False):
+        init(self, model, cache, graphs_on, compile)
         self.graphed = self.static = bool(graphs_on and cache.static)
     monkeypatch.setattr(graphs.Step, "__init__", on_a_card)
     monkeypatch.setattr(graphs.Step, "_capture_on", lambda self, dev, ids, run: graphs._Graph(

@@ -23,6 +23,8 @@ def test_dry_run_lists_the_measurements_and_writes_nothing(tmp_path):
     assert "offload_pipeline.py" in b.stdout and "--contexts 131072 --no-compare --prefill" in b.stdout
     assert "-m pytest -q -rs -m cuda" in a.stdout
     assert "triforce+offload" in b.stdout and "--device cuda" in b.stdout
+    c = session("c", "--dry-run", "--out", tmp_path / "o")
+    assert c.returncode == 0 and "--modes graphed compiled" in c.stdout, c.stderr
     assert not (tmp_path / "o").exists()
 
 
@@ -51,3 +53,16 @@ def test_smoke_stages_run_every_command(tmp_path):
     assert any("link_gbps" in r for r in rows) and any(r.get("mode") == "triforce" for r in rows)
     bench = [json.loads(x) for x in (tmp_path / "bench" / "bench.jsonl").read_text().splitlines()]
     assert {"autoregressive+offload", "triforce+offload"} <= {r["mode"] for r in bench}
+
+
+@pytest.mark.slow
+def test_smoke_compile_stage_compiles_the_fixed_shape_step(tmp_path, monkeypatch):
+    """Stage c on the CPU with the fixed-shape forward (TRIFORCE_OFFLOAD_STATIC=1): the
+    compiled row is compiled (inductor's C++ backend here), the graphed one is not."""
+    monkeypatch.setenv("TRIFORCE_OFFLOAD_STATIC", "1")
+    c = session("c", "--smoke", "--out", tmp_path)
+    assert c.returncode == 0, (tmp_path / "c.log").read_text()[-3000:]
+    rows = {r["mode"]: r for r in map(json.loads, (tmp_path / "c.jsonl").read_text().splitlines())}
+    assert rows["autoregressive compiled"]["compiled"] is True
+    assert rows["autoregressive graphed"]["compiled"] is False
+    assert rows["autoregressive compiled"]["same_tokens_as"] == {"autoregressive graphed": True}
