@@ -52,7 +52,7 @@ def tune(
                            progress=lambda r: err.print(f"chunk {r['chunk']}: "
                                                         f"{r['verify_ms']:.1f} ms", highlight=False))
     meta = {"context": context, "tokens": tokens, "dtype": str(loaded.dtype),
-            "bytes_per_token": rows[0]["copy_bytes"] * 2 // rows[0]["chunk"]}  # K + V, one layer
+            "bytes_per_token": rows[0]["copy_bytes"] // rows[0]["chunk"]}  # K + V, one layer
     path = save_profile(loaded.device, rows, best, meta) if save else None
     if plot:
         plot_rows(rows, plot)

@@ -183,9 +183,8 @@ triton_decode = torch.library.custom_op("triforce_offload::triton_decode", _trit
 
 
 @flash_decode.register_fake
-def _(q, k, v, lens):
-    B, Hq, T, D = q.shape
-    return q.new_empty(B, T, Hq, D).transpose(1, 2)
+def _(q, k, v, lens):  # flash-attn allocates its output like the q it is given ([B, T, Hq, D])
+    return torch.empty_like(q.transpose(1, 2)).transpose(1, 2)
 
 
 @triton_decode.register_fake
@@ -239,7 +238,8 @@ def _masked_attention(q, k, v, length, shared: dict | None = None):
     B, Hq, T, D = q.shape
     n_kv, cap = k.shape[1], k.shape[2]
     make = lambda: static_mask(length, T, Hq // n_kv, cap)  # noqa: E731
-    mask = make() if shared is None else _once(shared, ("mask", T, Hq // n_kv, cap), make)
+    # keyed without `cap`: hashing it would specialize a compiled step on the capacity
+    mask = make() if shared is None else _once(shared, ("mask", T, Hq // n_kv), make)
     return _unfold(sdpa(_fold(q, n_kv), k, v, attn_mask=mask), Hq)
 
 

@@ -92,7 +92,7 @@ class ChunkCopier:
 
     def fetch(self, dst: tuple, src: tuple, tag, after: Signal | None = None) -> Signal:
         """Copy host tensors `src` into device staging `dst` (pairwise same shape,
-        contiguous): one chunk's K and V, signalled together."""
+        contiguous): one chunk's K and V (one interleaved block), signalled together."""
         self.bytes += sum(s.nbytes for s in src)
         return self._submit(dst, src, tag, after, "copy")
 

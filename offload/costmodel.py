@@ -16,7 +16,8 @@ Assumptions (all stated, none fitted to the paper table):
    flops / tensor TFLOP/s). ``hbm_eff`` = 0.8 is a typical achieved fraction (assumption).
 2. A link copy of b bytes costs b / peak + ``copy_latency_us`` (10 us, an assumption for
    cudaMemcpyAsync launch + DMA setup), so small transfer chunks waste link time. K and V
-   are separate copies. All links together are capped by host DRAM bandwidth.
+   of a chunk are one copy (the store interleaves them). All links together are capped by
+   host DRAM bandwidth.
 3. Transfers overlap compute, but the link can run ahead of compute only by the staging
    ring (``staging_bytes``: STAGE_DEPTH slots of ``transfer_chunk`` tokens of one layer,
    exactly what the runtime allocates): compute of the on-chip layers beyond what fills
@@ -62,10 +63,10 @@ def staging_bytes(transfer_chunk: int, kv_layer_bytes: float, depth: int = STAGE
 
 
 def default_transfer_chunk(kv_layer_bytes: float, min_copy_bytes: float = MIN_COPY_BYTES) -> int:
-    """Tokens per copy when none is given or tuned: one copy (the K or the V of one layer's
-    chunk) moves at least `min_copy_bytes` (MIN_COPY_BYTES, or where a tuned profile's
-    link curve reaches its speed: `tune.min_copy_bytes`)."""
-    return max(1, math.ceil(min_copy_bytes / (kv_layer_bytes / 2)))
+    """Tokens per copy when none is given or tuned: one copy (the K and V of one layer's
+    chunk, interleaved in the store) moves at least `min_copy_bytes` (MIN_COPY_BYTES, or
+    where a tuned profile's link curve reaches its speed: `tune.min_copy_bytes`)."""
+    return max(1, math.ceil(min_copy_bytes / kv_layer_bytes))
 
 
 @dataclass(frozen=True)
@@ -382,8 +383,8 @@ def link_gbps(hw: Hardware, copy_bytes: float, tp: int = 1) -> float:
 
 
 def _copy_bytes(m: ModelSpec, s: Settings, tp: int) -> float:
-    """One copy: K or V of transfer_chunk tokens of one layer, this GPU's heads."""
-    return s.transfer_chunk * m.kv_layer_bytes / 2 / tp
+    """One copy: K and V of transfer_chunk tokens of one layer, this GPU's heads."""
+    return s.transfer_chunk * m.kv_layer_bytes / tp
 
 
 def _streamed_weights(hw, m, s, mode, tp, on_chip) -> float:

@@ -67,20 +67,21 @@ class PipelineScheduler:
         self.overlap, self.timeline = overlap, timeline
         s = store.spec
         self.n_slots = depth
-        shape = (self.n_slots, transfer_chunk, s.batch, s.n_kv_heads, s.head_dim)  # [N, C, B, Hkv, D]
-        self.k = torch.empty(shape, dtype=s.dtype, device=device)
-        self.v = torch.empty(shape, dtype=s.dtype, device=device)
+        if not s.token_major:
+            raise OffloadError("the pipeline streams a token-major store ([S, 2, B, Hkv, D])")
+        shape = (self.n_slots, transfer_chunk, 2, s.batch, s.n_kv_heads, s.head_dim)  # [N, C, 2, B, Hkv, D]
+        self.kv = torch.empty(shape, dtype=s.dtype, device=device)
         self.free = list(range(self.n_slots))
         self.current = None  # the Pass streaming now (None: none)
-        self.dst = [(self.k[i], self.v[i]) for i in range(depth)]  # fetch targets [C, B, Hkv, D]
-        self.read = [(self.k[i].permute(1, 2, 0, 3), self.v[i].permute(1, 2, 0, 3))
-                     for i in range(depth)]  # what attention reads, [B, Hkv, C, D]
-        self.views = {}  # (layer, c0) -> the store's K, V of a whole chunk (made once)
+        self.dst = [(self.kv[i],) for i in range(depth)]  # fetch targets [C, 2, B, Hkv, D]: one copy
+        self.read = [(self.kv[i, :, 0].permute(1, 2, 0, 3), self.kv[i, :, 1].permute(1, 2, 0, 3))
+                     for i in range(depth)]  # what attention reads, K and V [B, Hkv, C, D]
+        self.views = {}  # (layer, c0) -> the store's block of a whole chunk (made once)
         self.waited = 0.0  # seconds blocked in CPU waits (the cheap overlap summary)
 
     def nbytes(self) -> int:
         """Device bytes of the ring: `costmodel.staging_bytes(transfer_chunk, bytes per token, depth)`."""
-        return 2 * self.k.numel() * self.k.element_size()
+        return self.kv.numel() * self.kv.element_size()
 
     def start(self, end: int, first_layer: int | None = None):
         """Begin streaming the prefix [0, end) of the offloaded layers from `first_layer`
@@ -115,14 +116,13 @@ class PipelineScheduler:
             p.next_job += 1
 
     def _pair(self, slot: int, layer: int, c0: int, c1: int):
-        """(staging K, V; store K, V) of one fetch: views made once for whole chunks."""
+        """(staging block; store block) of one fetch, K and V together: views made once for
+        whole chunks."""
         if c1 - c0 < self.transfer_chunk:  # the last, partial chunk of a prefix
-            n = c1 - c0
-            return ((self.k[slot, :n], self.v[slot, :n]),
-                    (self.store.k[layer][c0:c1], self.store.v[layer][c0:c1]))
+            return (self.kv[slot, : c1 - c0],), self.store.chunk(layer, c0, c1)
         src = self.views.get((layer, c0))
         if src is None:
-            src = self.views[layer, c0] = (self.store.k[layer][c0:c1], self.store.v[layer][c0:c1])
+            src = self.views[layer, c0] = self.store.chunk(layer, c0, c1)
         return self.dst[slot], src
 
     def stream(self, layer: int, end: int):

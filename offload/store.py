@@ -1,8 +1,10 @@
 """Host KV store: the full KV of the offloaded layers, in (pinned) host memory.
 
-One store per tensor-parallel rank, holding that rank's KV heads. Layout is token-major,
-[S, B, Hkv, D] per layer, so a chunk of tokens is one contiguous block: one DMA per chunk
-on a GPU, one memcpy on the CPU. `view()` gives the usual [B, Hkv, S, D] view.
+One store per tensor-parallel rank, holding that rank's KV heads. Layout is token-major
+with K and V interleaved, [S, 2, B, Hkv, D] per layer, so a chunk of tokens, K and V both,
+is one contiguous block: one DMA per chunk on a GPU, one memcpy on the CPU (`chunk`,
+`pack`). `k[layer]`/`v[layer]` are its [S, B, Hkv, D] halves (strided views) and `view()`
+gives the usual [B, Hkv, S, D] views.
 
 Memory is checked before anything is allocated (`check_memory`), so an impossible context
 is refused with the numbers instead of an allocator trace half-way through.
@@ -29,7 +31,7 @@ class StoreSpec:
     capacity: int  # tokens per layer (the maximum context)
     batch: int = 1  # sequences
     dtype: torch.dtype = torch.float32  # KV dtype
-    token_major: bool = True  # [S, B, Hkv, D] (chunk = one block, for streaming) or [B, Hkv, S, D]
+    token_major: bool = True  # [S, 2, B, Hkv, D] (chunk = one block, for streaming) or K, V [B, Hkv, S, D]
 
     def bytes_per_token(self) -> int:
         """K and V bytes of one token in one layer."""
@@ -159,24 +161,44 @@ def pin_in_place(buf: torch.Tensor, owner) -> bool:
 
 
 class HostKVStore:
-    """Per offloaded layer K and V, [S, B, Hkv, D], in pinned memory when CUDA is present."""
+    """Per offloaded layer K and V, interleaved [S, 2, B, Hkv, D] (token-major) or apart
+    [B, Hkv, S, D], in pinned memory when CUDA is present."""
 
     def __init__(self, spec: StoreSpec, pin: bool | None = None):
         self.spec = spec
         self.pinned = torch.cuda.is_available() and pin is not False  # nothing to pin for without CUDA
-        shape = (spec.capacity, spec.batch, spec.n_kv_heads, spec.head_dim)  # [S, B, Hkv, D]
-        if not spec.token_major:
-            shape = (spec.batch, spec.n_kv_heads, spec.capacity, spec.head_dim)  # [B, Hkv, S, D]
-        n = len(spec.layers)
-        # one page-aligned buffer for every K and V: one registration, pages of its own
-        buf = page_aligned(2 * n * _pages(_elem(spec.dtype) * torch.Size(shape).numel()))
-        views = carve(buf, [shape] * 2 * n, spec.dtype)
-        self.k, self.v = dict(zip(spec.layers, views[:n])), dict(zip(spec.layers, views[n:]))
+        B, H, S, D = spec.batch, spec.n_kv_heads, spec.capacity, spec.head_dim
+        shape = (S, 2, B, H, D) if spec.token_major else (B, H, S, D)
+        per_layer = 1 if spec.token_major else 2  # tensors per layer
+        n = len(spec.layers) * per_layer
+        # one page-aligned buffer for every layer: one registration, pages of its own
+        buf = page_aligned(n * _pages(_elem(spec.dtype) * torch.Size(shape).numel()))
+        views = carve(buf, [shape] * n, spec.dtype)
         if self.pinned and not pin_in_place(buf, self):
-            self.k = self.v = views = buf = None  # freed first: never both copies at once
-            zeros = lambda: {layer: torch.zeros(shape, dtype=spec.dtype, pin_memory=True)  # noqa: E731
-                             for layer in spec.layers}
-            self.k, self.v = zeros(), zeros()  # torch's pinned allocator (rounds up)
+            views = buf = None  # freed first: never both copies at once
+            views = [torch.zeros(shape, dtype=spec.dtype, pin_memory=True) for _ in range(n)]  # rounds up
+        if spec.token_major:
+            self.kv = dict(zip(spec.layers, views))  # [S, 2, B, Hkv, D]
+            self.k = {layer: t[:, 0] for layer, t in self.kv.items()}  # [S, B, Hkv, D] views
+            self.v = {layer: t[:, 1] for layer, t in self.kv.items()}
+        else:
+            self.kv = None
+            self.k = dict(zip(spec.layers, views[0::2]))
+            self.v = dict(zip(spec.layers, views[1::2]))
+
+    def chunk(self, layer: int, c0: int, c1: int) -> tuple[torch.Tensor, ...]:
+        """What one copy of positions [c0, c1) of `layer` moves: the contiguous
+        [n, 2, B, Hkv, D] block (token-major), else K and V [B, Hkv, n, D]."""
+        if self.kv is not None:
+            return (self.kv[layer][c0:c1],)
+        return self.k[layer][:, :, c0:c1], self.v[layer][:, :, c0:c1]
+
+    def pack(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Device k, v [B, Hkv, T, D] laid out as `chunk` of T positions: one stack (a
+        contiguous [T, 2, B, Hkv, D]) for the token-major store."""
+        if self.kv is not None:
+            return (torch.stack((k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3)), dim=1),)
+        return k, v
 
     @property
     def capacity(self) -> int:
@@ -197,3 +219,7 @@ class HostKVStore:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The store's own tensors (each starts on a page of its own)."""
+        return list(self.kv.values()) if self.kv is not None else [*self.k.values(), *self.v.values()]

@@ -25,13 +25,18 @@ this step captures) under the fixed-shape forward: it fuses each layer's norms, 
 KV write, SwiGLU and residual adds into a few generated kernels, so a captured graph holds
 fewer, larger kernels. The attention kernels stay opaque (custom ops,
 `kernels.attention`), the KV buffers are written in place (inductor keeps the
-`index_copy_` on the cache's buffer), and each (tokens, last_only) shape of each level
-compiles once, inside the capture's warm-up (so in `capture_s`). Off by default until a GPU
+`index_copy_` on the cache's buffer). Compiles happen in the capture's warm-up (so in
+`capture_s`), which runs until dynamo compiles nothing new (a first forward can change
+what the next one guards on: the Recorder's query buffers); the capture itself refuses a
+recompile. The cache capacity becomes symbolic once it changes (dynamo's automatic dynamic
+shapes): a second prompt length compiles once more, later ones reuse that graph. Each
+verification width compiles once (the forward specializes on its token count). Off by default until a GPU
 measurement says it pays; it never applies where the step is not fixed-shape (the CPU
 without `TRIFORCE_OFFLOAD_STATIC=1`, offloaded or streaming caches): that is said once.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -43,7 +48,7 @@ from .distributed import world_size
 TP_NOTE = ("CUDA graphs off under tensor parallelism: a captured graph would not replay the "
            "all_reduce hooks as collectives")
 COMPILE_NOTE = "--compile not applied {why}: it compiles fixed-shape steps, which run on CUDA over a resident cache"
-RECOMPILE_LIMIT = 64  # compiled shapes per code object: levels x verification widths (gamma2 auto)
+RECOMPILE_LIMIT = 64  # compiled graphs per code object (levels x last_only x static/symbolic)
 
 
 @dataclass
@@ -126,14 +131,15 @@ class Step:
             self.capture_s += time.perf_counter() - t0
 
     def _capture_on(self, device, static_ids, run) -> _Graph:
+        compiled = self.forward is not self.model
         with torch.cuda.device(device):  # capture streams belong to the model's device
             side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):  # warm-up: kernels compile, workspaces allocate
-                run()  # (writes the same KV at the same positions as the replay will)
+                settle(run, compiled)  # (writes the same KV at the same positions as the replay will)
             torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with no_recompile(compiled), torch.cuda.graph(graph, pool=self.pool):
                 out = run()
             self.pool = graph.pool()
             return _Graph(graph, static_ids, out)
@@ -164,11 +170,39 @@ def compile_status(device) -> str:
 
 
 def compiled(model):
-    """`model` under torch.compile for the fixed-shape step: static shapes (one compile per
-    shape, as one graph each), inductor's default mode (the caller captures the graph)."""
+    """`model` under torch.compile for the fixed-shape step: inductor's default mode (the
+    caller captures the graph), dynamo's automatic dynamic shapes."""
     import torch._dynamo
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-    return torch.compile(model, dynamic=False)
+    cfg = torch._dynamo.config  # recompile_limit since torch 2.7, cache_size_limit before
+    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
+    setattr(cfg, name, max(getattr(cfg, name), RECOMPILE_LIMIT))
+    return torch.compile(model)
+
+
+def compiles() -> int:
+    """Graphs dynamo has compiled in this process."""
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"]
+
+
+def settle(run, compiled: bool, tries: int = 3):
+    """The warm-up before a capture: `run()` once, and while compiled, again until dynamo
+    compiles nothing new (a recompile inside a capture fails it)."""
+    run()
+    for _ in range(tries if compiled else 0):
+        before = compiles()
+        run()
+        if compiles() == before:
+            return
+
+
+def no_recompile(compiled: bool):
+    """Around a capture of a compiled forward: a recompile raises (the capture then fails
+    and that shape runs eager, said on the stats line) instead of compiling mid-capture."""
+    if not compiled:
+        return contextlib.nullcontext()
+    import torch._dynamo
+    return torch._dynamo.config.patch(error_on_recompile=True)
 
 
 def combined(steps) -> dict:

@@ -184,11 +184,9 @@ class OffloadedCache(KVCache):
         """Copy the forward's new K, V [B, Hkv, T, D] to the store asynchronously (and keep
         them for `recent`)."""
         self.fresh[layer] = (start, k, v)
-        kh = k.permute(2, 0, 1, 3).contiguous()  # [T, B, Hkv, D], the store layout
-        vh = v.permute(2, 0, 1, 3).contiguous()
-        end = start + k.shape[2]
-        dst = (self.store.k[layer][start:end], self.store.v[layer][start:end])
-        self.write_backs[layer] = self.copier.write_back(dst, (kh, vh), (layer, start, "wb"))
+        src = self.store.pack(k, v)  # [T, 2, B, Hkv, D], the store's layout: one copy
+        dst = self.store.chunk(layer, start, start + k.shape[2])
+        self.write_backs[layer] = self.copier.write_back(dst, src, (layer, start, "wb"))
 
     def hold(self, layer: int | None, end: int = 0):
         """Keep offloaded `layer`'s KV of positions [0, end) on the device until the next

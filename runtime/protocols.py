@@ -90,7 +90,9 @@ class RetrievalKV(Cache, Protocol):
 @runtime_checkable
 class HostStore(Protocol):
     """Host-backed KV of the offloaded layers (offload/store.py HostKVStore): per layer
-    K and V tensors `k[layer]`, `v[layer]` ([S, B, Hkv, D] token-major, else [B, Hkv, S, D])."""
+    K and V tensors `k[layer]`, `v[layer]` ([S, B, Hkv, D] token-major, views into one
+    interleaved [S, 2, B, Hkv, D]; else [B, Hkv, S, D]); `chunk` is what one copy of a
+    range of positions moves, `pack` lays fresh device K, V out the same way."""
 
     spec: object  # offload.store.StoreSpec: layers, heads, capacity, dtype, layout
     pinned: bool  # page-locked (CUDA present): copies to the device can be asynchronous
@@ -101,6 +103,8 @@ class HostStore(Protocol):
     def capacity(self) -> int: ...
     def view(self, layer: int, end: int) -> tuple: ...  # K, V [B, Hkv, S, D] of [0, end)
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None: ...
+    def chunk(self, layer: int, c0: int, c1: int) -> tuple: ...
+    def pack(self, k: torch.Tensor, v: torch.Tensor) -> tuple: ...
     def nbytes(self) -> int: ...
 
 

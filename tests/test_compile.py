@@ -21,8 +21,8 @@ from torch._inductor.utils import run_and_get_code
 from helpers_spec import repetitive_prompt, run, tiny
 from triforce_offload.kernels import attention as A
 from triforce_offload.runtime.cache import FullCache
-from triforce_offload.runtime.graphs import Step, combined
-from triforce_offload.runtime.retrieval import RetrievalCache
+from triforce_offload.runtime.graphs import Step, combined, no_recompile, settle
+from triforce_offload.runtime.retrieval import Recorder, RetrievalCache
 
 
 @pytest.fixture(autouse=True)
@@ -185,3 +185,49 @@ def test_compile_without_triton_on_cuda_is_named(monkeypatch):
     assert "needs triton" in graphs.compile_gap("cuda")
     assert graphs.compile_status("cuda").startswith("unavailable: inductor needs triton")
     assert graphs.compile_gap("cpu") is None
+
+
+@pytest.mark.slow
+def test_warm_up_settles_what_the_capture_would_recompile(monkeypatch):
+    """The verifier's Recorder makes its query buffers in the first forward, which changes
+    what the next one guards on: one warm-up run would leave a recompile for the capture
+    (a failed capture on CUDA: dynamo reads the RNG state, illegal while capturing).
+    `settle` runs until nothing new compiles; the capture's `no_recompile` then holds."""
+    monkeypatch.setenv("TRIFORCE_OFFLOAD_STATIC", "1")
+    L = tiny()
+    start, ids = torch.tensor([40]), torch.zeros(1, 1, dtype=torch.long)
+    for warm_ups in ("once", "settle"):
+        torch._dynamo.reset()
+        rec = Recorder(_prefilled(L, 40))
+        step = Step(L.model, rec, graphs=False, compile=True)
+        run = lambda: step.forward(ids, start, rec, True)  # noqa: E731
+        with torch.inference_mode():
+            run() if warm_ups == "once" else settle(run, compiled=True)
+            if warm_ups == "once":
+                with pytest.raises(Exception, match="[Rr]ecompil"), no_recompile(True):
+                    run()
+            else:
+                with no_recompile(True):
+                    run()
+
+
+@pytest.mark.slow
+def test_new_capacities_and_widths_reuse_the_compiled_step(monkeypatch):
+    """A server sees a new prompt length (cache capacity) per request: after the second,
+    the compiled step is symbolic in the capacity and nothing recompiles for a width it
+    compiled (the mask is not keyed on the capacity: hashing it would specialize). Each
+    verification width compiles once (the step specializes on it)."""
+    monkeypatch.setenv("TRIFORCE_OFFLOAD_STATIC", "1")
+    L = tiny()
+    f = Step(L.model, _prefilled(L, 8), graphs=False, compile=True).forward
+
+    def step(cap, T):
+        cache = _prefilled(L, 40, cap)
+        return f(torch.zeros(1, T, dtype=torch.long), torch.tensor([40]), cache, T == 1)
+
+    with torch.inference_mode():
+        for cap, T in ((256, 1), (300, 1), (256, 3), (256, 5)):
+            step(cap, T)
+        with no_recompile(True):
+            for cap, T in ((1000, 1), (777, 1), (999, 3), (4096, 5)):
+                step(cap, T)

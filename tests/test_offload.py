@@ -127,6 +127,48 @@ def test_attention_never_reads_before_copy_signalled(model, reference):
     cache.close()
 
 
+class CountingCopier(ChunkCopier):
+    """Logs every fetch and write-back: the tensors it moves and their bytes."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.log = []
+
+    def fetch(self, dst, src, tag, after=None):
+        self.log.append(("fetch", len(src), sum(t.nbytes for t in src), all(t.is_contiguous() for t in src)))
+        return super().fetch(dst, src, tag, after)
+
+    def write_back(self, dst, src, tag):
+        self.log.append(("wb", len(src), sum(t.nbytes for t in src), all(t.is_contiguous() for t in src)))
+        return super().write_back(dst, src, tag)
+
+
+def test_k_and_v_of_a_chunk_move_in_one_copy(model):
+    """The store interleaves K and V ([S, 2, B, Hkv, D]): a streamed chunk is one contiguous
+    copy each way, and a decode step moves exactly the offloaded prefix's K+V bytes."""
+    off = OffloadedCache(CFG, CAP, transfer_chunk=8, on_chip=1, copier_cls=CountingCopier)
+    ids = torch.randint(0, CFG.vocab_size, (1, 30), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        model(ids[:, :20], 0, off)
+        off.commit(20)
+        off.copier.log.clear()
+        model(ids[:, 20:21], 20, off)  # decode: stream 20 tokens of each offloaded layer
+    log, per_token = off.copier.log, off.store.spec.bytes_per_token()
+    fetches, wbs = [r for r in log if r[0] == "fetch"], [r for r in log if r[0] == "wb"]
+    offloaded = CFG.n_layers - 1
+    assert len(fetches) == offloaded * 3  # chunks of 8, 8, 4 tokens
+    assert all(n == 1 and contiguous for _, n, _, contiguous in fetches + wbs)
+    assert sum(b for _, _, b, _ in fetches) == offloaded * 20 * per_token
+    assert len(wbs) == offloaded and all(b == per_token for _, _, b, _ in wbs)
+    full = FullCache(CFG, CAP)
+    with torch.inference_mode():
+        model(ids[:, :21], 0, full)
+    for layer in range(1, CFG.n_layers):  # the interleaved halves hold what a full cache holds
+        for a, b in zip(off.keys(layer, 21), full.keys(layer, 21)):
+            torch.testing.assert_close(a, b)
+    off.close()
+
+
 def test_write_back_persists(model):
     full, off = FullCache(CFG, CAP), OffloadedCache(CFG, CAP, transfer_chunk=8, on_chip=1)
     ids = torch.randint(0, CFG.vocab_size, (1, 30))
@@ -243,13 +285,13 @@ def test_min_copy_size_from_the_tuned_link_curve(tmp_path, monkeypatch):
     the smallest copy at 90% of the best GB/s sets the chunk; the same model gets the
     tuned chunk itself; no curve: 4 MiB per copy."""
     monkeypatch.setenv("TRIFORCE_OFFLOAD_CACHE", str(tmp_path))
-    assert tune.transfer_chunk_for("cpu", 1024) == 4 * 2 ** 20 // 512
+    assert tune.transfer_chunk_for("cpu", 1024) == 4 * 2 ** 20 // 1024  # K+V bytes of a token
     rows = [{"chunk": c, "copy_bytes": c * 256, "link_gbps": g, "verify_ms": 1.0}
             for c, g in ((64, 2.0), (256, 9.5), (1024, 10.0), (4096, 9.8))]
     tune.save_profile("cpu", rows, 1024, {"bytes_per_token": 512})
     assert tune.min_copy_bytes(tune.load_profile("cpu")) == 256 * 256  # 9.5 >= 0.9 * 10
     assert tune.transfer_chunk_for("cpu", 512) == 1024  # the tuned model: its chunk
-    assert tune.transfer_chunk_for("cpu", 1024) == 256 * 256 // 512  # another: the curve
+    assert tune.transfer_chunk_for("cpu", 1024) == 256 * 256 // 1024  # another: the curve
     assert tune.transfer_chunk_for("cpu", 1024, given=7) == 7
 
 
@@ -343,9 +385,9 @@ def test_staging_bytes_equal_the_cost_model():
     assert cm.memory_use(hw, m, s).parts["staging"] * cm.GIB == cm.staging_bytes(256, m.kv_layer_bytes)
     n = cm.default_transfer_chunk(m.kv_layer_bytes)
     c = OffloadedCache(cfg, n + 8, dtype=torch.bfloat16, on_chip=1)
-    per_copy = lambda t: t * c.store.spec.bytes_per_token() // 2
+    per_copy = lambda t: t * c.store.spec.bytes_per_token()  # K and V: one copy
     assert c.transfer_chunk == n and per_copy(n) >= 4 * 2 ** 20 > per_copy(n - 1)
-    assert cm.default_transfer_chunk(2 * 32 * 128 * 2) == 512  # Llama2-7B bf16: 4 MiB per copy
+    assert cm.default_transfer_chunk(2 * 32 * 128 * 2) == 256  # Llama2-7B bf16: 4 MiB per copy
     c.close()
 
 
@@ -418,7 +460,7 @@ def _on_a_fake_card(monkeypatch, rt):
 
 
 def test_host_store_is_one_page_aligned_buffer_pinned_once(monkeypatch):
-    """Every K and V is a view into one page-aligned buffer of whole pages, registered with
+    """Every layer's interleaved K and V is a view into one page-aligned buffer of whole pages, registered with
     one cudaHostRegister at (about) its exact size (torch's pin_memory would round every
     block up to a power of two: up to twice the host memory check_memory counted), and
     unregistered when the store goes, before its memory is freed."""
@@ -428,7 +470,8 @@ def test_host_store_is_one_page_aligned_buffer_pinned_once(monkeypatch):
     _on_a_fake_card(monkeypatch, rt)
     spec = StoreSpec([2, 3], 3, 64, 1000, dtype=torch.bfloat16)  # 384,000 B per tensor
     store = HostKVStore(spec, pin=True)
-    tensors = [*store.k.values(), *store.v.values()]
+    tensors = store.tensors()
+    assert len(tensors) == 2 and all(store.k[l].data_ptr() == t.data_ptr() for l, t in store.kv.items())
     [(kind, ptr, n)] = rt.calls
     assert kind == "reg" and ptr % PAGE == 0 and n % PAGE == 0 and spec.nbytes() <= n < spec.nbytes() + 4 * PAGE
     assert all(ptr <= t.data_ptr() < ptr + n and t.data_ptr() % PAGE == 0 for t in tensors)
@@ -450,7 +493,7 @@ def test_a_refused_registration_leaves_no_cuda_error_pending(monkeypatch):
     monkeypatch.setattr(torch, "zeros", lambda *a, pin_memory=False, **kw: pinned.append(pin_memory) or zeros(*a, **kw))
     store = HostKVStore(StoreSpec([0, 1], 2, 16, 100), pin=True)
     assert [k for k, _, _ in rt.calls] == ["reg"] and cleared == [1]
-    assert pinned == [False] + [True] * 4 and store.pinned  # the flat buffer, then 4 pinned tensors
+    assert pinned == [False] + [True] * 2 and store.pinned  # the flat buffer, then one pinned K+V per layer
 
 
 def test_pinning_without_cuda_takes_the_fallback_with_the_real_binding():

@@ -78,8 +78,7 @@ def make_cache(loaded, context: int, tokens: int, transfer_chunk: int, overlap: 
                            copier_cls=copier_cls, profile=profile, **({"depth": slots} if slots else {}))
     fill_random(cache, context)
     if copier_cls is NoCopy:  # touch the slots: never-written pages all read one zero page
-        cache.sched.k.normal_()
-        cache.sched.v.normal_()
+        cache.sched.kv.normal_()
     return cache
 
 
@@ -158,7 +157,7 @@ def tune_rows(loaded, context: int, tokens: int, sizes: list[int], repeats: int 
     for c in sizes:
         gbs = link_throughput(c, context, bpt, loaded.device)
         r = verify_latency(loaded, context, tokens, c, repeats=repeats)
-        rows.append({"chunk": c, "copy_bytes": c * bpt // 2, "link_gbps": gbs,
+        rows.append({"chunk": c, "copy_bytes": c * bpt, "link_gbps": gbs,
                      "verify_ms": 1000 * r["latency_s"], "overlap": r["overlap"]})
         if progress:
             progress(rows[-1])
