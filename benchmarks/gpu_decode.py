@@ -304,7 +304,7 @@ def run_ar(L, mode: str, prompt: list[int], a, n: int) -> dict:
     cache.close()
     return {**row, "prefill_s": round(t1 - t0, 3), "warm_up_s": round(warm_s, 3),
             "capture_s": round(step.capture_s, 3), "timed_captures": len(step.graphs) - captures,
-            "graphs": step.figures()["graphs"], "compiled": step.forward is not step.model,
+            "graphs": step.figures()["graphs"], "compiled": step.compiled,
             **({"notes": step.notes} if step.notes else {})}
 
 

@@ -72,7 +72,8 @@ class Step:
         self.graphed = bool(graphs and static and self.device.type == "cuda")
         self.static = self.graphed or (static and env("static"))
         why = compile_gap(self.device) if compile and self.static else None
-        self.forward = compiled(model) if compile and self.static and not why else model  # fixed-shape
+        self.compiled = bool(compile and self.static and not why)
+        self.forward = compiled(model) if self.compiled else model  # the fixed-shape forward
         if compile and not self.static:
             self.notes.append(COMPILE_NOTE.format(why=self._where(static)))
         elif why:
@@ -131,7 +132,7 @@ class Step:
             self.capture_s += time.perf_counter() - t0
 
     def _capture_on(self, device, static_ids, run) -> _Graph:
-        compiled = self.forward is not self.model
+        compiled = self.compiled
         with torch.cuda.device(device):  # capture streams belong to the model's device
             side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
@@ -173,9 +174,11 @@ def compiled(model):
     """`model` under torch.compile for the fixed-shape step: inductor's default mode (the
     caller captures the graph), dynamo's automatic dynamic shapes."""
     import torch._dynamo
-    cfg = torch._dynamo.config  # recompile_limit since torch 2.7, cache_size_limit before
-    name = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"
-    setattr(cfg, name, max(getattr(cfg, name), RECOMPILE_LIMIT))
+    cfg = torch._dynamo.config
+    if torch.torch_version.TorchVersion(torch.__version__) >= (2, 7):  # renamed in 2.7
+        cfg.recompile_limit = max(cfg.recompile_limit, RECOMPILE_LIMIT)
+    else:
+        cfg.cache_size_limit = max(cfg.cache_size_limit, RECOMPILE_LIMIT)
     return torch.compile(model)
 
 
@@ -208,7 +211,7 @@ def no_recompile(compiled: bool):
 def combined(steps) -> dict:
     """The figures of several levels' steps as one (the stats line shows them)."""
     d = {"graphs": any(s.replays for s in steps)}
-    if any(s.forward is not s.model for s in steps):
+    if any(s.compiled for s in steps):
         d["compiled"] = True
     captures = sum(g is not None for s in steps for g in s.graphs.values())
     if captures:

@@ -68,12 +68,12 @@ def test_compile_applies_only_to_fixed_shape_steps(monkeypatch):
     L = tiny()
     monkeypatch.delenv("TRIFORCE_OFFLOAD_STATIC", raising=False)
     dynamic = Step(L.model, _prefilled(L, 8, static=False), graphs=True, compile=True)
-    assert dynamic.forward is L.model and "compiled" not in combined([dynamic])
+    assert not dynamic.compiled and dynamic.forward is L.model and "compiled" not in combined([dynamic])
     assert any("--compile not applied on cpu" in n for n in combined([dynamic, dynamic])["notes"])
     assert len(combined([dynamic, dynamic])["notes"]) == 1
     monkeypatch.setenv("TRIFORCE_OFFLOAD_STATIC", "1")
     fixed = Step(L.model, _prefilled(L, 8), graphs=True, compile=True)
-    assert fixed.forward is not L.model and combined([fixed])["compiled"] is True
+    assert fixed.compiled and fixed.forward is not L.model and combined([fixed])["compiled"] is True
     assert not fixed.notes
     plain = Step(L.model, _prefilled(L, 8), graphs=True, compile=False)
     assert plain.forward is L.model
