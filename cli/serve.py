@@ -11,14 +11,11 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Optional
-
-import typer
 
 from ..runtime import api
 from ..runtime.errors import TriforceError
 from ..runtime.options import (GenerationOptions, ModelOptions, OffloadOptions, RetrievalOptions,
-                               ReuseOptions, RunOptions)
+                               ReuseOptions, RunOptions, ServeOptions)
 from ..runtime.prefix_cache import prefix_store
 from .app import app
 from .options import options
@@ -33,14 +30,7 @@ def serve(
     retrieval: RetrievalOptions,
     offload: OffloadOptions,
     reuse: ReuseOptions,
-    host: str = typer.Option("127.0.0.1", help="Address to listen on (0.0.0.0: every interface)."),
-    port: int = typer.Option(8000, help="Port to listen on (0: a free one, printed at start)."),
-    served_model_name: Optional[str] = typer.Option(None, help="Model id in /v1/models and requests "
-                                                    "[default: the model's file or folder name]."),
-    api_key: Optional[str] = typer.Option(None, help="Require 'Authorization: Bearer KEY' (401 without)."),
-    max_queue: int = typer.Option(16, help="Requests that may wait for the model; more get 429."),
-    request_timeout: float = typer.Option(600.0, help="Seconds a request may take from arrival; "
-                                          "generation then stops (finish_reason length)."),
+    srv: ServeOptions,
 ):
     """Serve the OpenAI API (chat and completions, streamed or not) with KV reuse across
     requests; --max-new-tokens, --temperature, --top-p, --top-k and --seed are the defaults
@@ -53,24 +43,29 @@ def serve(
     except ImportError as e:
         raise TriforceError(f"serve needs fastapi and uvicorn ({e.name} is missing): "
                             "pip install 'triforce-offload[serve]'") from None
-    if max_queue < 1 or request_timeout <= 0:
-        raise TriforceError("--max-queue must be >= 1 and --request-timeout > 0")
     if api.world_size() > 1:
         raise TriforceError("serve runs in one process; tensor parallelism (--tp, torchrun) is run's")
-    sock = listen(host, port)  # a taken port is an error before the model loads
+    sock = listen(srv.host, srv.port)  # a taken port is an error before the model loads
     loaded = api.load(model, progress=lambda m: err.print(m))
     loaded.prefix = prefix_store(reuse, loaded, memory=True, save_later=True,
                                  note=lambda m: err.print(m, highlight=False))
     opts, metrics = RunOptions(gen, retrieval, offload), Metrics()
-    worker = Worker(loaded, max_queue, metrics)
-    name = served_model_name or model_name(model.model)
-    served = Served(loaded, opts, name, worker, metrics, api_key, request_timeout, int(time.time()))
+    worker = Worker(loaded, srv.max_queue, metrics)
+    name = srv.served_model_name or model_name(model.model)
+    served = Served(loaded, opts, name, worker, metrics, srv.api_key, srv.request_timeout, int(time.time()))
     config = uvicorn.Config(build(served), log_level="warning", timeout_graceful_shutdown=5)
     host, port = sock.getsockname()[:2]
     err.print(f"serving {name} ({opts.mode}, {loaded.dtype} on {loaded.device}) on "
               f"http://{host}:{port}/v1", highlight=False)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # uvicorn re-raises it once it stopped
-    run_server(config, worker).run(sockets=[sock])
+    try:
+        run_server(config, worker).run(sockets=[sock])
+    finally:
+        worker.shutdown()  # (uvicorn's exit handler did, unless it stopped another way)
+        worker.join(SAVE_WAIT_S)
+
+
+SAVE_WAIT_S = 60  # at exit: the running job ends within a verification, then its KV saves
 
 
 def model_name(model: str | None) -> str:
@@ -82,8 +77,6 @@ def model_name(model: str | None) -> str:
 
 def listen(host: str, port: int) -> socket.socket:
     """A bound socket (before the model loads: a taken port is a one-line error at once)."""
-    if not 0 <= port <= 65535:
-        raise TriforceError(f"--port {port}: must be 0..65535")
     try:
         family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
         sock = socket.socket(family, kind, proto)

@@ -194,6 +194,20 @@ class ReuseOptions(Options):
 
 
 @dataclass
+class ServeOptions(Options):
+    host: str = opt("127.0.0.1", "Address to listen on (0.0.0.0: every interface).")
+    port: int = opt(8000, "Port to listen on (0: a free one, printed at start).",
+                    check=lambda v: None if 0 <= v <= 65535 else "must be 0..65535")
+    served_model_name: str | None = opt(None, "Model id in /v1/models and requests "
+                                        "(default: the model's file or folder name).")
+    api_key: str | None = opt(None, "Require 'Authorization: Bearer KEY' (401 without).")
+    max_queue: int = opt(16, "Requests that may wait for the model; more get 429.", check=at_least(1))
+    request_timeout: float = opt(600.0, "Seconds a request may take from arrival; generation then "
+                                 "stops (finish_reason length).",
+                                 check=lambda v: None if v > 0 else "must be > 0")
+
+
+@dataclass
 class ParallelOptions(Options):
     tp: int = opt(1, "Tensor-parallel ranks: split heads and MLP over N processes (gloo on CPU, "
                   "NCCL one GPU each); also works under torchrun.", check=at_least(1), flag="--tp")

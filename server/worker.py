@@ -134,6 +134,12 @@ class Worker:
                 job.emit("error", (503, "the server is shutting down"))
         self.queue.put(None)
 
+    def join(self, timeout: float):
+        """Wait (at most `timeout` s) for the thread to end after `shutdown`: a --kv-dir
+        save in progress lands before the process exits (a daemon thread killed inside
+        torch at interpreter exit aborts the process)."""
+        self.thread.join(timeout)
+
     def _loop(self):
         while (job := self.queue.get()) is not None:
             if job.cancelled.is_set():

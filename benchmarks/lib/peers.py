@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import socket
 import time
 from dataclasses import dataclass, field
 
@@ -150,9 +149,8 @@ def _single_process_env():
     when the DeepSpeed peer loads; the variables stay set, as the process group they
     describe lives as long as the engine (and the process)."""
     if "MASTER_PORT" not in os.environ:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+        from ..runtime.distributed import free_port
+        os.environ["MASTER_PORT"] = str(free_port())
     for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
                  ("MASTER_ADDR", "127.0.0.1")):
         os.environ.setdefault(k, v)
