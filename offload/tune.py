@@ -64,14 +64,19 @@ def profile_chunk(device) -> int | None:
 LINK_SPEED = 0.9  # a copy size "reaches the link's speed" at this fraction of the best GB/s
 
 
+COPIES = "kv"  # a profile's copy_bytes count K and V of a chunk together (one copy)
+
+
 def min_copy_bytes(prof: dict | None) -> int:
     """The smallest copy that reaches LINK_SPEED of the link's best GB/s on the profile's
-    measured curve (rows with `copy_bytes`); MIN_COPY_BYTES without one."""
+    measured curve (rows with `copy_bytes`); MIN_COPY_BYTES without one. Profiles saved
+    before K and V became one copy (no `copies: kv`) recorded half of each timed copy."""
     rows = [r for r in (prof or {}).get("rows", []) if r.get("copy_bytes") and r.get("link_gbps")]
     if not rows:
         return MIN_COPY_BYTES
+    scale = 1 if prof.get("copies") == COPIES else 2
     top = max(r["link_gbps"] for r in rows)
-    return min(r["copy_bytes"] for r in rows if r["link_gbps"] >= LINK_SPEED * top)
+    return scale * min(r["copy_bytes"] for r in rows if r["link_gbps"] >= LINK_SPEED * top)
 
 
 def transfer_chunk_for(device, kv_layer_bytes: float, given: int | None = None) -> int:
@@ -93,7 +98,7 @@ def save_profile(device, rows: list[dict], chunk: int, meta: dict) -> Path:
     p = profile_path(device)
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps({"device": device_name(device), "transfer_chunk": chunk,
-                             "rows": rows, **meta}, indent=1))
+                             "copies": COPIES, "rows": rows, **meta}, indent=1))
     return p
 
 

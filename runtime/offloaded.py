@@ -280,14 +280,19 @@ class OffloadedCache(KVCache):
 
     def device_keys(self, layer: int, end: int | None = None):
         """`keys` on the device, one layer at a time (the device memory a prefill's held
-        layer takes): on-chip layers' views, else a copy of the host store's token-major
-        prefix, one contiguous block each for K and V, at the link's full speed. What the
-        retrieval cache scores and gathers from: on the host a build would read every
-        layer's KV at host-memory speed (a 7B at 128K: 64 GB). On the CPU, the store itself."""
-        # keys' [B, Hkv, S, D] views -> the store's [S, B, Hkv, D] block -> device -> back;
-        # no copy where the view is on the device already (on-chip layers, the CPU)
-        return tuple(t.permute(2, 0, 1, 3).to(self.device, non_blocking=True).permute(1, 2, 0, 3)
-                     for t in self.keys(layer, end))
+        layer takes): on-chip layers' views, else one copy of the host store's interleaved
+        prefix [S, 2, B, Hkv, D] (one contiguous pinned block: the link's full speed; K or V
+        alone is strided, and torch would stage it through unpinned host memory), split on
+        the device. What the retrieval cache scores and gathers from: on the host a build
+        would read every layer's KV at host-memory speed (a 7B at 128K: 64 GB). On the CPU,
+        the store itself."""
+        end = self.length if end is None else end
+        kv = self.keys(layer, end)  # (pending write-backs land first)
+        if layer < self.on_chip or torch.device(self.device).type == "cpu":
+            return kv
+        (block,) = self.store.chunk(layer, 0, end)  # the scheduler's store is token-major
+        block = block.to(self.device, non_blocking=True)
+        return block[:, 0].permute(1, 2, 0, 3), block[:, 1].permute(1, 2, 0, 3)
 
     def recent(self, layer: int, lo: int, hi: int):
         """K, V [B, Hkv, hi-lo, D] of positions lo..hi-1 on the device: from the latest

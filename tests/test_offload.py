@@ -169,6 +169,39 @@ def test_k_and_v_of_a_chunk_move_in_one_copy(model):
     off.close()
 
 
+class CopyLog(TorchDispatchMode):
+    """The sources of every device copy (`aten._to_copy`, `aten.to`) dispatched."""
+
+    def __init__(self):
+        super().__init__()
+        self.sources = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten._to_copy, torch.ops.aten.to):
+            self.sources.append(args[0])
+        return func(*args, **(kwargs or {}))
+
+
+def test_device_keys_move_an_offloaded_layer_in_one_contiguous_copy(model):
+    """The retrieval build's per-layer upload: one copy of the interleaved prefix (K or V
+    alone is strided, which torch would stage through unpinned host memory), split on the
+    device. The meta device stands in for a GPU: what matters is the copy's source."""
+    off = OffloadedCache(CFG, CAP, transfer_chunk=8, on_chip=1)
+    with torch.inference_mode():
+        model(torch.randint(0, CFG.vocab_size, (1, 20)), 0, off)
+        off.commit(20)
+        host = off.keys(2)
+        off.device = torch.device("meta")
+        with CopyLog() as log:
+            k, v = off.device_keys(2)
+    [src] = log.sources
+    assert src.is_contiguous() and src.shape == (20, 2, 1, CFG.n_kv_heads, CFG.head_dim)
+    assert src.data_ptr() == off.store.kv[2].data_ptr()
+    assert k.device.type == "meta" and k.shape == v.shape == host[0].shape
+    off.device = torch.device("cpu")
+    off.close()
+
+
 def test_write_back_persists(model):
     full, off = FullCache(CFG, CAP), OffloadedCache(CFG, CAP, transfer_chunk=8, on_chip=1)
     ids = torch.randint(0, CFG.vocab_size, (1, 30))
@@ -293,6 +326,8 @@ def test_min_copy_size_from_the_tuned_link_curve(tmp_path, monkeypatch):
     assert tune.transfer_chunk_for("cpu", 512) == 1024  # the tuned model: its chunk
     assert tune.transfer_chunk_for("cpu", 1024) == 256 * 256 // 1024  # another: the curve
     assert tune.transfer_chunk_for("cpu", 1024, given=7) == 7
+    old = {**tune.load_profile("cpu"), "copies": None}  # saved when K and V were two copies:
+    assert tune.min_copy_bytes(old) == 2 * 256 * 256  # its copy_bytes were half of each copy
 
 
 @pytest.mark.parametrize("overlap", [False, True])

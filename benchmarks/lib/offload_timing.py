@@ -30,8 +30,7 @@ def fill_random(cache: OffloadedCache, n: int, seed: int = 0):
             cache.chip.k[layer][:, :, :n] = k.permute(1, 2, 0, 3)
             cache.chip.v[layer][:, :, :n] = v.permute(1, 2, 0, 3)
         else:
-            cache.store.k[layer][:n].copy_(k)
-            cache.store.v[layer][:n].copy_(v)
+            cache.store.kv[layer][:n].copy_(torch.stack((k, v), 1))  # one block, K and V interleaved
     cache.commit(n)
 
 
