@@ -66,7 +66,8 @@ class Step:
         self.device = next(model.parameters()).device
         static = cache.static
         self.notes: list[str] = []  # one line per capture failure, or why graphs are off
-        if graphs and static and world_size() > 1:
+        tp = graphs and static and world_size() > 1
+        if tp:
             graphs = False
             self.notes.append(TP_NOTE)
         self.graphed = bool(graphs and static and self.device.type == "cuda")
@@ -75,7 +76,7 @@ class Step:
         self.compiled = bool(compile and self.static and not why)
         self.forward = compiled(model) if self.compiled else model  # the fixed-shape forward
         if compile and not self.static:
-            self.notes.append(COMPILE_NOTE.format(why=self._where(static)))
+            self.notes.append(COMPILE_NOTE.format(why=self._where(static, tp)))
         elif why:
             self.notes.append(f"--compile not applied: {why}")
         self.start = torch.zeros(1, dtype=torch.int64, device=self.device)  # static start
@@ -85,11 +86,13 @@ class Step:
         self.eager = 0  # steps run on the dynamic eager forward after a failed capture
         self.capture_s = 0.0  # warm-ups and captures, inside the decode time a user sees
 
-    def _where(self, static: bool) -> str:
+    def _where(self, static: bool, tp: bool) -> str:
         """Where --compile does not apply (one note per run: the levels' notes are merged)."""
         if self.device.type != "cuda":
             return f"on {self.device.type}"
-        return "under tensor parallelism" if static else "over a cache with dynamic shapes (offloaded)"
+        if not static:
+            return "over a cache with dynamic shapes (offloaded)"
+        return "under tensor parallelism" if tp else "with --no-graphs"
 
     def figures(self) -> dict:
         """For Stats.extra: whether steps replayed as graphs, how many were captured and

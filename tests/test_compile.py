@@ -231,3 +231,15 @@ def test_new_capacities_and_widths_reuse_the_compiled_step(monkeypatch):
         with no_recompile(True):
             for cap, T in ((1000, 1), (777, 1), (999, 3), (4096, 5)):
                 step(cap, T)
+
+
+def test_compile_note_names_why_on_a_card():
+    """On CUDA, --compile not applying says the actual reason (the reason alone: a Step
+    without its constructor, as nothing can run on a card here)."""
+    step = Step.__new__(Step)
+    step.device = torch.device("cuda")
+    assert "offloaded" in step._where(static=False, tp=False)
+    assert "tensor parallelism" in step._where(static=True, tp=True)
+    assert "--no-graphs" in step._where(static=True, tp=False)
+    step.device = torch.device("cpu")
+    assert step._where(static=True, tp=False) == "on cpu"
