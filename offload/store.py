@@ -219,7 +219,3 @@ class HostKVStore:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
-
-    def tensors(self) -> list[torch.Tensor]:
-        """The store's own tensors (each starts on a page of its own)."""
-        return list(self.kv.values()) if self.kv is not None else [*self.k.values(), *self.v.values()]

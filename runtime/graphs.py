@@ -30,9 +30,10 @@ fewer, larger kernels. The attention kernels stay opaque (custom ops,
 what the next one guards on: the Recorder's query buffers); the capture itself refuses a
 recompile. The cache capacity becomes symbolic once it changes (dynamo's automatic dynamic
 shapes): a second prompt length compiles once more, later ones reuse that graph. Each
-verification width compiles once (the forward specializes on its token count). Off by default until a GPU
-measurement says it pays; it never applies where the step is not fixed-shape (the CPU
-without `TRIFORCE_OFFLOAD_STATIC=1`, offloaded or streaming caches): that is said once.
+verification width compiles once (the forward specializes on its token count). Off by
+default until a GPU measurement says it pays; it never applies where the step is not
+fixed-shape (the CPU without `TRIFORCE_OFFLOAD_STATIC=1`, offloaded or streaming caches,
+`--tp`, `--no-graphs`): that is said once.
 """
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import torch
 
 from triforce_offload.runtime.api import Loaded, RunOptions, generate
+from triforce_offload.runtime.cache import FullCache
 from triforce_offload.runtime.config import ModelConfig
 from triforce_offload.runtime.model import Transformer
 from triforce_offload.runtime.sampling import SamplingParams
@@ -21,6 +22,17 @@ def tiny(vocab=64, layers=2, heads=4, kv=2, dim=32, seed=0, scale=1.0, arch="lla
         model.lm_head.weight.mul_(scale)
     tok = SimpleNamespace(eos_token_id=None)
     return Loaded(model, cfg, tok, torch.device("cpu"), torch.float32)
+
+
+def prefilled(L, n: int, static: bool = True, capacity: int = 256):
+    """A FullCache of `capacity` tokens (the model's dtype) holding n random tokens' KV,
+    committed; `static`: the fixed-shape (CUDA graph) path's cache."""
+    cache = FullCache(L.cfg, capacity, dtype=next(L.model.parameters()).dtype, static=static)
+    ids = torch.randint(0, L.cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        L.model(ids, 0, cache)
+    cache.commit(n)
+    return cache
 
 
 def repetitive_prompt(n: int, vocab: int, seed: int = 0) -> list[int]:

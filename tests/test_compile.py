@@ -18,9 +18,8 @@ import torch
 import torch._dynamo
 from torch._inductor.utils import run_and_get_code
 
-from helpers_spec import repetitive_prompt, run, tiny
+from helpers_spec import prefilled, repetitive_prompt, run, tiny
 from triforce_offload.kernels import attention as A
-from triforce_offload.runtime.cache import FullCache
 from triforce_offload.runtime.graphs import Step, combined, no_recompile, settle
 from triforce_offload.runtime.retrieval import Recorder, RetrievalCache
 
@@ -30,15 +29,6 @@ def _fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
-
-
-def _prefilled(L, n, cap=256, static=True):
-    cache = FullCache(L.cfg, cap, static=static)
-    ids = torch.randint(0, L.cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(1))
-    with torch.inference_mode():
-        L.model(ids, 0, cache)
-    cache.commit(n)
-    return cache
 
 
 def _retrieval(L, full, n):
@@ -52,7 +42,7 @@ def _retrieval(L, full, n):
 @pytest.mark.parametrize("T,last_only", [(1, True), (5, False)])
 def test_fixed_step_traces_as_one_graph(level, T, last_only):
     L = tiny()
-    cache = _prefilled(L, 40)
+    cache = prefilled(L, 40)
     if level == "retrieval":
         cache = _retrieval(L, cache, 40)
     ids = torch.zeros(1, T, dtype=torch.long)
@@ -67,15 +57,15 @@ def test_compile_applies_only_to_fixed_shape_steps(monkeypatch):
     applied and says so once; with it, the step's forward is the compiled module."""
     L = tiny()
     monkeypatch.delenv("TRIFORCE_OFFLOAD_STATIC", raising=False)
-    dynamic = Step(L.model, _prefilled(L, 8, static=False), graphs=True, compile=True)
+    dynamic = Step(L.model, prefilled(L, 8, static=False), graphs=True, compile=True)
     assert not dynamic.compiled and dynamic.forward is L.model and "compiled" not in combined([dynamic])
     assert any("--compile not applied on cpu" in n for n in combined([dynamic, dynamic])["notes"])
     assert len(combined([dynamic, dynamic])["notes"]) == 1
     monkeypatch.setenv("TRIFORCE_OFFLOAD_STATIC", "1")
-    fixed = Step(L.model, _prefilled(L, 8), graphs=True, compile=True)
+    fixed = Step(L.model, prefilled(L, 8), graphs=True, compile=True)
     assert fixed.compiled and fixed.forward is not L.model and combined([fixed])["compiled"] is True
     assert not fixed.notes
-    plain = Step(L.model, _prefilled(L, 8), graphs=True, compile=False)
+    plain = Step(L.model, prefilled(L, 8), graphs=True, compile=False)
     assert plain.forward is L.model
 
 
@@ -90,7 +80,7 @@ def test_compiled_step_equals_eager_and_writes_kv_in_place(monkeypatch):
     monkeypatch.setenv("TRIFORCE_OFFLOAD_STATIC", "1")
     L = tiny(heads=4, kv=2, dim=32)
     cap = 4096
-    eager, fixed = _prefilled(L, 40, cap, static=False), _prefilled(L, 40, cap)
+    eager, fixed = prefilled(L, 40, static=False, capacity=cap), prefilled(L, 40, capacity=cap)
     step = Step(L.model, fixed, graphs=False, compile=True)
     g, pos = torch.Generator().manual_seed(2), 40
     with torch.inference_mode():
@@ -198,7 +188,7 @@ def test_warm_up_settles_what_the_capture_would_recompile(monkeypatch):
     start, ids = torch.tensor([40]), torch.zeros(1, 1, dtype=torch.long)
     for warm_ups in ("once", "settle"):
         torch._dynamo.reset()
-        rec = Recorder(_prefilled(L, 40))
+        rec = Recorder(prefilled(L, 40))
         step = Step(L.model, rec, graphs=False, compile=True)
         run = lambda: step.forward(ids, start, rec, True)  # noqa: E731
         with torch.inference_mode():
@@ -219,10 +209,10 @@ def test_new_capacities_and_widths_reuse_the_compiled_step(monkeypatch):
     verification width compiles once (the step specializes on it)."""
     monkeypatch.setenv("TRIFORCE_OFFLOAD_STATIC", "1")
     L = tiny()
-    f = Step(L.model, _prefilled(L, 8), graphs=False, compile=True).forward
+    f = Step(L.model, prefilled(L, 8), graphs=False, compile=True).forward
 
     def step(cap, T):
-        cache = _prefilled(L, 40, cap)
+        cache = prefilled(L, 40, capacity=cap)
         return f(torch.zeros(1, T, dtype=torch.long), torch.tensor([40]), cache, T == 1)
 
     with torch.inference_mode():

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers_spec import tiny
+from helpers_spec import prefilled, tiny
 from triforce_offload.kernels import attention as A
 from triforce_offload.runtime.cache import FullCache
 from triforce_offload.runtime.graphs import Step
@@ -30,19 +30,10 @@ class OpLog(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _prefilled(L, n, static):
-    cache = FullCache(L.cfg, 256, static=static)
-    ids = torch.randint(0, L.cfg.vocab_size, (1, n), generator=torch.Generator().manual_seed(1))
-    with torch.inference_mode():
-        L.model(ids, 0, cache)
-    cache.commit(n)
-    return cache
-
-
 @pytest.mark.parametrize("arch,heads,kv", [("llama", 4, 2), ("qwen2", 6, 2), ("llama", 3, 3)])
 def test_static_step_equals_eager(arch, heads, kv):
     L = tiny(arch=arch, heads=heads, kv=kv, dim=48 if heads in (3, 6) else 32)
-    eager, static = _prefilled(L, 40, False), _prefilled(L, 40, True)
+    eager, static = prefilled(L, 40, False), prefilled(L, 40, True)
     g = torch.Generator().manual_seed(2)
     pos = 40
     with torch.inference_mode():
@@ -68,12 +59,12 @@ def test_consecutive_steps_dispatch_identical_ops(T):
     positions: identical op sequences, shapes, strides and dtypes (what graph replay needs;
     the eager path fails this: its key count grows)."""
     L = tiny()
-    cache = _prefilled(L, 30, True)
+    cache = prefilled(L, 30, True)
     g = torch.Generator().manual_seed(3)
     a = _ops_of_step(L, cache, torch.randint(0, 64, (1, T), generator=g), 30)
     b = _ops_of_step(L, cache, torch.randint(0, 64, (1, T), generator=g), 30 + T + 3)
     assert len(a) > 20 and a == b
-    eager = _prefilled(L, 30, False)
+    eager = prefilled(L, 30, False)
     with torch.inference_mode(), OpLog() as l1:
         L.model(torch.zeros(1, T, dtype=torch.long), 30, eager)
     with torch.inference_mode(), OpLog() as l2:
@@ -85,7 +76,7 @@ def test_no_host_sync_inside_a_forward():
     """No aten::_local_scalar_dense in a forward over the static or the eager full cache."""
     L = tiny()
     for static, start in ((True, torch.tensor([30])), (False, 30)):
-        cache = _prefilled(L, 30, static)
+        cache = prefilled(L, 30, static)
         with torch.inference_mode(), OpLog() as log:
             L.model(torch.zeros(1, 3, dtype=torch.long), start, cache)
         names = [op for op, _ in log.ops]
@@ -97,7 +88,7 @@ def test_no_host_sync_inside_a_forward():
 
 def test_step_is_eager_on_the_cpu_and_checks_capacity():
     L = tiny()
-    cache = _prefilled(L, 30, True)
+    cache = prefilled(L, 30, True)
     step = Step(L.model, cache, graphs=True)
     assert not step.graphed  # graphs are a CUDA feature: the CPU runs the plain forward
     with torch.inference_mode():
@@ -121,7 +112,7 @@ def test_graph_figures_combine_levels_and_reach_the_stats_line():
     line = stats_line({"prompt_tokens": 5, "prefill_s": 0.1, "decode_ms_per_token": 2.0,
                        "tokens_per_s": 500.0, "new_tokens": 8, "peak_memory_gb": 1.0, **d})
     assert "2 CUDA graphs (0.75 s to capture)" in line and "running eager" in line
-    cpu = Step(tiny().model, _prefilled(tiny(), 4, True))
+    cpu = Step(tiny().model, prefilled(tiny(), 4, True))
     assert cpu.figures() == {"graphs": False}  # the CPU never captures
 
 
@@ -182,7 +173,7 @@ def test_retrieval_static_step_equals_eager_across_a_rebuild():
     also after a rebuild moves its slots (the device-side offset a graph reads)."""
     from triforce_offload.runtime.retrieval import Recorder, RetrievalCache
     L = tiny()
-    full = Recorder(_prefilled(L, 120, False))
+    full = Recorder(prefilled(L, 120, False))
     with torch.inference_mode():
         L.model(torch.zeros(1, 1, dtype=torch.long), 120, full)  # queries for scoring
     full.commit(120)
@@ -212,7 +203,7 @@ def test_retrieval_static_step_equals_eager_across_a_rebuild():
 def test_retrieval_steps_dispatch_identical_ops():
     from triforce_offload.runtime.retrieval import RetrievalCache
     L = tiny()
-    full = _prefilled(L, 100, False)
+    full = prefilled(L, 100, False)
     ret = RetrievalCache(L.cfg, 32, 8, 40)
     ret.build(full, {i: torch.randn(1, 4, 8) for i in range(2)}, 100)
     ops = []
@@ -292,7 +283,7 @@ def test_recorder_queries_follow_graph_replays():
     Python) makes the graph-updated buffers the latest again (Step calls on_replay)."""
     from triforce_offload.runtime.retrieval import Recorder
     L = tiny()
-    rec = Recorder(_prefilled(L, 30, True))
+    rec = Recorder(prefilled(L, 30, True))
     with torch.inference_mode():
         L.model(torch.zeros(1, 1, dtype=torch.long), torch.tensor([30]), rec)  # "capture"
         bufs = {l: t for l, t in rec.q.items()}
@@ -307,7 +298,7 @@ def test_failed_capture_falls_back_to_the_dynamic_eager_forward(monkeypatch):
     the fixed-shape one that may be what broke it; the output equals the eager reference
     and the stats line says so once."""
     L = tiny()
-    eager, static = _prefilled(L, 40, False), _prefilled(L, 40, True)
+    eager, static = prefilled(L, 40, False), prefilled(L, 40, True)
     step = Step(L.model, static, graphs=True)
     step.graphed = step.static = True  # as on CUDA: capture the first time a shape runs
 

@@ -505,7 +505,7 @@ def test_host_store_is_one_page_aligned_buffer_pinned_once(monkeypatch):
     _on_a_fake_card(monkeypatch, rt)
     spec = StoreSpec([2, 3], 3, 64, 1000, dtype=torch.bfloat16)  # 384,000 B per tensor
     store = HostKVStore(spec, pin=True)
-    tensors = store.tensors()
+    tensors = list(store.kv.values())  # one [S, 2, B, Hkv, D] per layer
     assert len(tensors) == 2 and all(store.k[l].data_ptr() == t.data_ptr() for l, t in store.kv.items())
     [(kind, ptr, n)] = rt.calls
     assert kind == "reg" and ptr % PAGE == 0 and n % PAGE == 0 and spec.nbytes() <= n < spec.nbytes() + 4 * PAGE

@@ -9,9 +9,8 @@ a decode step dispatched 36 (eager) and 45 (fixed-shape) work ops per layer in f
 import pytest
 import torch
 
-from helpers_spec import tiny
+from helpers_spec import prefilled, tiny
 from triforce_offload.runtime import opcount
-from triforce_offload.runtime.cache import FullCache
 from triforce_offload.runtime.graphs import Step
 
 LIMIT = 20  # work ops per layer of a one-token decode step
@@ -45,14 +44,6 @@ def test_kernels_mode_expands_composites_this_device_has_no_kernel_for():
     assert "rms_norm" not in names and {"pow", "mean", "rsqrt"} <= set(names)  # on the CPU
 
 
-def _prefilled(L, n, static):
-    cache = FullCache(L.cfg, 64, dtype=next(L.model.parameters()).dtype, static=static)
-    with torch.inference_mode():
-        L.model(torch.randint(0, L.cfg.vocab_size, (1, n)), 0, cache)
-    cache.commit(n)
-    return cache
-
-
 MODELS = [dict(arch="llama", heads=4, kv=2), dict(arch="qwen2", heads=6, kv=2, dim=48)]
 
 
@@ -64,10 +55,10 @@ def test_decode_step_work_ops_per_layer(kw, dtype, monkeypatch):
     conversion inside a layer (no round trips)."""
     L = tiny(layers=3, **kw)
     L.model.to(dtype)
-    eager = _prefilled(L, 20, static=False)
+    eager = prefilled(L, 20, static=False, capacity=64)
     eager_ops = opcount.count(L.model, lambda: L.model(torch.tensor([[3]]), 20, eager))
     monkeypatch.setenv("TRIFORCE_OFFLOAD_STATIC", "1")
-    step = Step(L.model, _prefilled(L, 20, static=True))
+    step = Step(L.model, prefilled(L, 20, static=True, capacity=64))
     assert step.static and not step.graphed
     fixed_ops = opcount.count(L.model, lambda: step(torch.tensor([[3]]), 20))
     for c in (eager_ops, fixed_ops):
@@ -84,7 +75,7 @@ def test_fixed_shape_steps_replay_alike_without_host_syncs(monkeypatch):
     reads a device value on the host."""
     monkeypatch.setenv("TRIFORCE_OFFLOAD_STATIC", "1")
     L = tiny(arch="qwen2", heads=6, kv=2, dim=48)
-    step = Step(L.model, _prefilled(L, 20, static=True))
+    step = Step(L.model, prefilled(L, 20, static=True, capacity=64))
     runs = [opcount.count(L.model, lambda p=p: step(torch.tensor([[p]]), p)) for p in (20, 21)]
     step.cache.commit(22)
     assert runs[0].signature() == runs[1].signature() and len(runs[0].ops) > 2 * LIMIT
@@ -115,7 +106,7 @@ def test_fixed_verification_shares_its_slots_across_layers(monkeypatch):
     from triforce_offload.runtime.retrieval import RetrievalCache
     monkeypatch.setenv("TRIFORCE_OFFLOAD_STATIC", "1")
     L = tiny(layers=3)
-    for cache in (_prefilled(L, 20, static=True), RetrievalCache(L.cfg, 16, 4, 24)):
+    for cache in (prefilled(L, 20, static=True, capacity=64), RetrievalCache(L.cfg, 16, 4, 24)):
         step = Step(L.model, cache)
         c = opcount.count(L.model, lambda: step(torch.randint(0, 64, (1, 5)), 20))
         layers = [[o.name for o in c.ops if o.layer == i] for i in range(3)]
