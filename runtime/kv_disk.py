@@ -24,6 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .prefix_cache import holds, longest_prefix
+
 MAGIC = b"TRIFORCE-KV 1\n"
 HEADER_MAX = 64 << 20  # a header line longer than this is a damaged file
 
@@ -78,15 +80,7 @@ class KVDir:
 
     def match(self, prompt: list[int]) -> tuple[str | None, int]:
         """The entry sharing the longest prefix with prompt and its length (< len(prompt))."""
-        p = np.asarray(prompt, dtype=np.int64)
-        best, n_best = None, 0
-        for name, head in self.index.items():
-            m = min(len(head["ids"]), len(p) - 1)
-            diff = np.flatnonzero(head["ids"][:m] != p[:m])
-            n = int(diff[0]) if diff.size else m
-            if n > n_best:
-                best, n_best = name, n
-        return best, n_best
+        return longest_prefix(((name, head["ids"]) for name, head in self.index.items()), prompt)
 
     def load(self, name: str, cache, n: int) -> bool:
         """Stream the first n tokens' KV of entry `name` into `cache` (commits n), one
@@ -118,9 +112,8 @@ class KVDir:
         """Write the cache's KV of ids (all committed) as a new entry, unless an entry holds
         them already; entries it contains are removed; then keep within the limit."""
         ids = np.asarray(ids, dtype=np.int64)
-        for head in self.index.values():
-            if len(head["ids"]) >= len(ids) and np.array_equal(head["ids"][:len(ids)], ids):
-                return
+        if any(holds(head["ids"], ids) for head in self.index.values()):
+            return
         L, B, H, D = self.me["shape"]
         size = 2 * L * len(ids) * B * H * D * self.elem
         if size > self.limit:
@@ -144,8 +137,7 @@ class KVDir:
         except OSError as e:
             tmp.unlink(missing_ok=True)
             return self._say("save", f"could not save an entry: {e}")
-        for old in [k for k, h in self.index.items()
-                    if len(h["ids"]) <= len(ids) and np.array_equal(h["ids"], ids[:len(h["ids"])])]:
+        for old in [k for k, h in self.index.items() if holds(ids, h["ids"])]:
             self._remove(old)
         self._add(self.path / name)
         self._evict()

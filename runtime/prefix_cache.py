@@ -40,6 +40,26 @@ def prefix_store(o, loaded, memory: bool, note=print, save_later: bool = False):
     return PrefixCache(mem, disk, save_later) if mem or disk else None
 
 
+def longest_prefix(items, prompt: list[int]) -> tuple[object, int]:
+    """(key, n) of the (key, ids) item whose int64 `ids` share the longest prefix with
+    `prompt`, n at most len(prompt) - 1 (the last prompt token is always prefilled);
+    (None, 0) when none shares a token. Kept caches and --kv-dir entries alike."""
+    p = np.asarray(prompt, dtype=np.int64)
+    best, n_best = None, 0
+    for key, ids in items:
+        m = min(len(ids), len(p) - 1)
+        diff = np.flatnonzero(ids[:m] != p[:m])
+        n = int(diff[0]) if diff.size else m
+        if n > n_best:
+            best, n_best = key, n
+    return best, n_best
+
+
+def holds(ids: np.ndarray, prefix: np.ndarray) -> bool:
+    """`prefix` (token ids) is a prefix of `ids`: an entry of `ids` makes one of `prefix` redundant."""
+    return len(prefix) <= len(ids) and np.array_equal(ids[:len(prefix)], prefix)
+
+
 @dataclass(eq=False)  # compared by identity (numpy ids have no truth value)
 class Entry:
     ids: np.ndarray  # token ids whose KV the cache holds, [n] int64
@@ -62,15 +82,7 @@ class PrefixCache:
     def match(self, prompt: list[int]) -> tuple[Entry | None, int]:
         """The entry sharing the longest prefix with `prompt` and that length, at most
         len(prompt) - 1 (the last prompt token is always prefilled)."""
-        p = np.asarray(prompt, dtype=np.int64)
-        best, n_best = None, 0
-        for e in self.entries:
-            m = min(len(e.ids), len(p) - 1)
-            diff = np.flatnonzero(e.ids[:m] != p[:m])
-            n = int(diff[0]) if diff.size else m
-            if n > n_best:
-                best, n_best = e, n
-        return best, n_best
+        return longest_prefix(((e, e.ids) for e in self.entries), prompt)
 
     def take(self, prompt: list[int], capacity: int, make) -> tuple[object, int, str | None]:
         """(a full cache of at least `capacity` tokens holding the KV of prompt[:n], n, where
@@ -116,7 +128,7 @@ class PrefixCache:
             return cache.close()
         new = Entry(np.asarray(ids[:n], dtype=np.int64), cache)
         with self.lock:
-            gone = [e for e in self.entries if len(e.ids) <= n and np.array_equal(e.ids, new.ids[:len(e.ids)])]
+            gone = [e for e in self.entries if holds(new.ids, e.ids)]
             self.entries = [e for e in self.entries if e not in gone] + [new]
             while sum(e.cache.nbytes() for e in self.entries) > self.max_bytes:
                 gone.append(self.entries.pop(0))
