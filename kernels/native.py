@@ -67,15 +67,16 @@ def flags() -> list[str]:
     return FLAGS + env("native_cflags").split()
 
 
-def build() -> Path:
-    """Compile (or find the cached build of) the kernel; raises RuntimeError with the reason."""
+def build(source: Path = SOURCE) -> Path:
+    """Compile (or find the cached build of) a kernel source (default the attention kernel;
+    kernels/qlinear.py builds cpu_linear.c the same way); raises RuntimeError with the reason."""
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
-    src = SOURCE.read_bytes()
+    src = source.read_bytes()
     all_flags = flags()
     key = hashlib.sha256(src + " ".join([cc] + all_flags).encode() + _cpu_id().encode()).hexdigest()[:16]
-    out = cache_dir() / f"cpu_attention-{key}.so"
+    out = cache_dir() / f"{source.stem}-{key}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -84,7 +85,7 @@ def build() -> Path:
         first = None
         for drop in FALLBACK_DROPS:  # a compiler without -march=native or OpenMP still builds
             use = [f for f in all_flags if f not in drop]
-            r = subprocess.run([cc, *use, str(SOURCE), "-o", str(tmp_so), "-lm"],
+            r = subprocess.run([cc, *use, str(source), "-o", str(tmp_so), "-lm"],
                                capture_output=True, text=True)
             if r.returncode == 0:
                 os.replace(tmp_so, out)  # atomic: concurrent builders do not see half a file

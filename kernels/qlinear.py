@@ -1,0 +1,212 @@
+"""Weight-only quantized linear layers: int8 and int4 weights, float activations.
+
+A weight is one or more `QPart`s (rows of the output side by side: q, k and v of a stacked
+projection may come from GGUF tensors of different formats). A part holds integers q and,
+per group of G inputs of a row, a scale and optionally an offset:
+w[n, k] = scale[n, k // G] * q[n, k] + min[n, k // G].
+- bits 8: q int8 [N, K], G a multiple of 16;
+- bits 4: q uint8 [N, K/2], blocks of 32 weights in 16 bytes (byte j: weight j low nibble,
+  weight j+16 high nibble, GGUF's Q4_0/Q4_1 layout), G a multiple of 32.
+Scales and offsets are float16 (as GGUF stores them) or float32 (where float16 would round
+them, e.g. Q4_K's d * sc).
+
+Kernels, one per device, behind `QLinear.forward` (`kernel()` names the one in use):
+- `native`: cpu_linear.c on the CPU (AVX-512, AVX2 or NEON by build): dequantizes a tile of
+  rows once and dots it with every row of x in float32; each row's arithmetic is the same
+  whatever the batch, so a verification of γ+1 tokens equals γ+1 single-token decodes bit
+  for bit (test_qlinear.py checks it).
+- `torch`: the reference: dequantize the weight to x's dtype, then `linear`. The CPU path
+  without a C compiler, and the CUDA path (a dequantize per call: correct and capturable in
+  CUDA graphs, but it reads the weight twice; a fused GPU kernel is future work).
+Activations are never quantized, so no kernel's row depends on other rows.
+"""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import native
+from ..settings import env
+from .linear import linear
+
+SOURCE = Path(__file__).with_name("cpu_linear.c")
+_lib = None  # ctypes handle, False once the build failed
+_error = ""
+
+
+def load():
+    """The native library, or None (the reason in `reason()`)."""
+    global _lib, _error
+    if _lib is None:
+        if env("native") == "0":
+            _lib, _error = False, "disabled by TRIFORCE_OFFLOAD_NATIVE=0"
+        else:
+            try:
+                lib = ctypes.CDLL(str(native.build(SOURCE)))
+                P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+                lib.triforce_qlinear.restype = I
+                lib.triforce_qlinear.argtypes = [P, I64, I64, I64, P, I, I64, P, P, I, P, I64, P, I64]
+                lib.triforce_qrows.restype = I
+                lib.triforce_qrows.argtypes = [P, I64, I64, P, I, I64, P, P, I, I64, P]
+                lib.triforce_linear_vector_bits.restype = I
+                _lib = lib
+            except (OSError, RuntimeError, AttributeError) as e:
+                _lib, _error = False, str(e)
+    return _lib or None
+
+
+def reason() -> str:
+    load()
+    return _error
+
+
+def kernel(device: torch.device | str = "cpu") -> str:
+    """Which kernel a quantized linear runs on `device`, with why (for `info` and stats)."""
+    if torch.device(device).type != "cpu":
+        return "torch (dequantize per call, then the dense GEMM)"
+    lib = load()
+    if lib is None:
+        return f"torch (dequantize per call; native kernel unavailable: {reason()})"
+    return f"native ({lib.triforce_linear_vector_bits()}-bit vectors, float32 activations)"
+
+
+class QPart(nn.Module):
+    """N output rows of K inputs as integers q plus per-group scale (and offset)."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None, bits: int,
+                 group: int, k: int):
+        super().__init__()
+        assert bits in (4, 8) and k % group == 0 and group % (32 if bits == 4 else 16) == 0
+        assert scale.dtype in (torch.float16, torch.float32) and scale.shape == (q.shape[0], k // group)
+        self.bits, self.group, self.in_features, self.out_features = bits, group, k, q.shape[0]
+        self.register_buffer("q", q.contiguous())
+        self.register_buffer("scale", scale.contiguous())
+        self.register_buffer("minv", None if minv is None else minv.to(scale.dtype).contiguous())
+
+    def extra_repr(self) -> str:
+        return (f"{self.out_features}x{self.in_features}, int{self.bits}, group {self.group}, "
+                f"{str(self.scale.dtype).removeprefix('torch.')} scales{', offsets' if self.minv is not None else ''}")
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.minv) if t is not None)
+
+    def dequantize(self, dtype=torch.float32, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The weight [N, K] (or its `rows`) in `dtype`: the torch reference of the kernels."""
+        q, s, m = self.q, self.scale, self.minv
+        if rows is not None:
+            q, s, m = q[rows], s[rows], (None if m is None else m[rows])
+        n, K, G = q.shape[0], self.in_features, self.group
+        if self.bits == 4:
+            b = q.view(n, K // 32, 16)
+            q = torch.cat([b & 0xF, b >> 4], dim=-1)  # [n, K/32, 32]
+        w = q.reshape(n, K // G, G).float() * s.float()[..., None]
+        if m is not None:
+            w = w + m.float()[..., None]
+        return w.reshape(n, K).to(dtype)
+
+    def _args(self):
+        return (self.q.data_ptr(), self.bits, self.group, self.scale.data_ptr(),
+                None if self.minv is None else self.minv.data_ptr(), int(self.scale.dtype == torch.float16))
+
+
+def _native_ok(x: torch.Tensor, part: QPart) -> bool:
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and part.q.device.type == "cpu"
+            and not torch.compiler.is_compiling() and load() is not None)
+
+
+class QLinear(nn.Module):
+    """Drop-in for a Linear whose weight is `parts` stacked along the output (a module swap
+    after load, as gpt-fast's WeightOnlyInt8Linear): same forward(x) -> x @ W^T + bias."""
+
+    def __init__(self, parts: list[QPart], bias: torch.Tensor | None = None):
+        super().__init__()
+        k = {p.in_features for p in parts}
+        assert len(k) == 1, "parts of one linear share their inputs"
+        self.parts = nn.ModuleList(parts)
+        self.in_features = k.pop()
+        self.out_features = sum(p.out_features for p in parts)
+        self.register_buffer("bias", None if bias is None else bias.float().contiguous())
+
+    @property
+    def bits(self) -> int:
+        return max(p.bits for p in self.parts)
+
+    def nbytes(self) -> int:
+        return sum(p.nbytes() for p in self.parts) + (0 if self.bias is None else self.bias.numel() * 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not _native_ok(x, self.parts[0]):
+            w = torch.cat([p.dequantize(x.dtype) for p in self.parts]) if len(self.parts) > 1 \
+                else self.parts[0].dequantize(x.dtype)
+            return linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        M, N = x2.shape[0], self.out_features
+        out = torch.empty(M, N, dtype=torch.float32)
+        lib, col = load(), 0
+        for p in self.parts:
+            bias = None if self.bias is None else self.bias[col:].data_ptr()
+            rc = lib.triforce_qlinear(x2.data_ptr(), M, self.in_features, x2.stride(0), *p._args(), bias,
+                                      p.out_features, out.data_ptr() + 4 * col, N)
+            if rc:
+                raise (MemoryError if rc == -2 else RuntimeError)(f"native quantized linear failed ({rc}) on {p}")
+            col += p.out_features
+        return out.view(*shape[:-1], N)
+
+
+class QEmbedding(nn.Module):
+    """nn.Embedding over a quantized table (shared with a tied LM head's QLinear)."""
+
+    def __init__(self, part: QPart, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.part, self.dtype = part, dtype
+        self.num_embeddings, self.embedding_dim = part.out_features, part.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        p = self.part
+        lib = load()
+        if ids.device.type != "cpu" or lib is None or torch.compiler.is_compiling():
+            return p.dequantize(self.dtype, rows=ids.reshape(-1)).view(*ids.shape, -1)
+        flat = ids.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty(flat.numel(), p.in_features, dtype=torch.float32)
+        rc = lib.triforce_qrows(flat.data_ptr(), flat.numel(), p.in_features, *p._args(),
+                                p.out_features, out.data_ptr())
+        if rc:
+            raise IndexError(f"token id out of range [0, {p.out_features})")
+        return out.view(*ids.shape, -1).to(self.dtype)
+
+
+# ---- quantizing a dense weight (an HF checkpoint with --weights int8/int4, a requantized GGUF tensor) ----
+
+def pack4(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] integers in 0..15 -> [N, K/2] uint8 in the 32-block nibble layout."""
+    n, K = q.shape
+    b = q.to(torch.uint8).view(n, K // 32, 2, 16)
+    return (b[:, :, 0] | (b[:, :, 1] << 4)).reshape(n, K // 2)
+
+
+def quantize(w: torch.Tensor, bits: int, group: int | None = None) -> QPart:
+    """A dense [N, K] weight as a QPart: int8 symmetric per row (group None: one scale per
+    row) or per group; int4 asymmetric (scale and offset) per group of `group` (default 32).
+    Scales are float16; q is computed against the rounded scale, so the float16 rounding
+    costs nothing beyond the quantization itself."""
+    n, K = w.shape
+    G = group or (K if bits == 8 else 32)
+    if K % G or G % (32 if bits == 4 else 16):
+        raise ValueError(f"cannot quantize {n}x{K} to int{bits} in groups of {G}")
+    g = w.float().reshape(n, K // G, G)
+    if bits == 8:
+        scale = (g.abs().amax(-1) / 127).clamp_min(1e-8).half()
+        q = (g / scale.float()[..., None]).round().clamp(-127, 127).to(torch.int8)
+        return QPart(q.reshape(n, K), scale, None, 8, G, K)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp_min(1e-8).half()
+    minv = lo.half()
+    q = ((g - minv.float()[..., None]) / scale.float()[..., None]).round().clamp(0, 15)
+    return QPart(pack4(q.reshape(n, K)), scale, minv, 4, G, K)
