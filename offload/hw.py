@@ -59,7 +59,16 @@ def system_info() -> dict:
         "cpu_kernels": cpu_kernels(),
         "gpu_attention": gpu_attention(),
         "gpu_compile": gpu_compile(),
+        "gpu_quantized_linear": gpu_quantized_linear(),
     }
+
+
+def gpu_quantized_linear() -> str:
+    """Which kernel int8/int4 projections run on the first GPU (kernels/qlinear.py)."""
+    if not torch.cuda.is_available():
+        return "none (no CUDA device)"
+    from ..kernels.qlinear import kernel
+    return kernel("cuda")
 
 
 def gpu_attention() -> str:
@@ -78,6 +87,7 @@ def gpu_compile() -> str:
 
 def cpu_kernels() -> dict:
     """Which CPU kernels attention and float32 projections run on (kernels/)."""
-    from ..kernels import linear, native
+    from ..kernels import linear, native, qlinear
     return {"attention": native.status(),
-            "float32_linear": "oneDNN" if linear.onednn_enabled() else "F.linear"}
+            "float32_linear": "oneDNN" if linear.onednn_enabled() else "F.linear",
+            "quantized_linear": qlinear.kernel("cpu")}

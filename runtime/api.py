@@ -7,10 +7,12 @@ comparison modes with `register_mode` (the benchmark library's `zero-inference`)
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 
+from . import quantized
 from .config import ModelConfig
 from .errors import TriforceError
 from .generate import autoregressive, capacity, stop_ids
@@ -29,8 +31,9 @@ class Loaded:
     cfg: ModelConfig  # its configuration
     tokenizer: object  # HF tokenizer
     device: torch.device  # where it runs
-    dtype: torch.dtype  # weights and KV dtype
+    dtype: torch.dtype  # activations and KV dtype (and dense weights')
     prefix: object = None  # a PrefixCache: full caches come from it and go back after a run (serve)
+    weights: str = ""  # what the projections are stored as: int4, int8, int4+int8, float32, ...
 
     @property
     def eos(self) -> set[int]:
@@ -66,19 +69,48 @@ def default_dtype(device: torch.device) -> str:
 
 
 def load(model: ModelOptions | str | None = None, dtype: str | None = None, device: str = "auto",
-         rope_scaling: str | None = None, progress=None, shard=None) -> Loaded:
+         rope_scaling: str | None = None, progress=None, shard=None, weights: str = "auto") -> Loaded:
     """Load a model: `load(ModelOptions(...))`, or `load(path, dtype, device, rope_scaling)`
     (the same fields). `shard(model, cfg) -> cfg` (tensor parallelism: this rank's slice,
     `tp.shard_fn()`) runs on the host before the move, so a GPU never holds the whole model
     (13B in bf16 does not fit a 24 GB card; its half does)."""
-    o = model if isinstance(model, ModelOptions) else ModelOptions(model, dtype, device, rope_scaling)
+    o = model if isinstance(model, ModelOptions) else ModelOptions(model, dtype, device, rope_scaling,
+                                                                   weights)
     dev = resolve_device(o.device)
-    dt = parse_dtype(o.dtype or default_dtype(dev))
-    model, cfg, tok = load_model(o.model, dt, dev if shard is None else "cpu", o.rope_scaling, progress)
+    dt = compute_dtype(o, dev)
+    started = time.perf_counter()
+    model, cfg, tok = load_model(o.model, dt, dev if shard is None else "cpu", o.rope_scaling, progress,
+                                 o.weights)
     if shard is not None:
+        if quantized.weights_name(model).startswith("int"):
+            raise TriforceError(f"--tp: tensor parallelism shards dense weights only; this model's are "
+                                f"{quantized.weights_name(model)} (pass --weights fp32 or bf16)")
         cfg = shard(model, cfg)
         model.to(dev)
-    return Loaded(model, cfg, tok, dev, dt)
+    loaded = Loaded(model, cfg, tok, dev, dt, weights=quantized.weights_name(model))
+    if progress:
+        progress(f"weights {loaded.weights}: {quantized.weight_bytes(model) / 1e6:.0f} MB, loaded in "
+                 f"{time.perf_counter() - started:.1f} s, peak host memory {peak_rss_gb():.2f} GB")
+    return loaded
+
+
+def compute_dtype(o: ModelOptions, dev: torch.device) -> torch.dtype:
+    """--dtype, else what dense --weights name (bf16 weights compute in bf16), else the device's
+    default. Dense weights run at the compute dtype, so the two cannot disagree."""
+    named = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(o.weights)
+    dt = parse_dtype(o.dtype) if o.dtype else named or parse_dtype(default_dtype(dev))
+    if named is not None and dt != named:
+        raise TriforceError(f"--weights {o.weights} with --dtype {o.dtype}: dense weights run at the "
+                            "compute dtype; give one of the two")
+    return dt
+
+
+def peak_rss_gb() -> float:
+    """The process's peak resident memory so far (GB): after a load, what loading took."""
+    import resource
+    import sys
+    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kb / (1 << 30) if sys.platform == "darwin" else kb / (1 << 20)
 
 
 def run_autoregressive(loaded: Loaded, prompt, opts: RunOptions, on_token=None, progress=None):
@@ -122,4 +154,5 @@ def generate(loaded: Loaded, prompt: list[int], opts: RunOptions, on_token=None,
     if world_size() > 1:
         st.extra.setdefault("tp", world_size())
     st.extra.setdefault("mode", opts.mode)
+    st.extra.setdefault("weights", loaded.weights)
     return toks, st

@@ -154,6 +154,39 @@ def _dequantize(gguf: Path, out: Path) -> None:
     (out / "done").write_text(str(gguf))
 
 
+def gguf_meta_dir(gguf: Path, progress=None) -> Path:
+    """Config and tokenizer of a GGUF (no weights) in the cache, for loading its blocks as they
+    are; written once like a conversion (side folder, renamed when complete)."""
+    out = cache_root() / f"{file_key(gguf)}-meta"
+    if (out / "done").exists():
+        return out
+    check_gguf(gguf)
+    from transformers import AutoConfig, AutoTokenizer
+    tmp = out.with_name(f"{out.name}.partial-{os.getpid()}")
+    try:
+        try:
+            conf = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).to_dict()
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        except GGUF_ERRORS as e:
+            raise TriforceError(not_gguf(gguf, e)) from None
+        conf.pop("quantization_config", None)
+        conf["architectures"] = conf.get("architectures") or [ARCH_OF_TYPE.get(conf.get("model_type"), "")]
+        tmp.mkdir(parents=True, exist_ok=True)
+        (tmp / "config.json").write_text(json.dumps(conf, indent=2))
+        tok.save_pretrained(tmp)
+        (tmp / "done").write_text(str(gguf))
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+# a GGUF's config names its model type, not its class
+ARCH_OF_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
 def read_config(d: Path, rope_scaling: str | None = None) -> ModelConfig:
     try:
         hf = json.loads((d / "config.json").read_text())
@@ -239,9 +272,33 @@ def load_weights(model: Transformer, d: Path, dtype: torch.dtype, device) -> Non
     model.to(device)
 
 
+WEIGHTS = ("auto", "fp32", "bf16", "int8", "int4")
+
+
+def weights_class(path: str | os.PathLike | None, weights: str = "auto") -> str:
+    """What `--weights` means for this model: 'int8'/'int4' (quantized linears and embedding)
+    or 'dense' (float weights at the compute dtype). auto: a GGUF keeps its class, an HF
+    checkpoint is dense."""
+    if weights in ("int8", "int4"):
+        return weights
+    if weights in ("fp32", "bf16"):
+        return "dense"
+    p = model_path(path)
+    if p.is_dir():
+        return "dense"
+    check_gguf(p)
+    from .gguf_weights import reader, weight_class
+    return weight_class(reader(p))
+
+
 def load_model(path=None, dtype=torch.float32, device="cpu", rope_scaling: str | None = None,
-               progress=None):
-    """Load (model, config, tokenizer) from a HF directory or GGUF file (None: the bundled model)."""
+               progress=None, weights: str = "auto"):
+    """Load (model, config, tokenizer) from a HF directory or GGUF file (None: the bundled
+    model), with its linear weights as `weights_class` says."""
+    kind = weights_class(path, weights)
+    if kind != "dense":
+        return load_quantized(model_path(path), kind, weights == "auto", dtype, device, rope_scaling,
+                              progress)
     d = resolve(path, progress)
     cfg = read_config(d, rope_scaling)
     with torch.device("meta"):
@@ -249,6 +306,23 @@ def load_model(path=None, dtype=torch.float32, device="cpu", rope_scaling: str |
     model.rotary = Rotary(cfg)  # a computed buffer, not a checkpoint weight
     load_weights(model, d, dtype, device)
     model.eval().requires_grad_(False)
+    return model, cfg, load_tokenizer(d)
+
+
+def load_quantized(p: Path, kind: str, own: bool, dtype, device, rope_scaling, progress):
+    """A GGUF's blocks as they are (`own`: each tensor keeps its class, e.g. a Q8_0 embedding
+    beside Q4_1 layers; else requantized to `kind`), or an HF checkpoint quantized one tensor
+    at a time: never a float copy of the whole model."""
+    from . import gguf_weights
+    from .quantized import assemble, quantize_stream
+    d = gguf_meta_dir(p, progress) if p.is_file() else p
+    cfg = read_config(d, rope_scaling)
+    if p.is_file():
+        items = gguf_weights.read(p, None if own else kind, cfg, progress)
+    else:
+        items = quantize_stream(((n, t) for f in weight_files(d) for n, t in read_safetensors(f, torch.float32)),
+                                kind)
+    model = assemble(cfg, items, dtype, device, f"{p.name}")
     return model, cfg, load_tokenizer(d)
 
 

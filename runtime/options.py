@@ -53,6 +53,10 @@ class ModelOptions(Options):
     device: str = opt("auto", "auto|cpu|cuda|cuda:N.", check=_device)
     rope_scaling: str | None = opt(None, "Stretch the context, e.g. linear:4 "
                                    "(kinds: linear, dynamic, yarn, llama3).")
+    weights: str = opt("auto", "auto|fp32|bf16|int8|int4: precision of the projection and "
+                       "embedding weights. auto: a GGUF keeps its own (Q8_0 int8, Q4_x int4, ...), "
+                       "an HF checkpoint stays dense at --dtype; int8/int4 quantize at load.",
+                       check=one_of("auto", "fp32", "bf16", "int8", "int4"))
 
 
 @dataclass

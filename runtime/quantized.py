@@ -1,0 +1,103 @@
+"""A model with int8/int4 weights: a module swap after load (gpt-fast's quantize.py), so the
+model file stays plain: each projection becomes a `QLinear` with the same forward(x), the
+embedding a `QEmbedding`; a tied LM head shares the embedding's `QPart`.
+
+Weights arrive one tensor at a time (from a GGUF's blocks or an HF checkpoint quantized as
+it is read), so loading never holds a float copy of the whole model.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from ..kernels.qlinear import QEmbedding, QLinear, QPart, quantize
+from .config import ModelConfig
+from .errors import TriforceError
+from .model import Rotary, Transformer
+
+# the model's projections and the HF tensors stacked into each (rows in this order)
+LINEARS = {("self_attn", "qkv_proj"): ("q_proj", "k_proj", "v_proj"), ("self_attn", "o_proj"): ("o_proj",),
+           ("mlp", "gate_up_proj"): ("gate_proj", "up_proj"), ("mlp", "down_proj"): ("down_proj",)}
+QUANTIZED = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head",
+             "embed_tokens"}
+
+
+def _quantizes(name: str, t: torch.Tensor) -> bool:
+    return t.dim() == 2 and name.endswith(".weight") and name.split(".")[-2] in QUANTIZED
+
+
+def quantize_stream(items: Iterable[tuple[str, torch.Tensor]], kind: str):
+    """HF (name, float tensor) pairs -> the same with every projection and the embedding as a
+    QPart: int8 with one scale per output row, int4 with a scale and offset per 32 inputs
+    (per row in int8 where the inputs do not split into groups of 32)."""
+    for name, t in items:
+        if not _quantizes(name, t):
+            yield name, t
+            continue
+        K = t.shape[1]
+        if kind == "int4" and K % 32 == 0:
+            yield name, quantize(t, 4, 32)
+        elif K % 16 == 0:
+            yield name, quantize(t, 8, None)
+        else:
+            raise TriforceError(f"--weights {kind}: {name} has {K} inputs, not a multiple of 16; "
+                                "use --weights fp32")
+
+
+def assemble(cfg: ModelConfig, items, dtype: torch.dtype, device, what: str) -> Transformer:
+    """Build the model from (HF name, QPart | float tensor) pairs."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.rotary = Rotary(cfg)
+    parts: dict[str, QPart] = {}
+    dense: dict[str, torch.Tensor] = {}
+    for name, v in items:
+        if isinstance(v, QPart):
+            parts[name.removesuffix(".weight")] = v
+        else:
+            dense[name] = v.to(dtype)
+
+    def take(key: str) -> QPart:
+        try:
+            return parts.pop(key)
+        except KeyError:
+            raise TriforceError(f"checkpoint {what} lacks weights: {key}.weight") from None
+
+    for i, layer in enumerate(model.model.layers):
+        for (parent, attr), srcs in LINEARS.items():
+            pre = f"model.layers.{i}.{parent}."
+            ps = [take(pre + s) for s in srcs]
+            biases = [dense.pop(f"{pre}{s}.bias", None) for s in srcs]
+            bias = torch.cat(biases) if all(b is not None for b in biases) else None
+            setattr(getattr(layer, parent), attr, QLinear(ps, bias))
+    emb = take("model.embed_tokens")
+    head = parts.pop("lm_head", None)
+    cfg.tie_word_embeddings = head is None or cfg.tie_word_embeddings
+    model.model.embed_tokens = QEmbedding(emb, dtype)
+    model.lm_head = QLinear([emb if cfg.tie_word_embeddings else head])
+    model.load_state_dict(dense, strict=False, assign=True)
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if left:
+        raise TriforceError(f"checkpoint {what} lacks weights: {', '.join(left[:3])}")
+    return model.to(device).eval().requires_grad_(False)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every weight as stored (quantized parts at their size; a tied table once)."""
+    seen, total = set(), 0
+    for m in model.modules():
+        ts = [p for p in m.parameters(recurse=False)] + [b for b in m.buffers(recurse=False) if b is not None]
+        for t in ts:
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+    return total
+
+
+def weights_name(model: torch.nn.Module) -> str:
+    """'int4', 'int4+int8' (GGUF Q4_K_M mixes), 'int8', or the dense dtype."""
+    bits = sorted({p.bits for m in model.modules() if isinstance(m, QLinear) for p in m.parts})
+    if bits:
+        return "+".join(f"int{b}" for b in bits)
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
