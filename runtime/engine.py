@@ -84,6 +84,97 @@ class AutoGamma:
         return max(range(1, self.hi + 1), key=lambda g: (1 - a ** (g + 1)) / ((1 - a) * (1 + g * c)))
 
 
+class Bypass:
+    """Which levels below the top run: speculation never costs more than it saves.
+
+    A configuration is a set of skipped levels (the drafter, the retrieval level; never the
+    top). Each is judged by what it delivers: seconds per produced token, as decayed sums of
+    the seconds and tokens of its top-level rounds (a round yields 1 to γ+1 tokens, so a
+    ratio of sums, not a mean of ratios). The run starts with every level; after `warm`
+    rounds each other configuration is probed until it produced `probe_tokens` tokens (at
+    most `probe_rounds` rounds; a configuration's very first round pays one-time costs such
+    as indexing the prompt's n-grams and is not counted), and the cheapest runs. Probes
+    repeat every `interval` tokens, the interval doubling while the choice holds (up to
+    `max_interval`) and falling back when it changes, so a level that stopped paying is
+    bypassed and one that pays again (text turned repetitive) comes back. Skipped levels
+    stay in sync (the retrieval cache absorbs every verified token; the n-gram index reads
+    the shared sequence), so switching costs nothing. Tokens per skipped level go to the stats."""
+
+    def __init__(self, optional: list[int], warm: int = 2, interval: int = 32, max_interval: int = 512,
+                 probe_tokens: int = 8, probe_rounds: int = 3, margin: float = 0.97, decay: float = 0.8):
+        import itertools
+        self.configs = [frozenset(c) for r in range(len(optional) + 1)
+                        for c in itertools.combinations(optional, r)]
+        self.sums = {c: [0.0, 0.0] for c in self.configs}  # decayed seconds, tokens
+        self.seen = {c: 0 for c in self.configs}  # rounds run per configuration
+        self.current = self.configs[0]  # every level runs
+        self.warm, self.base, self.max_interval, self.margin, self.decay = warm, interval, max_interval, margin, decay
+        self.probe_tokens, self.probe_rounds = probe_tokens, probe_rounds
+        self.interval = interval
+        self.probes: list[frozenset] = []
+        self.probe = [0, 0]  # tokens, rounds of the probe under way
+        self.rounds, self.since_probe = 0, 0
+        self.skipped: dict[int, int] = {i: 0 for i in optional}  # tokens produced with level i skipped
+        self.switches = 0
+
+    def spt(self, c: frozenset) -> float | None:
+        s, t = self.sums[c]
+        return s / t if t else None
+
+    def choose(self) -> frozenset:
+        """The configuration of the next top-level round."""
+        if not self.probes and (self.rounds == self.warm or
+                                (self.rounds > self.warm and self.since_probe >= self.interval)):
+            self.probes = sorted((c for c in self.configs if c != self.current), key=len, reverse=True)
+            self.since_probe, self.probe = 0, [0, 0]
+        return self.probes[0] if self.probes else self.current
+
+    def record(self, c: frozenset, seconds: float, tokens: int):
+        self.rounds += 1
+        self.since_probe += tokens
+        for i in c:
+            self.skipped[i] += tokens
+        self.seen[c] += 1
+        if self.seen[c] > 1:  # a first round pays one-time costs
+            s = self.sums[c]
+            d = 1.0 if self.probes and c == self.probes[0] else self.decay  # a probe's rounds count alike
+            s[0], s[1] = d * s[0] + seconds, d * s[1] + tokens
+        if self.probes and c == self.probes[0]:
+            if self.seen[c] > 1:
+                self.probe = [self.probe[0] + tokens, self.probe[1] + 1]
+            if self.probe[0] >= self.probe_tokens or self.probe[1] >= self.probe_rounds or self._hopeless(c):
+                self.probes.pop(0)
+                self.probe = [0, 0]
+                self.since_probe = 0 if not self.probes else self.since_probe
+                if not self.probes and not self._switch():
+                    self.interval = min(2 * self.interval, self.max_interval)  # the choice holds
+        elif not self.probes and self.rounds > self.warm:
+            self._switch()  # the running configuration got slower than a probed one
+
+    def _hopeless(self, c: frozenset) -> bool:
+        """A probe 1.5x slower than the best known after one counted round ends early."""
+        known = [self.spt(o) for o in self.configs if o != c and self.spt(o) is not None]
+        return self.probe[1] >= 1 and bool(known) and self.spt(c) > 1.5 * min(known)
+
+    def _switch(self) -> bool:
+        known = {c: self.spt(c) for c in self.configs if self.spt(c) is not None}
+        if not known:
+            return False
+        best = min(known, key=known.get)
+        if best == self.current or (self.current in known and known[best] >= self.margin * known[self.current]):
+            return False
+        self.current, self.interval = best, self.base
+        self.switches += 1
+        return True
+
+    def figures(self, names: list[str]) -> dict:
+        return {"bypassed_tokens": {names[i]: n for i, n in self.skipped.items()},
+                "bypass_switches": self.switches,
+                "ms_per_token_by_skipped": {"+".join(names[i] for i in sorted(c)) or "none": round(self.spt(c) * 1e3, 2)
+                                            for c in self.configs if self.spt(c) is not None},
+                "running": [n for i, n in enumerate(names) if i not in self.current]}
+
+
 @dataclass
 class Rebuild:
     """When to rebuild the retrieval cache: `never`, `every:N` tokens, or `adaptive`."""
@@ -121,6 +212,8 @@ class Engine:
     stats: list = field(default_factory=list)  # LevelStats per verifying level
     rebuilds: int = 0  # retrieval cache rebuilds
     reads0: dict = field(default_factory=dict)  # hostread.READS counts when the engine was made
+    bypass: Bypass | None = None  # skip levels that do not pay (None: every level always runs)
+    skip: frozenset = frozenset()  # levels the current round skips
     _since_build: int = 0
     _acc_ema: float = 1.0
 
@@ -165,7 +258,8 @@ class Engine:
         if top:
             lv.cache.prefetch()  # the link is idle while lower levels draft
         t0 = time.perf_counter()
-        q = self.produce(i - 1, seq, self.gammas[i - 1])
+        j = next((j for j in range(i - 1, -1, -1) if j not in self.skip), None)  # who drafts
+        q = torch.zeros(0) if j is None else self.produce(j, seq, self.gammas[j])
         t1 = time.perf_counter()
         draft = seq[m:]
         p = probs(lv.forward(seq, len(draft) + 1), self.sp)  # [g+1, V]
@@ -176,9 +270,11 @@ class Engine:
         if top:  # the next verification streams while the levels below sync and draft
             lv.cache.prefetch()
         self._sync_lower(i, f0, m + k)
-        self.stats[i - 1].add(len(draft), k)
+        own = j == i - 1  # its own drafter drafted: the level's acceptance figures
+        if own:
+            self.stats[i - 1].add(len(draft), k)
         if top:
-            self._after_top(len(draft), k, t1 - t0, time.perf_counter() - t1)
+            self._after_top(len(draft), k, t1 - t0, time.perf_counter() - t1, own and not self.skip)
         return p[: k + 1]
 
     def _sync_lower(self, i: int, f0: int, n: int):
@@ -189,11 +285,11 @@ class Engine:
             lower.cache.absorb(self.levels[i].cache, f0, n)  # exact target KV of verified tokens
             lower.commit(n)
 
-    def _after_top(self, g: int, k: int, t_draft: float, t_verify: float):
+    def _after_top(self, g: int, k: int, t_draft: float, t_verify: float, full_chain: bool = True):
         self._since_build += k + 1
-        if g:
+        if g and full_chain:
             self._acc_ema = 0.8 * self._acc_ema + 0.2 * (k / g)
-        if self.auto:
+        if self.auto and full_chain:
             # timings differ between tensor-parallel ranks: all take rank 0's choice
             self.gammas[-1] = self.agree(self.auto.update(g, k, t_draft, t_verify))
         cache = self.levels[-2].cache
@@ -221,7 +317,21 @@ class Engine:
                 out.append(t)
                 if (on_token and on_token(t)) or t in eos or len(out) >= max_new:
                     return out
+            self.round(seq)
+
+    def round(self, seq: list[int]):
+        """One verification by the top level, with the levels `bypass` chooses."""
+        if self.bypass is None:
             self.verify(len(self.levels) - 1, seq)
+            return
+        # timings differ between tensor-parallel ranks: all take rank 0's choice
+        c = self.bypass.configs[self.agree(self.bypass.configs.index(self.bypass.choose()))]
+        self.skip, n0, t0 = c, len(seq), time.perf_counter()
+        try:
+            self.verify(len(self.levels) - 1, seq)
+        finally:
+            self.skip = frozenset()
+        self.bypass.record(c, time.perf_counter() - t0, len(seq) - n0)
 
     def figures(self) -> dict:
         """Statistics for Stats.extra: acceptance per drafting level, mean accepted, times."""
@@ -237,6 +347,7 @@ class Engine:
             "gammas": list(self.gammas),
             "rebuilds": self.rebuilds,
             "host_reads": self.host_reads(),
+            **(self.bypass.figures(names) if self.bypass else {}),
         }
 
     def host_reads(self) -> dict:

@@ -111,6 +111,9 @@ class GenerationOptions(SamplingParams):
     draft_sink: int = opt(16, "Streaming draft cache: first tokens kept.", check=at_least(0))
     draft_window: int = opt(240, "Streaming draft cache: recent tokens kept.", check=at_least(1))
     ngram: int = opt(3, "Longest n-gram the prompt-lookup drafter matches.", check=at_least(1))
+    bypass: bool = opt(True, "Skip a draft level (n-gram, retrieval) while it does not pay, by measured "
+                       "seconds per token, and retry it later (--no-bypass: every level always runs, "
+                       "e.g. for seeded sampling that repeats run to run).")
 
     def __post_init__(self):
         self.gamma2 = str(self.gamma2)

@@ -13,7 +13,7 @@ import time
 import torch
 
 from .drafters import ModelLevel, NgramDrafter, check_vocab
-from .engine import AutoGamma, Engine, Rebuild
+from .engine import AutoGamma, Bypass, Engine, Rebuild
 from .errors import TriforceError
 from .generate import Stats, capacity, peak_memory_gb, prefill, stop_ids
 from .graphs import combined
@@ -24,6 +24,7 @@ from .retrieval import Recorder, RetrievalCache
 from .sampling import probs, sample
 from .streaming import StreamingCache
 from .options import GenerationOptions
+from .protocols import RetrievalKV
 from .tp import agree
 
 
@@ -121,7 +122,8 @@ def speculate(kind: str, loaded, prompt, opts, full, logits, on_token=None):
     sp = opts.sampling
     gen = sp.generator(loaded.device)
     auto = AutoGamma(o.gamma2_start) if o.gamma2 == "auto" and kind != "draft" else None  # adapts gamma2
-    eng = Engine(levels, gammas, sp, gen, auto, Rebuild.parse(opts.retrieval.rebuild), agree=agree)
+    eng = Engine(levels, gammas, sp, gen, auto, Rebuild.parse(opts.retrieval.rebuild), agree=agree,
+                 bypass=bypass_for(levels) if o.bypass else None)
     t1 = time.perf_counter()
     seq = list(prompt) + [to_host(sample(probs(logits[0], sp), gen))]  # counted as 'other'
     with torch.inference_mode():
@@ -132,6 +134,14 @@ def speculate(kind: str, loaded, prompt, opts, full, logits, on_token=None):
     steps["notes"] = notes + steps.get("notes", [])  # the levels' build notes first
     st.extra.update(eng.figures(), build_s=round(t1 - t0, 3), **steps)
     return toks, st
+
+
+def bypass_for(levels) -> Bypass | None:
+    """The levels that may be skipped: the n-gram drafter and retrieval levels (both stay in
+    sync while skipped); a model drafter always runs (its streaming cache would fall behind)."""
+    optional = [i for i, lv in enumerate(levels[:-1])
+                if isinstance(lv, NgramDrafter) or isinstance(lv.cache, RetrievalKV)]
+    return Bypass(optional) if optional else None
 
 
 def runner(kind: str):
