@@ -137,7 +137,9 @@ class Bypass:
         self.seen[c] += 1
         if self.seen[c] > 1:  # a first round pays one-time costs
             s = self.sums[c]
-            d = 1.0 if self.probes and c == self.probes[0] else self.decay  # a probe's rounds count alike
+            probing = bool(self.probes) and c == self.probes[0]
+            # a probe's rounds count alike, and a new probe outweighs what was measured before
+            d = (0.25 if self.probe[1] == 0 else 1.0) if probing else self.decay
             s[0], s[1] = d * s[0] + seconds, d * s[1] + tokens
         if self.probes and c == self.probes[0]:
             if self.seen[c] > 1:

@@ -32,17 +32,34 @@ def quantize_stream(items: Iterable[tuple[str, torch.Tensor]], kind: str):
     QPart: int8 with one scale per output row, int4 with a scale and offset per 32 inputs
     (per row in int8 where the inputs do not split into groups of 32)."""
     for name, t in items:
-        if not _quantizes(name, t):
-            yield name, t
-            continue
-        K = t.shape[1]
-        if kind == "int4" and K % 32 == 0:
-            yield name, quantize(t, 4, 32)
-        elif K % 16 == 0:
-            yield name, quantize(t, 8, None)
-        else:
-            raise TriforceError(f"--weights {kind}: {name} has {K} inputs, not a multiple of 16; "
-                                "use --weights fp32")
+        yield name, (quantize_tensor(t, kind, name) if _quantizes(name, t) else t)
+
+
+def quantize_tensor(t: torch.Tensor, kind: str, name: str = "a weight") -> QPart:
+    K = t.shape[1]
+    if kind == "int4" and K % 32 == 0:
+        return quantize(t, 4, 32)
+    if K % 16 == 0:
+        return quantize(t, 8, None)
+    raise TriforceError(f"--weights {kind}: {name} has {K} inputs, not a multiple of 16; "
+                        "use --weights fp32")
+
+
+def quantize_model(model: Transformer, kind: str) -> Transformer:
+    """Swap a loaded dense model's projections and embedding for quantized ones, in place
+    (the API's way to quantize a model built in memory; loading quantizes tensor by tensor)."""
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    dtype = model.model.embed_tokens.weight.dtype
+    for block in model.model.layers:
+        for (parent, attr) in LINEARS:
+            lin = getattr(getattr(block, parent), attr)
+            setattr(getattr(block, parent), attr, QLinear([quantize_tensor(lin.weight.detach(), kind, attr)],
+                                                          None if lin.bias is None else lin.bias.detach()))
+    emb = quantize_tensor(model.model.embed_tokens.weight.detach(), kind, "embed_tokens")
+    head = emb if tied else quantize_tensor(model.lm_head.weight.detach(), kind, "lm_head")
+    model.model.embed_tokens = QEmbedding(emb, dtype)
+    model.lm_head = QLinear([head])
+    return model
 
 
 def assemble(cfg: ModelConfig, items, dtype: torch.dtype, device, what: str) -> Transformer:

@@ -1,0 +1,117 @@
+"""The quantized linear kernels against their torch reference, and GGUF blocks against gguf's
+own dequantization: every exact format must give gguf's values bit for bit."""
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from triforce_offload.kernels import qlinear
+from triforce_offload.kernels.qlinear import QEmbedding, QLinear, QPart, pack4, quantize
+from triforce_offload.runtime import gguf_weights
+
+
+def _part(bits, N, K, G, f16, with_min, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randint(-128, 128, (N, K), generator=g).to(torch.int8) if bits == 8
+         else pack4(torch.randint(0, 16, (N, K), generator=g)))
+    dt = torch.float16 if f16 else torch.float32
+    scale = (torch.rand(N, K // G, generator=g) * 0.02 + 1e-3).to(dt)
+    minv = (torch.randn(N, K // G, generator=g) * 0.05).to(dt) if with_min else None
+    return QPart(q, scale, minv, bits, G, K)
+
+
+CASES = [(8, 37, 64, 16, True, False), (8, 8, 576, 32, True, False), (8, 19, 96, 96, False, True),
+         (4, 41, 64, 32, True, True), (4, 16, 1536, 32, False, True), (4, 9, 128, 64, True, True)]
+
+
+@pytest.mark.parametrize("bits,N,K,G,f16,with_min", CASES)
+def test_kernel_matches_reference_and_rows_do_not_depend_on_the_batch(bits, N, K, G, f16, with_min):
+    if qlinear.load() is None:
+        pytest.skip(f"native kernel unavailable: {qlinear.reason()}")
+    part = _part(bits, N, K, G, f16, with_min)
+    bias = torch.randn(N)
+    lin = QLinear([part], bias)
+    x = torch.randn(2, 7, K)
+    y = lin(x)
+    ref = F.linear(x.double(), part.dequantize().double(), bias.double()).float()
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
+    rows = torch.cat([lin(x[b, t:t + 1]) for b in range(2) for t in range(7)]).view(2, 7, N)
+    assert torch.equal(y, rows)  # a verification's rows are the decodes' rows, bit for bit
+
+
+def test_parts_side_by_side_and_strided_input():
+    if qlinear.load() is None:
+        pytest.skip("native kernel unavailable")
+    a, b = _part(4, 24, 64, 32, True, True, 1), _part(8, 13, 64, 16, False, False, 2)
+    bias = torch.randn(37)
+    lin = QLinear([a, b], bias)
+    x = torch.randn(5, 128)[:, ::2]  # a strided view
+    ref = F.linear(x, torch.cat([a.dequantize(), b.dequantize()]), bias)
+    torch.testing.assert_close(lin(x), ref, rtol=1e-5, atol=1e-4)
+
+
+def test_torch_path_is_the_reference(monkeypatch):
+    part = _part(4, 16, 64, 32, True, True)
+    lin, x = QLinear([part]), torch.randn(3, 64)
+    monkeypatch.setattr(qlinear, "load", lambda: None)  # as without a C compiler
+    assert "torch" in qlinear.kernel("cpu")
+    torch.testing.assert_close(lin(x), F.linear(x, part.dequantize()))
+
+
+def test_embedding_rows_and_out_of_range():
+    part = _part(8, 50, 32, 16, True, True)
+    emb = QEmbedding(part)
+    ids = torch.tensor([[3, 49, 0]])
+    assert torch.equal(emb(ids), part.dequantize()[ids])
+    if qlinear.load() is not None:
+        with pytest.raises(IndexError):
+            emb(torch.tensor([[50]]))
+
+
+@pytest.mark.parametrize("bits,group", [(8, None), (8, 32), (4, 32), (4, 64)])
+def test_quantize_error_is_bounded_by_half_a_step(bits, group):
+    w = torch.randn(33, 128)
+    p = quantize(w, bits, group)
+    G = group or 128
+    step = p.scale.float().repeat_interleave(G, dim=1)
+    assert ((p.dequantize() - w).abs() <= 0.5 * step + 1e-6).all()
+    with pytest.raises(ValueError):
+        quantize(torch.randn(4, 40), 4, 32)
+
+
+def _random_blocks(kind: str, N: int, K: int, seed=0) -> np.ndarray:
+    """Random raw GGUF blocks of `kind` with sane float16 d/dmin fields."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    qt = GGMLQuantizationType[kind]
+    bs, size = GGML_QUANT_SIZES[qt]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (N, K // bs, size), dtype=np.uint8)
+    halves = {"Q8_0": [0], "Q4_0": [0], "Q5_0": [0], "Q4_1": [0, 2], "Q5_1": [0, 2],
+              "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}[kind]
+    for off in halves:
+        raw[..., off:off + 2] = (rng.random((N, K // bs)) * 0.01 + 1e-3).astype(np.float16).view(np.uint8).reshape(N, K // bs, 2)
+    return raw.reshape(N, -1), qt
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+def test_gguf_blocks_convert_exactly(kind):
+    from gguf import dequantize
+    N, K = 6, 512
+    raw, qt = _random_blocks(kind, N, K)
+    part = gguf_weights.convert(kind, raw, K)
+    ref = torch.from_numpy(np.asarray(dequantize(raw, qt), dtype=np.float32).reshape(N, K))
+    assert part.bits == (4 if kind in gguf_weights.INT4_TYPES else 8)
+    torch.testing.assert_close(part.dequantize(), ref, rtol=1e-6, atol=1e-7)
+
+
+def test_permuted_rows_match_transformers():
+    from transformers.modeling_gguf_pytorch_utils import TensorProcessor
+    w = torch.randn(48, 32)
+    part = quantize(w, 8, 32)
+    back = gguf_weights.permute_rows(part, 3).dequantize().numpy()
+    ref = TensorProcessor()._reverse_permute_weights(part.dequantize().numpy(), 3, 3) \
+        if hasattr(TensorProcessor, "_reverse_permute_weights") else None
+    if ref is None:
+        from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+        ref = LlamaTensorProcessor()._reverse_permute_weights(part.dequantize().numpy(), 3, 3)
+    np.testing.assert_array_equal(back, ref)

@@ -1,0 +1,102 @@
+"""Losslessness at int8 and int4 weights: the target is the model at the precision it runs,
+and every speculative mode's greedy output equals its autoregressive output token for token
+(resident and offloaded, Llama and Qwen2); plus the level bypass's decisions."""
+import copy
+
+import pytest
+import torch
+
+from triforce_offload.kernels.qlinear import QEmbedding, QLinear
+from triforce_offload.runtime.engine import Bypass
+from triforce_offload.runtime.quantized import quantize_model, weights_name
+
+from helpers_spec import repetitive_prompt, run, tiny
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def quantized_tiny(arch: str, kind: str):
+    L = tiny(scale=3.0, seed=1) if arch == "llama" else \
+        tiny(scale=3.0, seed=2, heads=6, kv=2, layers=3, dim=96, arch="qwen2")
+    L = copy.copy(L)
+    L.model = quantize_model(copy.deepcopy(L.model), kind)
+    L.weights = weights_name(L.model)
+    return L
+
+
+MODES = [
+    ("draft", {}),
+    ("retrieval", {"budget": 64}),
+    ("triforce", {"budget": 64}),
+    ("triforce", {"budget": 32, "retrieval_chunk": 4, "draft": "self", "draft_window": 8, "gamma2": "auto"}),
+    ("triforce", {"budget": 64, "offload": "on", "transfer_chunk": 48}),
+    ("triforce", {"budget": 64, "no_bypass": True}),
+]
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("mode,extra", MODES)
+def test_greedy_equals_autoregressive_at_the_precision_it_runs(arch, kind, mode, extra):
+    L = quantized_tiny(arch, kind)
+    assert L.weights.startswith("int") and isinstance(L.model.model.embed_tokens, QEmbedding)
+    assert isinstance(L.model.model.layers[0].mlp.down_proj, QLinear)
+    prompt = repetitive_prompt(300, L.cfg.vocab_size, seed=3)
+    extra = dict(extra)
+    if extra.pop("no_bypass", False):
+        extra["bypass"] = False
+    ref, _ = run(L, prompt, "autoregressive", 48)
+    out, st = run(L, prompt, mode, 48, **extra)
+    assert out == ref
+    assert st.extra["weights"] == L.weights
+
+
+def test_quantized_logits_stay_close_to_dense():
+    L = tiny(scale=3.0, seed=1)
+    ids = torch.tensor([repetitive_prompt(40, L.cfg.vocab_size)])
+    from triforce_offload.runtime.cache import FullCache
+    with torch.inference_mode():
+        dense = L.model(ids, 0, FullCache(L.cfg, 64))
+        for kind, tol in (("int8", 0.05), ("int4", 0.5)):
+            q = quantize_model(copy.deepcopy(L.model), kind)(ids, 0, FullCache(L.cfg, 64))
+            err = (q - dense).abs().max().item() / dense.abs().max().item()
+            assert 0 < err < tol, (kind, err)
+
+
+def _drive(b: Bypass, cost: dict, rounds: int, tokens: int = 4) -> list:
+    """Run the controller against fixed seconds per token per configuration."""
+    seen = []
+    for _ in range(rounds):
+        c = b.choose()
+        b.record(c, cost[c] * tokens, tokens)
+        seen.append(c)
+    return seen
+
+
+def test_bypass_leaves_a_level_that_does_not_pay_and_takes_it_back_when_it_does():
+    b = Bypass([0, 1])
+    none, ngram, ret, both = b.configs  # {}, {0}, {1}, {0, 1}
+    slow_mid = {none: 0.030, ngram: 0.040, ret: 0.012, both: 0.020}  # the retrieval level costs
+    seen = _drive(b, slow_mid, 60)
+    assert b.current == ret and seen[-10:].count(ret) >= 8
+    assert b.skipped[1] > b.skipped[0]
+    pays_again = {none: 0.006, ngram: 0.040, ret: 0.012, both: 0.020}  # repetitive text
+    _drive(b, pays_again, 200)
+    assert b.current == none
+    f = b.figures(["ngram", "retrieval", "full"])
+    assert f["bypass_switches"] >= 2 and f["bypassed_tokens"]["retrieval"] > 0
+
+
+def test_bypass_keeps_every_level_when_all_pay():
+    b = Bypass([0, 1])
+    none, ngram, ret, both = b.configs
+    cost = {none: 0.005, ngram: 0.010, ret: 0.009, both: 0.020}
+    seen = _drive(b, cost, 200)
+    assert b.current == none and b.switches == 0
+    assert seen.count(none) > 0.8 * len(seen)  # probes back off: most rounds run the choice
