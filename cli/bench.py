@@ -18,6 +18,7 @@ from rich.text import Text
 from ..bench.runner import (DEFAULT_MODES, EXTRA_BASELINES, BenchOptions, check_baselines,
                             run_bench, summarize)
 from ..runtime import api
+from ..runtime.data import check_builtin_prompt
 from ..runtime.errors import TriforceError
 from ..runtime.options import GenerationOptions, ModelOptions, RetrievalOptions
 from .app import app
@@ -52,6 +53,8 @@ def bench(
     baseline: str = typer.Option("", help="Extra peer rows (comma-separated): "
                                  f"{', '.join(EXTRA_BASELINES)} (real DeepSpeed ZeRO-Inference; "
                                  "needs CUDA and `pip install triforce-offload[deepspeed]`)."),
+    builtin_prompt: str = typer.Option("summary", help="Built-in prompt: summary (essays + a summary "
+                                       "request) or continue (essay text to continue)."),
     seed: int = typer.Option(0, help="Sampling seed."),
     lookup: int = typer.Option(10, help="Prompt-lookup draft length of transformers and llama.cpp."),
     threads: int = typer.Option(0, help="CPU threads of every contender (torch and llama.cpp) "
@@ -68,7 +71,7 @@ def bench(
                      names + [b for b in extra if b not in names], seed, gguf=gguf,
                      spec=dict(draft=gen.draft, gamma1=gen.gamma1, gamma2=gen.gamma2,
                                budget=retrieval.budget, retrieval_chunk=retrieval.retrieval_chunk),
-                     lookup=lookup, threads=threads)
+                     lookup=lookup, threads=threads, prompt=check_builtin_prompt(builtin_prompt))
     o.check()
     if threads:
         torch.set_num_threads(threads)  # the same CPU share for our modes and the peers

@@ -34,6 +34,7 @@ class Loaded:
     dtype: torch.dtype  # activations and KV dtype (and dense weights')
     prefix: object = None  # a PrefixCache: full caches come from it and go back after a run (serve)
     weights: str = ""  # what the projections are stored as: int4, int8, int4+int8, float32, ...
+    load_info: str = ""  # weight bytes, load seconds and the peak host memory while loading
 
     @property
     def eos(self) -> set[int]:
@@ -88,9 +89,8 @@ def load(model: ModelOptions | str | None = None, dtype: str | None = None, devi
         cfg = shard(model, cfg)
         model.to(dev)
     loaded = Loaded(model, cfg, tok, dev, dt, weights=quantized.weights_name(model))
-    if progress:
-        progress(f"weights {loaded.weights}: {quantized.weight_bytes(model) / 1e6:.0f} MB, loaded in "
-                 f"{time.perf_counter() - started:.1f} s, peak host memory {peak_rss_gb():.2f} GB")
+    loaded.load_info = (f"{quantized.weight_bytes(model) / 1e6:.0f} MB, loaded in "
+                        f"{time.perf_counter() - started:.1f} s, peak host memory {peak_rss_gb():.2f} GB")
     return loaded
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 SWEEP = Path(__file__).with_name("native_sweep.py")
+QLINEAR_SWEEP = Path(__file__).with_name("qlinear_sweep.py")  # the quantized linear kernel
 
 
 def _gcc_runtime(name: str) -> str:
@@ -25,17 +26,17 @@ def _gcc_runtime(name: str) -> str:
     return out if os.path.isabs(out) and os.path.exists(out) else ""
 
 
-def _run_sweep(tmp_path, cflags: str, extra_env: dict) -> subprocess.CompletedProcess:
+def _run_sweep(tmp_path, cflags: str, extra_env: dict, sweep: Path = SWEEP) -> subprocess.CompletedProcess:
     env = dict(os.environ, TRIFORCE_OFFLOAD_CACHE=str(tmp_path), TRIFORCE_OFFLOAD_NATIVE="1",
                TRIFORCE_OFFLOAD_NATIVE_CFLAGS=cflags, CC="gcc", **extra_env)
-    return subprocess.run([sys.executable, str(SWEEP)], env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, str(sweep)], env=env, capture_output=True, text=True,
                           timeout=900)
 
 
-def _assert_clean(r: subprocess.CompletedProcess):
+def _assert_clean(r: subprocess.CompletedProcess, says: str = "match float64 attention"):
     tail = "\n".join((r.stdout + r.stderr).splitlines()[-25:])
     assert r.returncode == 0, tail
-    assert "match float64 attention" in r.stdout, tail
+    assert says in r.stdout, tail
     assert "runtime error" not in r.stderr and "ERROR: AddressSanitizer" not in r.stderr, tail
 
 
@@ -53,3 +54,19 @@ def test_native_kernel_under_address_sanitizer(tmp_path):
                    {"LD_PRELOAD": f"{asan} {ubsan}", "ASAN_OPTIONS": "detect_leaks=0",
                     "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1"})
     _assert_clean(r)
+
+
+@pytest.mark.skipif(not shutil.which("gcc"), reason="needs gcc (the native kernel's compiler)")
+def test_quantized_linear_kernel_under_fortify_source(tmp_path):
+    r = _run_sweep(tmp_path, "-O2 -D_FORTIFY_SOURCE=3", {}, QLINEAR_SWEEP)
+    _assert_clean(r, "match float64 linear")
+
+
+def test_quantized_linear_kernel_under_address_sanitizer(tmp_path):
+    asan, ubsan = _gcc_runtime("libasan.so"), _gcc_runtime("libubsan.so")
+    if not (asan and ubsan):
+        pytest.skip("gcc without libasan/libubsan")
+    r = _run_sweep(tmp_path, "-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer",
+                   {"LD_PRELOAD": f"{asan} {ubsan}", "ASAN_OPTIONS": "detect_leaks=0",
+                    "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1"}, QLINEAR_SWEEP)
+    _assert_clean(r, "match float64 linear")

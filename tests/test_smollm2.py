@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def smol():
-    return api.load(None, "float32", "cpu")
+    return api.load(None, "float32", "cpu", weights="fp32")  # transformers runs the dequantized GGUF
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ import psutil
 import torch
 
 from ..runtime import api
-from ..runtime.data import long_prompt
+from ..runtime.data import builtin_prompt, long_prompt
 from ..runtime.errors import TriforceError
 from ..runtime.loader import default_model_path, resolve
 from ..runtime.sampling import SamplingParams
@@ -73,6 +73,7 @@ class BenchOptions:
     lookup: int = 10  # prompt-lookup draft length for transformers and llama.cpp
     gguf: str | None = None  # GGUF for llama.cpp; None: the --model file or the bundled one
     threads: int = 0  # llama.cpp threads; 0: torch's thread count
+    prompt: str = "summary"  # built-in prompt: summary (essays + a request) or continue (essay text)
 
     def check(self):
         bad = [m for m in self.modes if m not in CONTENDERS]
@@ -205,9 +206,11 @@ def check_baselines(names: list[str]) -> list[str]:
     return names
 
 
-def bench_prompt(tokenizer, ctx: int, new_tokens: int) -> list[int]:
-    """Essays plus a summary request, chat-wrapped, leaving room for the new tokens."""
-    ids = long_prompt(tokenizer, ctx - new_tokens - 64)
+def bench_prompt(tokenizer, ctx: int, new_tokens: int, kind: str = "summary") -> list[int]:
+    """The built-in prompt (`summary`: essays plus a summary request, chat-wrapped;
+    `continue`: essay text), leaving room for the new tokens."""
+    ids = long_prompt(tokenizer, ctx - new_tokens - 64) if kind == "summary" else \
+        builtin_prompt(tokenizer, kind, ctx - new_tokens - 64)
     return ids[: ctx - new_tokens]
 
 
@@ -225,7 +228,7 @@ def run_bench(loaded: api.Loaded, o: BenchOptions, model_path=None, progress=Non
     long sweep can be saved as it goes)."""
     o.check()
     b, runs = Bench(loaded, o, model_path), plan_runs(o)
-    prompts = {c: bench_prompt(loaded.tokenizer, c, o.new_tokens) for c in o.contexts}
+    prompts = {c: bench_prompt(loaded.tokenizer, c, o.new_tokens, o.prompt) for c in o.contexts}
     warm_up(loaded)
     rows, skipped = [], set()
     emit = lambda row: (rows.append(row), on_row and on_row(row))
