@@ -9,15 +9,11 @@ from triforce_offload.kernels import qlinear
 from triforce_offload.kernels.qlinear import QEmbedding, QLinear, QPart, pack4, quantize
 from triforce_offload.runtime import gguf_weights
 
+from qlinear_sweep import part  # random parts, shared with the sanitizer sweep
+
 
 def _part(bits, N, K, G, f16, with_min, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = (torch.randint(-128, 128, (N, K), generator=g).to(torch.int8) if bits == 8
-         else pack4(torch.randint(0, 16, (N, K), generator=g)))
-    dt = torch.float16 if f16 else torch.float32
-    scale = (torch.rand(N, K // G, generator=g) * 0.02 + 1e-3).to(dt)
-    minv = (torch.randn(N, K // G, generator=g) * 0.05).to(dt) if with_min else None
-    return QPart(q, scale, minv, bits, G, K)
+    return part(bits, N, K, G, f16, with_min, torch.Generator().manual_seed(seed))
 
 
 CASES = [(8, 37, 64, 16, True, False), (8, 8, 576, 32, True, False), (8, 19, 96, 96, False, True),
