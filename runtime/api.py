@@ -80,8 +80,10 @@ def load(model: ModelOptions | str | None = None, dtype: str | None = None, devi
     dev = resolve_device(o.device)
     dt = compute_dtype(o, dev)
     started = time.perf_counter()
+    # tensor parallelism shards dense weights only: auto means dense there
+    weights = "fp32" if shard is not None and o.weights == "auto" else o.weights
     model, cfg, tok = load_model(o.model, dt, dev if shard is None else "cpu", o.rope_scaling, progress,
-                                 o.weights)
+                                 weights)
     if shard is not None:
         if quantized.weights_name(model).startswith("int"):
             raise TriforceError(f"--tp: tensor parallelism shards dense weights only; this model's are "
