@@ -79,15 +79,16 @@ def load(model: ModelOptions | str | None = None, dtype: str | None = None, devi
                                                                    weights)
     dev = resolve_device(o.device)
     dt = compute_dtype(o, dev)
+    weights = o.weights
+    if shard is not None:  # tensor parallelism shards dense weights only: auto means dense there
+        if weights in ("int8", "int4"):
+            raise TriforceError(f"--tp: tensor parallelism shards dense weights only, not --weights "
+                                f"{weights} (pass --weights fp32 or bf16)")
+        weights = "fp32" if weights == "auto" else weights
     started = time.perf_counter()
-    # tensor parallelism shards dense weights only: auto means dense there
-    weights = "fp32" if shard is not None and o.weights == "auto" else o.weights
     model, cfg, tok = load_model(o.model, dt, dev if shard is None else "cpu", o.rope_scaling, progress,
                                  weights)
     if shard is not None:
-        if quantized.weights_name(model).startswith("int"):
-            raise TriforceError(f"--tp: tensor parallelism shards dense weights only; this model's are "
-                                f"{quantized.weights_name(model)} (pass --weights fp32 or bf16)")
         cfg = shard(model, cfg)
         model.to(dev)
     loaded = Loaded(model, cfg, tok, dev, dt, weights=quantized.weights_name(model))

@@ -135,21 +135,22 @@ class Bypass:
         for i in c:
             self.skipped[i] += tokens
         self.seen[c] += 1
+        probing = bool(self.probes) and c == self.probes[0]
         if self.seen[c] > 1:  # a first round pays one-time costs
             s = self.sums[c]
-            probing = bool(self.probes) and c == self.probes[0]
             # a probe's rounds count alike, and a new probe outweighs what was measured before
             d = (0.25 if self.probe[1] == 0 else 1.0) if probing else self.decay
             s[0], s[1] = d * s[0] + seconds, d * s[1] + tokens
-        if self.probes and c == self.probes[0]:
-            if self.seen[c] > 1:
+            if probing:
                 self.probe = [self.probe[0] + tokens, self.probe[1] + 1]
+        if probing:
             if self.probe[0] >= self.probe_tokens or self.probe[1] >= self.probe_rounds or self._hopeless(c):
                 self.probes.pop(0)
                 self.probe = [0, 0]
-                self.since_probe = 0 if not self.probes else self.since_probe
-                if not self.probes and not self._switch():
-                    self.interval = min(2 * self.interval, self.max_interval)  # the choice holds
+                if not self.probes:
+                    self.since_probe = 0
+                    if not self._switch():
+                        self.interval = min(2 * self.interval, self.max_interval)  # the choice holds
         elif not self.probes and self.rounds > self.warm:
             self._switch()  # the running configuration got slower than a probed one
 

@@ -116,14 +116,22 @@ def gguf_to_dir(gguf: Path, progress=None) -> Path:
     """Dequantize once into the cache; written to a side folder and renamed when complete, so
     a failed or interrupted conversion leaves nothing behind."""
     out = cache_root() / file_key(gguf)
+    note = f"dequantizing {gguf.name} once into {out} (cached for next time)"
+    return convert_once(gguf, out, _dequantize, lambda: progress and progress(note))
+
+
+def convert_once(gguf: Path, out: Path, write, started=None) -> Path:
+    """`out`, made by `write(gguf, folder)` unless an earlier run completed it: the GGUF is
+    checked first, the folder written aside and renamed when complete (`write` marks it with
+    a `done` file), so a failed or interrupted conversion leaves nothing behind."""
     if (out / "done").exists():
         return out
     check_gguf(gguf)
-    if progress:
-        progress(f"dequantizing {gguf.name} once into {out} (cached for next time)")
+    if started:
+        started()
     tmp = out.with_name(f"{out.name}.partial-{os.getpid()}")
     try:
-        _dequantize(gguf, tmp)
+        write(gguf, tmp)
         if out.exists():
             shutil.rmtree(out)  # an older conversion that never finished
         tmp.rename(out)
@@ -154,33 +162,25 @@ def _dequantize(gguf: Path, out: Path) -> None:
     (out / "done").write_text(str(gguf))
 
 
-def gguf_meta_dir(gguf: Path, progress=None) -> Path:
+def gguf_meta_dir(gguf: Path) -> Path:
     """Config and tokenizer of a GGUF (no weights) in the cache, for loading its blocks as they
-    are; written once like a conversion (side folder, renamed when complete)."""
-    out = cache_root() / f"{file_key(gguf)}-meta"
-    if (out / "done").exists():
-        return out
-    check_gguf(gguf)
+    are; written once like a conversion."""
+    return convert_once(gguf, cache_root() / f"{file_key(gguf)}-meta", _write_meta)
+
+
+def _write_meta(gguf: Path, out: Path) -> None:
     from transformers import AutoConfig, AutoTokenizer
-    tmp = out.with_name(f"{out.name}.partial-{os.getpid()}")
     try:
-        try:
-            conf = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).to_dict()
-            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        except GGUF_ERRORS as e:
-            raise TriforceError(not_gguf(gguf, e)) from None
-        conf.pop("quantization_config", None)
-        conf["architectures"] = conf.get("architectures") or [ARCH_OF_TYPE.get(conf.get("model_type"), "")]
-        tmp.mkdir(parents=True, exist_ok=True)
-        (tmp / "config.json").write_text(json.dumps(conf, indent=2))
-        tok.save_pretrained(tmp)
-        (tmp / "done").write_text(str(gguf))
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+        conf = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).to_dict()
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except GGUF_ERRORS as e:
+        raise TriforceError(not_gguf(gguf, e)) from None
+    conf.pop("quantization_config", None)
+    conf["architectures"] = conf.get("architectures") or [ARCH_OF_TYPE.get(conf.get("model_type"), "")]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(conf, indent=2))
+    tok.save_pretrained(out)
+    (out / "done").write_text(str(gguf))
 
 
 # a GGUF's config names its model type, not its class
@@ -272,9 +272,6 @@ def load_weights(model: Transformer, d: Path, dtype: torch.dtype, device) -> Non
     model.to(device)
 
 
-WEIGHTS = ("auto", "fp32", "bf16", "int8", "int4")
-
-
 def weights_class(path: str | os.PathLike | None, weights: str = "auto") -> str:
     """What `--weights` means for this model: 'int8'/'int4' (quantized linears and embedding)
     or 'dense' (float weights at the compute dtype). auto: a GGUF keeps its class, an HF
@@ -315,7 +312,7 @@ def load_quantized(p: Path, kind: str, own: bool, dtype, device, rope_scaling, p
     at a time: never a float copy of the whole model."""
     from . import gguf_weights
     from .quantized import assemble, quantize_stream
-    d = gguf_meta_dir(p, progress) if p.is_file() else p
+    d = gguf_meta_dir(p) if p.is_file() else p
     cfg = read_config(d, rope_scaling)
     if p.is_file():
         items = gguf_weights.read(p, None if own else kind, cfg, progress)
