@@ -62,7 +62,7 @@ from types import SimpleNamespace
 import torch
 
 from triforce_offload.bench.geometries import GEOMETRIES, geometry_config, p_bytes, random_model
-from triforce_offload.runtime import opcount
+from triforce_offload.runtime import opcount, quantized
 
 MODES = ("eager", "graphed", "compiled", "triforce", "hf")
 LABEL = {"eager": "autoregressive eager", "graphed": "autoregressive graphed",
@@ -151,18 +151,6 @@ def load(a, device: torch.device, dtype_name: str):
             log(f"contexts beyond the model's {limit}: --rope-scaling {rope}")
     L = api.load(path, dtype_name, str(device), rope)
     return L, a.model + (f" (rope {rope})" if rope else "")
-
-
-def token_weight_bytes(model) -> int:
-    """Bytes of the weights one decode step reads: every parameter, except an embedding table
-    that is not tied to the LM head (a step reads one row of it)."""
-    emb = model.model.embed_tokens.weight
-    tied = model.lm_head.weight is emb
-    return sum(p.numel() * p.element_size() for p in model.parameters() if tied or p is not emb)
-
-
-def all_weight_bytes(model) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 # --------------------------------------------------------------------------- the hardware
@@ -377,8 +365,8 @@ def main(argv=None):
     log(f"copy bandwidth on {device_name(device)}: {copy_bps / 1e9:.1f} GB/s "
         f"({mib} MiB copy_, read + write)")
     L, label = load(a, device, dtype_name)
-    weights = token_weight_bytes(L.model)
-    resident = all_weight_bytes(L.model)
+    weights = quantized.token_weight_bytes(L.model)
+    resident = quantized.weight_bytes(L.model)
     elem = torch.empty(0, dtype=L.dtype).element_size()
     base = {"bench": "gpu_decode", "time": time.time(), "commit": commit(), "model": label,
             "device": device_name(device), "dtype": str(L.dtype).replace("torch.", ""),
@@ -435,7 +423,7 @@ def hf_rows(L, a, device, prompts, emit, weights, copy_bps, elem):
         return
     from triforce_offload.bench import peers
     from triforce_offload.runtime.loader import resolve
-    resident = all_weight_bytes(L.model)
+    resident = quantized.weight_bytes(L.model)
     L.model = None  # one copy of the weights on the device at a time
     hf = peers.load_hf(resolve(None if a.model == "bundled" else a.model), L.dtype).to(device)
     n = max(16, min(256, min(a.contexts) - a.new_tokens))

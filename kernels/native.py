@@ -67,12 +67,13 @@ def flags() -> list[str]:
     return FLAGS + env("native_cflags").split()
 
 
-def build(source: Path = SOURCE) -> Path:
+def build(source: Path | None = None) -> Path:
     """Compile (or find the cached build of) a kernel source (default the attention kernel;
     kernels/qlinear.py builds cpu_linear.c the same way); raises RuntimeError with the reason."""
     cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler (cc, gcc or clang) on PATH")
+    source = source or SOURCE
     src = source.read_bytes()
     all_flags = flags()
     key = hashlib.sha256(src + " ".join([cc] + all_flags).encode() + _cpu_id().encode()).hexdigest()[:16]

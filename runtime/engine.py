@@ -22,20 +22,23 @@ from .acceptance import accept
 
 @dataclass
 class LevelStats:
-    verifications: int = 0  # verification passes this level ran
-    drafted: int = 0  # draft tokens it checked
+    verifications: int = 0  # verification passes this level ran (bypassed drafters too)
+    drafted: int = 0  # draft tokens it checked from its own drafter (the level below)
     accepted: int = 0  # of which accepted
     produced: int = 0  # tokens it emitted (accepted + corrected/bonus)
     rejected: int = 0  # verifications that rejected a draft token (k < g)
     host_reads: int = 0  # blocking device-to-host reads of its verifications (the levels below not counted)
     max_host_reads: int = 0  # the most in one verification (the goal: 1)
 
-    def add(self, g: int, k: int):
+    def add(self, g: int, k: int, own: bool = True):
+        """One verification kept k of g draft tokens; `own`: the level right below drafted
+        them (a bypass round's draft from further down is not this level's acceptance)."""
         self.verifications += 1
-        self.drafted += g
-        self.accepted += k
         self.produced += k + 1
-        self.rejected += k < g
+        if own:
+            self.drafted += g
+            self.accepted += k
+            self.rejected += k < g
 
     def read(self, n: int):
         """One verification made n blocking host reads."""
@@ -274,8 +277,7 @@ class Engine:
             lv.cache.prefetch()
         self._sync_lower(i, f0, m + k)
         own = j == i - 1  # its own drafter drafted: the level's acceptance figures
-        if own:
-            self.stats[i - 1].add(len(draft), k)
+        self.stats[i - 1].add(len(draft), k, own)
         if top:
             self._after_top(len(draft), k, t1 - t0, time.perf_counter() - t1, own and not self.skip)
         return p[: k + 1]

@@ -104,12 +104,26 @@ def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of every weight as stored (quantized parts at their size; a tied table once)."""
     seen, total = set(), 0
     for m in model.modules():
-        ts = [p for p in m.parameters(recurse=False)] + [b for b in m.buffers(recurse=False) if b is not None]
-        for t in ts:
+        for t in _tensors(m):
             if t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
                 total += t.numel() * t.element_size()
     return total
+
+
+def _tensors(m: torch.nn.Module):
+    """A module's own weights: parameters, and a quantized part's buffers (not rotary tables)."""
+    bufs = m.buffers(recurse=False) if isinstance(m, QPart) else ()
+    return [*m.parameters(recurse=False), *(b for b in bufs if b is not None)]
+
+
+def token_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the weights one decode step reads: every weight, except an embedding table
+    not shared with the LM head (a step reads one row of it)."""
+    emb, head = model.model.embed_tokens, model.lm_head
+    table = [t for m in emb.modules() for t in _tensors(m)]
+    tied = bool({t.data_ptr() for t in table} & {t.data_ptr() for m in head.modules() for t in _tensors(m)})
+    return weight_bytes(model) - (0 if tied else sum(t.numel() * t.element_size() for t in table))
 
 
 def weights_name(model: torch.nn.Module) -> str:
