@@ -37,7 +37,7 @@ def _value(fn, *args):
 @app.command()
 @options
 def plan(
-    model_opts: Annotated[ModelOptions, pick("rope_scaling")],
+    model_opts: Annotated[ModelOptions, pick("rope_scaling", "weights")],
     gpus: str = typer.Option("2x4090", help="[N x]GPU: 4090, 2x4090, a100-80g ..."),
     model: str = typer.Option("llama2-7b-128k", help=f"Preset ({', '.join(cm.MODELS)}) "
                               "or a HF model folder / config.json."),
@@ -60,19 +60,39 @@ def plan(
     rope_scaling = model_opts.rope_scaling
     hw = _value(parse_gpus, gpus)
     spec = _value(parse_model, model)
+    if model_opts.weights != "auto":
+        spec = replace(spec, weights=model_opts.weights)
     ctx = _value(parse_context, context)
     check_context(spec, ctx, rope_scaling)
     for a, flag in ((alpha0, "--alpha0"), (alpha1, "--alpha1")):
         if not 0 <= a <= 1:
             raise TriforceError(f"{flag} {a}: must be in [0, 1]")
-    p = _value(lambda: pl.search_plan(hw, spec, ctx, gpu_mem, host_mem, alpha0, alpha1,
-                                      draft=cm.LLAMA_68M if draft_model else None))
-    cmd = run_command(p, model_path or model, draft_path if draft_model else None, rope_scaling)
+    draft, note = draft_for(spec, draft_model)
+    p = _value(lambda: pl.search_plan(hw, spec, ctx, gpu_mem, host_mem, alpha0, alpha1, draft=draft))
+    cmd = run_command(p, model_path or model, draft_path if draft else None, rope_scaling)
     if as_json:
-        print(json.dumps({**plan_dict(p), "rope_scaling": rope_scaling, "command": cmd}))
+        print(json.dumps({**plan_dict(p), "rope_scaling": rope_scaling, "draft_note": note,
+                          "command": cmd}))
         return
     out.print(plan_table(p))
+    if note:
+        err.print(note, highlight=False)
     out.print(cmd, highlight=False, soft_wrap=True)
+
+
+def draft_for(spec: cm.ModelSpec, wanted: bool) -> tuple[cm.ModelSpec | None, str]:
+    """The L0 draft to plan with (llama-68m only for a target with Llama 2's tokenizer:
+    a draft must share the target's tokenizer) and a note when there is none."""
+    if not wanted:
+        return None, ""
+    d = cm.LLAMA_68M
+    if spec.tokenizer and spec.tokenizer == d.tokenizer:
+        return d, ""
+    why = (f"has the {spec.tokenizer} tokenizer" if spec.tokenizer
+           else "has a tokenizer the planner cannot check")
+    return None, (f"no L0 draft: {d.name} uses the {d.tokenizer} tokenizer and {spec.name} {why}; "
+                  "planned with the retrieval level drafting (pass a draft with the target's "
+                  "tokenizer to `run --draft`)")
 
 
 def check_context(spec, ctx: int, rope_scaling: str | None) -> None:
@@ -101,6 +121,8 @@ def run_command(p: pl.Plan, model_path: str, draft_path: str | None,
         head += f"--rope-scaling {shlex.quote(rope_scaling)} "
     mode = (f"--mode triforce --draft {shlex.quote(draft_path)} --gamma1 {s.gamma1} "
             if draft_path else "--mode retrieval ")
+    if p.model.weights:
+        head += f"--weights {p.model.weights} "
     return (head + mode + f"--budget {s.budget} --retrieval-chunk {s.retrieval_chunk} --gamma2 {s.gamma2} "
             f"--offload on --on-chip {s.on_chip} --transfer-chunk {s.transfer_chunk} "
             f"--tp {p.tp} --max-context {s.context}")
@@ -109,6 +131,8 @@ def run_command(p: pl.Plan, model_path: str, draft_path: str | None,
 def plan_dict(p: pl.Plan) -> dict:
     s = p.settings
     return {"gpus": p.hardware.gpus, "hardware": p.hardware.name, "model": p.model.name,
+            "weights": p.model.weights or f"{8 * p.model.dtype_bytes}-bit",
+            "weights_gb": p.model.weight_bytes / cm.GIB, "draft": s.draft.name if s.draft else None,
             "context": s.context, "tp": p.tp, "on_chip": s.on_chip, "budget": s.budget,
             "chunk": s.retrieval_chunk, "gamma1": s.gamma1 if s.draft is not None else 0,
             "gamma2": s.gamma2, "transfer_chunk": s.transfer_chunk, "alpha1": s.alpha1,
@@ -123,6 +147,8 @@ def plan_table(p: pl.Plan) -> Table:
               show_header=False)
     t.add_column(style="bold")
     t.add_column(justify="right")
+    t.add_row("weights", f"{d['weights']}, {d['weights_gb']:.1f} GiB")
+    t.add_row("L0 draft", d["draft"] or "none (L1 drafts)")
     for k in ("tp", "on_chip", "budget", "chunk", "gamma1", "gamma2", "transfer_chunk"):
         t.add_row(k.replace("_", " "), str(d[k]))
     t.add_row("L1 acceptance at budget", f"{d['alpha1']:.3f}")
@@ -134,7 +160,16 @@ def plan_table(p: pl.Plan) -> Table:
     return t
 
 
-def auto_plan(cfg, context: int, device: torch.device) -> tuple[dict, str]:
+def plan_weights(name: str | None) -> str:
+    """The cost model's precision for a loaded model's `quantized.weights_name`
+    ("int4+int8" -> int4: most bytes are the int4 projections)."""
+    name = name or ""
+    if "int4" in name or "int8" in name:
+        return "int4" if "int4" in name else "int8"
+    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(name, "")
+
+
+def auto_plan(cfg, context: int, device: torch.device, weights: str | None = None) -> tuple[dict, str]:
     """`run --plan auto`: (RunOptions.of flat options updates, a note for stderr).
 
     The plan models GPUs with a PCIe link; on a machine without CUDA it leaves the
@@ -151,7 +186,8 @@ def auto_plan(cfg, context: int, device: torch.device) -> tuple[dict, str]:
     spec = cm.ModelSpec(name="model", layers=cfg.n_layers, heads=cfg.n_heads,
                         kv_heads=cfg.n_kv_heads, hidden=cfg.hidden_size,
                         intermediate=cfg.intermediate_size, vocab=cfg.vocab_size,
-                        head_dim=cfg.head_dim, tied=cfg.tie_word_embeddings)
+                        head_dim=cfg.head_dim, tied=cfg.tie_word_embeddings,
+                        weights=plan_weights(weights))
     try:
         p = pl.search_plan(hw, spec, context, alpha0=0.6, alpha1=0.9, draft=None)
     except ValueError as e:
@@ -169,7 +205,7 @@ def plan_settings(spec: str, loaded, context: int) -> dict:
     if spec != "auto":
         raise TriforceError(f"--plan {spec!r}: allowed is auto (see `triforce-offload plan` "
                             "for other machines)")
-    extra, note = auto_plan(loaded.cfg, context, loaded.device)
+    extra, note = auto_plan(loaded.cfg, context, loaded.device, getattr(loaded, "weights", None))
     err.print(note, highlight=False)
     return extra
 

@@ -36,6 +36,12 @@ Assumptions (all stated, none fitted to the paper table):
 8. Weights that do not fit next to everything else are streamed every forward.
 9. CPU attention (ZeRO-Inference) reaches ``host_attn_gbps``: assumed 0.8 of a STREAM
    measurement of a dual-channel DDR5 desktop (~60 GB/s).
+10. Weight precision (``ModelSpec.weights``): int8 is stored at 8.5 bits a weight (Q8_0's
+   fp16 scale per 32; per-row int8 of an HF checkpoint is ~8.0), int4 at 5 bits (fp16
+   scale and offset per 32: the runtime's layout for every 4/5/6-bit GGUF format). The
+   memory they free goes to on-chip KV. On the GPU the runtime's quantized linear today
+   dequantizes to bf16 per call (docs/weights.md), so a step reads the packed weights and
+   writes and reads a bf16 copy: `step_read_bytes` counts that, not an ideal kernel's read.
 
 Memory sizes are GiB (2**30, as nvidia-smi reports); bandwidths are decimal GB/s.
 Hardware sources are next to each preset value below.
@@ -45,6 +51,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+WEIGHT_BITS = {"fp32": 32.0, "bf16": 16.0, "fp16": 16.0, "int8": 8.5, "int4": 5.0}  # assumption 10
 GB = 1e9  # bandwidths: decimal GB/s, as datasheets give them
 GIB = 2 ** 30  # memory sizes: GiB
 GPU_RESERVE_GIB = 1.5  # CUDA context + activations + allocator slack (assumption)
@@ -155,6 +162,8 @@ class ModelSpec:
     dtype_bytes: int = 2  # bytes per weight and per KV element (fp16/bf16)
     tied: bool = False  # lm_head shares the embedding matrix
     max_context: int = 0  # tokens the model attends over (max_position_embeddings); 0: unknown
+    weights: str = ""  # weight precision (WEIGHT_BITS); "": dtype_bytes like the KV
+    tokenizer: str = ""  # tokenizer family of a preset ("" unknown): drafts must share it
 
     def __post_init__(self):
         for f in ("layers", "heads", "kv_heads", "hidden", "intermediate", "vocab"):
@@ -164,6 +173,8 @@ class ModelSpec:
             raise ValueError(f"model {self.name!r}: heads must be a multiple of kv_heads")
         if not self.head_dim:  # frozen: set the derived default in place
             object.__setattr__(self, "head_dim", self.hidden // self.heads)
+        if self.weights and self.weights not in WEIGHT_BITS:
+            raise ValueError(f"weights {self.weights!r}: expected one of {', '.join(WEIGHT_BITS)}")
 
     @classmethod
     def from_hf_config(cls, cfg: dict, name: str = "") -> ModelSpec:
@@ -196,14 +207,32 @@ class ModelSpec:
         return emb + self.layers * self.layer_params + self.hidden
 
     @property
+    def weight_bits(self) -> float:
+        """Stored bits per weight, scales included (assumption 10)."""
+        return WEIGHT_BITS[self.weights] if self.weights else 8.0 * self.dtype_bytes
+
+    @property
+    def quantized(self) -> bool:
+        return self.weights in ("int8", "int4")
+
+    @property
     def weight_bytes(self) -> int:
-        return self.params * self.dtype_bytes
+        return round(self.params * self.weight_bits / 8)
 
     @property
     def step_bytes(self) -> int:
         """Weight bytes a forward reads: the embedding table is gathered, not read."""
         skip = 0 if self.tied else self.vocab * self.hidden
-        return (self.params - skip) * self.dtype_bytes
+        return round((self.params - skip) * self.weight_bits / 8)
+
+    @property
+    def step_read_bytes(self) -> int:
+        """Device-memory bytes a forward's matmuls move with the runtime's GPU kernel:
+        quantized weights are dequantized to bf16 per call (assumption 10)."""
+        if not self.quantized:
+            return self.step_bytes
+        skip = 0 if self.tied else self.vocab * self.hidden
+        return self.step_bytes + 2 * 2 * (self.params - skip)
 
     @property
     def kv_layer_bytes(self) -> int:
@@ -216,12 +245,16 @@ class ModelSpec:
         return self.layers * self.kv_layer_bytes
 
 
-# Architectures from the models' config.json files.
-LLAMA2_7B_128K = ModelSpec("llama2-7b-128k", 32, 32, 32, 4096, 11008, 32000, max_context=131072)
-LLAMA2_13B_128K = ModelSpec("llama2-13b-128k", 40, 40, 40, 5120, 13824, 32000, max_context=131072)
-LLAMA31_8B = ModelSpec("llama-3.1-8b", 32, 32, 8, 4096, 14336, 128256, max_context=131072)
+# Architectures from the models' config.json files; tokenizers from their tokenizer files
+# (llama-68m was trained with Llama 2's 32000-token SentencePiece vocabulary).
+LLAMA2_7B_128K = ModelSpec("llama2-7b-128k", 32, 32, 32, 4096, 11008, 32000, max_context=131072,
+                           tokenizer="llama2")
+LLAMA2_13B_128K = ModelSpec("llama2-13b-128k", 40, 40, 40, 5120, 13824, 32000, max_context=131072,
+                            tokenizer="llama2")
+LLAMA31_8B = ModelSpec("llama-3.1-8b", 32, 32, 8, 4096, 14336, 128256, max_context=131072,
+                       tokenizer="llama3")
 LLAMA_68M = ModelSpec("llama-68m", 2, 12, 12, 768, 3072, 32000,
-                      max_context=2048)  # JackFram/llama-68m
+                      max_context=2048, tokenizer="llama2")  # JackFram/llama-68m
 MODELS = {m.name: m for m in (LLAMA2_7B_128K, LLAMA2_13B_128K, LLAMA31_8B, LLAMA_68M)}
 
 # RTX 4090: 24 GB GDDR6X at 1008 GB/s and 82.6 TFLOP/s fp16 tensor with fp32 accumulate
@@ -357,7 +390,7 @@ def _roof(hw: Hardware, nbytes: float, flops: float) -> float:
 
 def _dense(hw: Hardware, m: ModelSpec, tp: int, n: int) -> float:
     """Weight matmuls of one forward over n tokens."""
-    return _roof(hw, m.step_bytes / tp, 2.0 * m.params / tp * n)
+    return _roof(hw, m.step_read_bytes / tp, 2.0 * m.params / tp * n)
 
 
 def _attn(hw: Hardware, m: ModelSpec, tp: int, n: int, kv: int, layers: int) -> float:

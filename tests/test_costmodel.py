@@ -178,3 +178,42 @@ def test_parse_model(tmp_path):
     assert parse_model(str(tmp_path)).layers == 2
     with pytest.raises(ValueError, match="unknown model"):
         parse_model("gpt-5")
+
+
+def test_int4_weights_free_memory_for_on_chip_kv():
+    """plan --weights int4: 5 bits a weight; the memory freed holds KV layers on the card."""
+    m = cm.LLAMA31_8B
+    q = replace(m, weights="int4")
+    assert q.weight_bytes == round(m.params * 5 / 8) and q.weight_bytes < m.weight_bytes / 3
+    assert q.step_read_bytes > m.step_bytes  # today's GPU kernel dequantizes per call
+    hw = parse_gpus("4090")
+    dense = pl.search_plan(hw, m, 131072, draft=None)
+    int4 = pl.search_plan(hw, q, 131072, draft=None)
+    assert int4.settings.on_chip > dense.settings.on_chip
+    assert int4.host_gb < dense.host_gb and int4.ms_per_token < dense.ms_per_token
+    with pytest.raises(ValueError, match="weights 'int3'"):
+        replace(m, weights="int3")
+
+
+def test_plan_drafts_only_with_the_targets_tokenizer():
+    from triforce_offload.cli.plan import draft_for
+    d, note = draft_for(cm.LLAMA31_8B, True)
+    assert d is None and "llama3 tokenizer" in note
+    assert draft_for(cm.LLAMA2_7B_128K, True) == (cm.LLAMA_68M, "")
+    d, note = draft_for(replace(cm.LLAMA2_7B_128K, tokenizer=""), True)  # a model folder
+    assert d is None and "cannot check" in note
+    assert draft_for(cm.LLAMA2_7B_128K, False) == (None, "")
+
+
+def test_plan_command_line_weights_and_draft(tmp_path):
+    import json
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "triforce_offload.cli", "plan", "--gpus", "4090",
+                        "--model", "llama-3.1-8b", "--context", "128k", "--weights", "int4", "--json"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["weights"] == "int4" and d["draft"] is None and "llama3" in d["draft_note"]
+    assert "--weights int4" in d["command"] and "--mode retrieval" in d["command"]
+    assert d["on_chip"] == 32 and d["host_gb"] == 0
