@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import torch
 
-from .hostread import to_host
+from .hostread import to_device, to_host
 from .sampling import sample
 
 
 def one_hot(tokens: list[int], vocab: int, device="cpu") -> torch.Tensor:
     """q of a deterministic drafter: [g] ids -> [g, V] one-hot rows."""
     q = torch.zeros(len(tokens), vocab, device=device)
-    if tokens:
-        q[torch.arange(len(tokens)), torch.tensor(tokens, device=device)] = 1.0
+    if tokens:  # everything on the device: no index tensor copied from the host
+        q.scatter_(1, to_device(tokens, device)[:, None], 1.0)
     return q
 
 
@@ -48,7 +48,7 @@ def verdict(draft: list[int], q: torch.Tensor, p: torch.Tensor, gen=None) -> tor
     g = len(draft)
     if g == 0:
         return torch.stack([torch.zeros((), dtype=torch.long, device=p.device), sample(p[0], gen)])
-    d = torch.tensor(draft, device=p.device)
+    d = to_device(draft, p.device)
     u = torch.rand(g, generator=gen, device=p.device)
     k = n_accepted(d, q, p, u)  # [] on the device
     pk = p.index_select(0, k.view(1))[0]  # [V]: p_{k+1}, the bonus row when k == g

@@ -17,7 +17,7 @@ import torch
 
 from .errors import TriforceError
 from .graphs import Step
-from .hostread import to_host
+from .hostread import to_device, to_host
 from .sampling import probs, sample
 from .acceptance import one_hot
 
@@ -37,7 +37,7 @@ class ModelLevel:
     def forward(self, seq: list[int], rows: int) -> torch.Tensor:
         """Feed seq[held:]; fp32 logits of the last `rows` positions [rows, V]."""
         t0 = time.perf_counter()
-        ids = torch.tensor([seq[self.held:]], device=self.device)
+        ids = to_device([seq[self.held:]], self.device)
         out = self.step(ids, self.held, last_only=rows == 1)[0, -rows:].float()
         self.held = len(seq)
         self.time += time.perf_counter() - t0
@@ -72,7 +72,7 @@ class ModelLevel:
         """Run the prompt through this level's own cache (a draft model's streaming cache)."""
         t0 = time.perf_counter()
         for s in range(0, len(prompt), prefill_chunk):
-            ids = torch.tensor([prompt[s: s + prefill_chunk]], device=self.device)
+            ids = to_device([prompt[s: s + prefill_chunk]], self.device)
             self.model(ids, s, self.cache, last_only=True)
             self.cache.commit(min(s + prefill_chunk, len(prompt)))
         self.cache.prefetch()

@@ -9,7 +9,7 @@ import torch
 
 from .errors import TriforceError
 from .graphs import Step
-from .hostread import to_host
+from .hostread import to_device, to_host
 from .offloaded import prefill_layer_major
 from .sampling import SamplingParams, probs, sample
 
@@ -135,7 +135,7 @@ def autoregressive(model, cache, prompt: list[int], sp: SamplingParams, max_new:
     `cache` may hold the KV of prompt[:start] already (a kept prefix): only the rest is
     prefilled. Returns (new token ids, Stats)."""
     dev = next(model.parameters()).device
-    ids = torch.tensor([prompt[start:]], device=dev)
+    ids = to_device([prompt[start:]], dev)
     t0 = time.perf_counter()
     logits = prefill(model, cache, ids, start, prefill_chunk, progress)
     t1 = time.perf_counter()

@@ -8,6 +8,9 @@ verification of the top level needs one read: its accepted count and next token 
 back together (`acceptance.accept`). tests/test_hostread.py checks this with the helper
 and, independently, with a dispatch mode that watches for raw reads; it also greps the
 decode-loop modules for reads that bypass `to_host`.
+
+The other way, host values reach the device through `to_device`: `torch.tensor(list,
+device=cuda)` copies from pageable memory, which blocks the host until the copy ran.
 """
 from __future__ import annotations
 
@@ -45,3 +48,21 @@ READS = HostReads()  # the process's counter (tensor-parallel ranks are processe
 def to_host(t: torch.Tensor):
     """`t` as Python values (int/float or nested lists), counted as one blocking read."""
     return READS.read(t)
+
+
+def to_device(values, device, dtype=torch.long) -> torch.Tensor:
+    """Host values (token ids: a list, or nested lists) as a tensor on `device`, without a
+    blocking copy. On the CPU it is just built; elsewhere it is built in page-locked memory
+    and copied with non_blocking=True, queued on the current stream like any kernel. A fresh
+    page-locked tensor per call: torch's caching host allocator records the copy's stream
+    and hands the block out again only after the copy ran, so no later call can overwrite
+    it while in flight."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=dtype)
+    return staged(values, dtype).to(device, non_blocking=True)
+
+
+def staged(values, dtype) -> torch.Tensor:
+    """`values` in page-locked host memory (the source of an asynchronous copy)."""
+    return torch.tensor(values, dtype=dtype, pin_memory=True)

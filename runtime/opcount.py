@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .hostread import to_device
+
 # ops that return a view of their input's storage: no data moves
 VIEWS = frozenset({
     "view", "_unsafe_view", "_reshape_alias", "t", "transpose", "expand", "expand_as",
@@ -164,7 +166,7 @@ def decode_step_ops(model, cfg, context: int = 32) -> dict:
         with torch.inference_mode():
             model(ids[:, :context], 0, cache)
         cache.commit(context)
-        start = torch.tensor([context], device=p.device) if static else context
+        start = to_device([context], p.device) if static else context
         for kernels in (False, True):
             c = count(model, lambda: model(ids[:, context:], start, cache), kernels)
             key = f"{path}_kernels" if kernels else path

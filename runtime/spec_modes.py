@@ -17,7 +17,7 @@ from .engine import AutoGamma, Bypass, Engine, Rebuild
 from .errors import TriforceError
 from .generate import Stats, capacity, peak_memory_gb, prefill, stop_ids
 from .graphs import combined
-from .hostread import to_host
+from .hostread import to_device, to_host
 from .offloaded import finish_stats, make_full_cache
 from .prefix_cache import lease
 from .retrieval import Recorder, RetrievalCache
@@ -98,7 +98,7 @@ def run_speculative(kind: str, loaded, prompt, opts, on_token=None, progress=Non
     with lease(loaded, prompt, cap, lambda c: make_full_cache(loaded, c, opts)) as kv:
         full = Recorder(kv.cache)
         t0 = time.perf_counter()
-        ids = torch.tensor([prompt[kv.start:]], device=loaded.device)
+        ids = to_device([prompt[kv.start:]], loaded.device)
         logits = prefill(loaded.model, full, ids, kv.start, opts.prefill_chunk, progress)
         toks, st = speculate(kind, loaded, prompt, opts.but(max_new_tokens=max_new), full,
                              logits, on_token)

@@ -20,7 +20,8 @@ from helpers_spec import repetitive_prompt, tiny
 from triforce_offload.runtime.api import RunOptions, generate
 from triforce_offload.runtime.acceptance import accept, one_hot, verdict
 from triforce_offload.runtime.drafters import NgramDrafter
-from triforce_offload.runtime.hostread import READS
+from triforce_offload.runtime import hostread
+from triforce_offload.runtime.hostread import READS, to_device
 from triforce_offload.runtime.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -124,6 +125,66 @@ def _tensorish(a) -> bool:
 def test_decode_loop_modules_read_only_through_the_helper():
     bad = [b for m in DECODE_LOOP for b in raw_reads_in(ROOT / m)]
     assert bad == [], bad
+
+
+def tensors_made_on_a_device(path: Path) -> list[str]:
+    """`torch.tensor(..., device=...)` calls: on CUDA a blocking copy from pageable memory."""
+    return [f"{path.relative_to(ROOT)}:{node.lineno}" for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "tensor" and any(k.arg == "device" for k in node.keywords)]
+
+
+def test_host_values_reach_the_device_only_through_to_device():
+    bad = [b for m in sorted((ROOT / "runtime").glob("*.py")) for b in tensors_made_on_a_device(m)]
+    assert bad == [], bad
+
+
+@pytest.mark.parametrize("mode,extra", [("autoregressive", {}), ("retrieval", {}), ("triforce", {}),
+                                        ("draft", {"draft": "self"}),
+                                        ("triforce", {"draft": "self", "offload": "on", "transfer_chunk": 16})])
+def test_decoding_makes_no_tensor_on_a_device_from_host_values(monkeypatch, mode, extra):
+    """Every mode (prefill ids, drafts, one-hot q, verdicts): no torch.tensor(..., device=)."""
+    made, real = [], torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda *a, **kw: made.append(kw.get("device")) or real(*a, **kw))
+    toks, _, _ = decode_reads(mode, **extra)
+    assert len(toks) == 40 and made and all(d is None for d in made)
+
+
+class Copies(TorchDispatchMode):
+    """Logs (source device, target device, non_blocking) of every copy between devices."""
+
+    def __init__(self):
+        super().__init__()
+        self.log = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default and "device" in kwargs:
+            self.log.append((args[0].device.type, torch.device(kwargs["device"]).type,
+                             kwargs.get("non_blocking", False)))
+        return func(*args, **kwargs)
+
+
+def test_to_device_builds_on_the_cpu_and_copies_from_page_locked_memory_elsewhere(monkeypatch):
+    """On the CPU: torch.tensor's own result (int64). Elsewhere (the meta device stands in
+    for CUDA here): built by `staged` (page-locked on CUDA), then one non-blocking copy."""
+    for v in ([[5, 1, 2]], [7], []):
+        t = to_device(v, "cpu")
+        assert t.dtype == torch.long and t.device.type == "cpu" and t.tolist() == v
+    staged = []
+    monkeypatch.setattr(hostread, "staged", lambda v, dtype: staged.append(v) or torch.tensor(v, dtype=dtype))
+    with Copies() as c:
+        t = to_device([[5, 1, 2]], torch.device("meta"))
+        assert to_device([3], "cpu").tolist() == [3]  # the CPU never stages
+    assert t.device.type == "meta" and t.shape == (1, 3) and t.dtype == torch.long
+    assert staged == [[[5, 1, 2]]] and c.log == [("cpu", "meta", True)]
+
+
+def test_staged_asks_for_page_locked_memory(monkeypatch):
+    asked, real = [], torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda *a, **kw: asked.append(kw) or real(*a, **{**kw, "pin_memory": False}))
+    assert hostread.staged([1, 2], torch.long).tolist() == [1, 2]
+    assert asked == [{"dtype": torch.long, "pin_memory": True}]
 
 
 def scan(seq, g, max_n=3, min_n=2):
