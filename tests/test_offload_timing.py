@@ -1,7 +1,8 @@
 """Offload timing by events (issue 14 items 5-6): copy spans, copy_s and overlap from the
 timeline's clock events resolved lazily (the same code on the CPU, with perf_counter events,
 as on CUDA, with torch.cuda.Event pairs), the prefetch that runs while the draft levels do
-shown in the verification's trace, and the CUDA event path itself (marked `cuda`)."""
+shown in the verification's trace, and the CUDA event path itself (marked `cuda`); offloaded
+tokens against resident ones in every mode (on the CPU, and marked `cuda` on a GPU)."""
 from __future__ import annotations
 
 import json
@@ -22,7 +23,13 @@ from triforce_offload.runtime.sampling import SamplingParams
 CFG = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, n_layers=4, n_heads=6,
                   n_kv_heads=2, max_position_embeddings=256)
 CAP = 128
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+NO_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def cuda(test):
+    """A GPU test: marked `cuda` (what `pytest -m cuda` selects: gpu_session.py stage a),
+    and skipped where no GPU is."""
+    return pytest.mark.cuda(NO_GPU(test))
 
 
 @pytest.fixture(scope="module")
@@ -373,3 +380,41 @@ def test_tune_rows_overlap_on_cuda():
     rows, best = tune_rows(loaded, 4000, 6, [64, 512], repeats=2)
     assert best in (64, 512) and all(r["link_gbps"] > 0 and r["verify_ms"] > 0 for r in rows)
     assert all(0.0 <= r["overlap"] <= 1.0 for r in rows) and any(r["overlap"] > 0 for r in rows)
+
+
+def test_gpu_tests_are_selected_by_the_cuda_marker():
+    """`pytest -m cuda` (what gpu_session.py a runs) selects this file's GPU tests."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-m", "cuda", "-p", "no:cacheprovider",
+                        __file__], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    names = {line.split("::")[1].split("[")[0] for line in r.stdout.splitlines() if "::" in line}
+    assert names == {"test_cuda_copy_spans_from_events", "test_cuda_clock_matches_host_clock",
+                     "test_cuda_link_gbps", "test_offload_pipeline_bench_on_cuda",
+                     "test_tune_rows_overlap_on_cuda", "test_offloaded_tokens_equal_resident_eager"}, r.stdout
+
+
+SPEC_MODES = [("autoregressive", {}), ("retrieval", {"budget": 64}), ("triforce", {"budget": 64}),
+              ("draft", {"draft": "self", "draft_sink": 4, "draft_window": 16})]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, NO_GPU])])
+@pytest.mark.parametrize("mode,extra", SPEC_MODES)
+def test_offloaded_tokens_equal_resident_eager(device, mode, extra):
+    """fp32, greedy: the full cache offloaded (every layer streamed in 7-token chunks on the
+    copy stream, waited on through events) gives the tokens of the resident cache without
+    graphs, in every mode. On a GPU a stream-ordering bug (a read before its copy landed,
+    a slot refilled under its reader) would show here as other tokens."""
+    from helpers_spec import repetitive_prompt, tiny
+    L = tiny(scale=3.0, seed=1)
+    dev = torch.device(device)
+    L = api.Loaded(L.model.to(dev), L.cfg, L.tokenizer, dev, torch.float32)
+    prompt = repetitive_prompt(300, L.cfg.vocab_size, seed=3)
+
+    def run(**kw):
+        return api.generate(L, prompt, api.RunOptions.of(mode=mode, max_new_tokens=40, graphs=False,
+                                                         sampling=SamplingParams(), **extra, **kw))
+    resident, st_r = run()
+    offloaded, st = run(offload="on", transfer_chunk=7)
+    assert not st_r.extra.get("offload") and st.extra["offload"] and st.extra["streamed_gb"] > 0
+    assert len(resident) == 40 and offloaded == resident
