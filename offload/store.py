@@ -11,6 +11,7 @@ is refused with the numbers instead of an allocator trace half-way through.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import weakref
 from dataclasses import dataclass
@@ -112,26 +113,46 @@ def carve(buf: torch.Tensor, shapes: list[tuple], dtype: torch.dtype) -> list[to
     return out
 
 
-def _loaded_cudart():
-    """The libcudart this process already loaded (torch's), by path from /proc/self/maps:
-    dlopen of a loaded path returns that instance, whose per-thread last error we clear."""
-    import ctypes
+TORCH_CUDA_LIBS = ("libtorch_cuda", "libc10_cuda")  # torch's own CUDA code (its launch checks)
+MAPS = "/proc/self/maps"
+
+
+def _mapped(name: str) -> list[str]:
+    """Paths of the loaded shared objects `name`.so* (from /proc/self/maps), sorted."""
     try:
-        with open("/proc/self/maps") as f:
-            paths = {line.split()[-1] for line in f if "libcudart" in line}
+        with open(MAPS) as f:
+            paths = {line.split()[-1] for line in f if "/" in line}
     except OSError:
-        return None
-    return ctypes.CDLL(sorted(paths)[0]) if paths else None
+        return []
+    return sorted(p for p in paths if os.path.basename(p).startswith(name + ".so"))
+
+
+def _torch_get_last_error():
+    """cudaGetLastError of the CUDA runtime torch itself calls, or None. torch.cuda.cudart()
+    if it binds one; else looked up through the handle of torch's CUDA library: dlsym on a
+    handle searches that library, then the libraries it was linked with, so it finds the
+    libcudart torch resolved when it loaded, not another copy some other package mapped
+    (the per-thread last error is per copy: clearing the wrong one leaves torch's pending)."""
+    rt = torch.cuda.cudart()
+    if hasattr(rt, "cudaGetLastError"):
+        return rt.cudaGetLastError
+    for name in TORCH_CUDA_LIBS:
+        for path in _mapped(name):
+            try:  # RTLD_NOLOAD: the instance already loaded, or nothing
+                return ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY).cudaGetLastError
+            except (OSError, AttributeError):  # not loaded; a cudart linked in statically
+                continue
+    return None
 
 
 def clear_last_error() -> bool:
     """Reset the CUDA runtime's last error after a refused call, or torch's next kernel
-    launch check (`cudaGetLastError`) raises it. torch.cuda.cudart() binds no
-    cudaGetLastError, so call the loaded runtime's; without one, let one tiny launch's
-    check consume it (that check is a cudaGetLastError, which resets)."""
-    lib = _loaded_cudart()
-    if lib is not None:
-        lib.cudaGetLastError()
+    launch check (`cudaGetLastError`) raises it. Call torch's runtime's cudaGetLastError;
+    without one, let one tiny launch's check consume it (that check is a cudaGetLastError
+    of torch's runtime, which resets)."""
+    get = _torch_get_last_error()
+    if get is not None:
+        get()
         return True
     try:
         torch.zeros(1, device="cuda").add_(1)

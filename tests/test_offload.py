@@ -531,6 +531,84 @@ def test_a_refused_registration_leaves_no_cuda_error_pending(monkeypatch):
     assert pinned == [False] + [True] * 2 and store.pinned  # the flat buffer, then one pinned K+V per layer
 
 
+MAPS = """\
+7f0000000000-7f0000001000 r-xp 00000000 08:01 11 /opt/jax/lib/libcudart.so.12
+7f0000002000-7f0000003000 r-xp 00000000 08:01 12 /site/nvidia/cuda_runtime/lib/libcudart.so.12
+7f0000004000-7f0000005000 r-xp 00000000 08:01 13 /site/torch/lib/libtorch_cuda_linalg.so
+7f0000006000-7f0000007000 r-xp 00000000 08:01 14 /site/torch/lib/libtorch_cuda.so
+7f0000008000-7f0000009000 rw-p 00000000 00:00 0 [heap]
+"""
+
+
+class FakeDl:
+    """ctypes.CDLL over a fake dynamic linker: libtorch_cuda was linked with the nvidia
+    wheel's libcudart (dlsym through its handle finds that one); another package mapped a
+    second libcudart, first in sorted order. Logs which copy's last error is cleared."""
+
+    LINKED = {"/site/torch/lib/libtorch_cuda.so": "/site/nvidia/cuda_runtime/lib/libcudart.so.12"}
+
+    def __init__(self):
+        self.opened, self.cleared = [], []
+
+    def __call__(self, path, mode=0):
+        import os
+        self.opened.append((path, mode))
+        runtime = self.LINKED.get(path, path if "libcudart" in path else None)
+        lib = type("Lib", (), {})()
+        if runtime:
+            lib.cudaGetLastError = lambda: self.cleared.append(runtime) or 0
+        assert mode & os.RTLD_NOLOAD  # never loads a library of its own
+        return lib
+
+
+def test_the_refused_registrations_error_is_cleared_in_torchs_cudart(monkeypatch, tmp_path):
+    """With two libcudart copies mapped, the last error is reset in the one torch's own CUDA
+    library resolved (dlsym through its handle), not the first path in sorted order."""
+    import ctypes
+    from triforce_offload.offload import store as S
+    maps = tmp_path / "maps"
+    maps.write_text(MAPS)
+    monkeypatch.setattr(S, "MAPS", str(maps))
+    dl = FakeDl()
+    monkeypatch.setattr(ctypes, "CDLL", dl)
+    _on_a_fake_card(monkeypatch, FakeCudart(fail=True))
+    assert S._mapped("libtorch_cuda") == ["/site/torch/lib/libtorch_cuda.so"]
+    buf = S.page_aligned(S.PAGE)
+    assert not S.pin_in_place(buf, buf)
+    assert dl.cleared == ["/site/nvidia/cuda_runtime/lib/libcudart.so.12"]
+    assert [p for p, _ in dl.opened] == ["/site/torch/lib/libtorch_cuda.so"]
+
+
+def test_a_cudart_binding_with_get_last_error_is_used_first(monkeypatch):
+    from triforce_offload.offload import store as S
+    rt = FakeCudart()
+    rt.cudaGetLastError = lambda: rt.calls.append(("get", 0, 0)) or 0
+    _on_a_fake_card(monkeypatch, rt)
+    monkeypatch.setattr(S, "_mapped", lambda name: pytest.fail("looked for libraries"))
+    assert S.clear_last_error() and rt.calls == [("get", 0, 0)]
+
+
+def test_without_torchs_cuda_library_a_launch_consumes_the_error(monkeypatch, tmp_path):
+    from triforce_offload.offload import store as S
+    maps = tmp_path / "maps"
+    maps.write_text("\n".join(line for line in MAPS.splitlines() if "torch" not in line))
+    monkeypatch.setattr(S, "MAPS", str(maps))
+    _on_a_fake_card(monkeypatch, FakeCudart())
+    made = []
+
+    def zeros(*a, device=None, **kw):
+        made.append(device)
+        raise RuntimeError("CUDA error: part or all of the requested memory range is already mapped")
+    monkeypatch.setattr(torch, "zeros", zeros)
+    assert not S.clear_last_error() and made == ["cuda"]
+
+
+def test_mapped_finds_torchs_loaded_libraries():
+    from triforce_offload.offload import store as S
+    assert [p.rsplit("/", 1)[1] for p in S._mapped("libtorch_cpu")] == ["libtorch_cpu.so"]
+    assert S._mapped("libtorch_cp") == []  # a whole name, not a prefix
+
+
 def test_pinning_without_cuda_takes_the_fallback_with_the_real_binding():
     """The real path, no fakes: without CUDA nothing is registered (there is nothing to
     register with) and the store is plain memory, still one page-aligned buffer."""
