@@ -15,7 +15,7 @@ from pathlib import Path
 from ..runtime import api
 from ..runtime.errors import TriforceError
 from ..runtime.options import (GenerationOptions, ModelOptions, OffloadOptions, RetrievalOptions,
-                               ReuseOptions, RunOptions, ServeOptions)
+                               ReuseOptions, RunOptions, ServeOptions, parse_size)
 from ..runtime.prefix_cache import prefix_store
 from .app import app
 from .options import options
@@ -52,7 +52,8 @@ def serve(
     opts, metrics = RunOptions(gen, retrieval, offload), Metrics()
     worker = Worker(loaded, srv.max_queue, metrics)
     name = srv.served_model_name or model_name(model.model)
-    served = Served(loaded, opts, name, worker, metrics, srv.api_key, srv.request_timeout, int(time.time()))
+    served = Served(loaded, opts, name, worker, metrics, srv.api_key, srv.request_timeout, int(time.time()),
+                    None if srv.max_body == "auto" else parse_size(srv.max_body))
     config = uvicorn.Config(build(served), log_level="warning", timeout_graceful_shutdown=5)
     host, port = sock.getsockname()[:2]
     err.print(f"serving {name} ({opts.mode}, {loaded.dtype} on {loaded.device}) on "

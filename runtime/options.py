@@ -212,6 +212,9 @@ class ServeOptions(Options):
     request_timeout: float = opt(600.0, "Seconds a request may take from arrival; generation then "
                                  "stops (finish_reason length).",
                                  check=lambda v: None if v > 0 else "must be > 0")
+    max_body: str = opt("auto", "Largest request body, e.g. 16M; a larger one gets 413. auto: twice "
+                        "what a prompt that fits the context can take, plus 1M.",
+                        check=lambda v: None if v == "auto" else _size(v))
 
 
 @dataclass

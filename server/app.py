@@ -3,14 +3,17 @@
 POST /v1/chat/completions and /v1/completions (streamed as OpenAI's SSE chunks ending
 with `data: [DONE]`), GET /v1/models, /health and /metrics. Every response carries the
 stats line's figures in a `triforce` field (the last chunk of a stream). Errors are
-OpenAI's error body with a 4xx status (429 with Retry-After when the queue is full).
+OpenAI's error body with a 4xx status (429 with Retry-After when the queue is full, 413
+beyond --max-body).
 """
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import queue
 import secrets
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -43,12 +46,63 @@ class Served:
     api_key: str | None = None  # Bearer token the /v1 routes and /metrics require
     timeout: float = 600.0  # seconds from arrival a request may take
     created: int = 0  # unix time the server started
+    max_body: int | None = None  # bytes a request body may have (413 beyond); None: auto_body
+
+    def __post_init__(self):
+        # prompts are encoded in threads, on a copy of the tokenizer with its own lock: an
+        # encode never waits for the generation's decoding, nor that for a long encode
+        self.encoder, self.encode_lock = copy.deepcopy(self.loaded.tokenizer), threading.Lock()
+        self.token_bytes = token_bytes(self.loaded.tokenizer)
+        if self.max_body is None:
+            self.max_body = auto_body(self.limit, self.token_bytes)
 
     @property
     def limit(self) -> int:
         """Context tokens: the model's, or --max-context."""
         n = self.loaded.cfg.max_position_embeddings
         return min(n, self.opts.max_context) if self.opts.max_context else n
+
+
+def token_bytes(tokenizer) -> int | None:
+    """Input bytes one token covers at most: the longest token of the vocabulary in UTF-8
+    as stored (a byte-level BPE stores a byte as 1-2 bytes, SentencePiece a space as 3, a
+    byte fallback `<0x0A>` as 6: never fewer than it covers), times 3 per normalizer that may
+    shrink text (NFC, NFKC, lowercase: e.g. the Kelvin sign, 3 bytes, to k). None when no
+    such bound holds: a pre-tokenizer or normalizer that drops text (whitespace splitting,
+    strip), unknown characters fused into one token, a tokenizer not in the `tokenizers` format."""
+    try:
+        spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    except Exception:  # a slow (Python) tokenizer
+        return None
+    factor = 1
+
+    def safe(node, nested: str, ok: set, shrink=()) -> bool:
+        nonlocal factor
+        if node is None:
+            return True
+        if node["type"] == "Sequence":
+            return all(safe(n, nested, ok, shrink) for n in node[nested])
+        if node["type"] == "Replace":  # only a literal replaced by as many bytes or more
+            pat = node["pattern"].get("String")
+            return pat is not None and len(node["content"].encode()) >= len(pat.encode())
+        factor *= 3 if node["type"] in shrink else 1
+        return node["type"] in ok and node.get("behavior") != "Removed"
+
+    model = spec.get("model") or {}
+    if not (safe(spec.get("normalizer"), "normalizers", {"Prepend", "NFD", "NFKD", "NFC", "NFKC", "Lowercase"},
+                 {"NFC", "NFKC", "Lowercase"})
+            and safe(spec.get("pre_tokenizer"), "pretokenizers",
+                     {"ByteLevel", "Metaspace", "Digits", "Punctuation", "Split", "UnicodeScripts"})
+            and (model.get("type") == "BPE" and not (model.get("fuse_unk") and not model.get("byte_fallback"))
+                 or model.get("type") == "Unigram" and model.get("byte_fallback"))):
+        return None
+    return factor * max(len(t.encode()) for t in tokenizer.get_vocab())
+
+
+def auto_body(limit: int, token_bytes: int | None) -> int:
+    """The default --max-body: twice the most bytes a prompt that fits the context can have
+    (room for JSON's escapes), plus 1 MiB; 256 bytes a token where no bound is known."""
+    return 2 * limit * (token_bytes or 256) + 2 ** 20
 
 
 def error(status: int, message: str, param=None, code=None, headers=None) -> JSONResponse:
@@ -89,9 +143,10 @@ def build(s: Served) -> FastAPI:
             raise ApiError(400, "this model has no chat template: use /v1/completions", "messages")
         msgs = [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
                 for m in req.messages]
+        # (stripped: templates may trim the content)
+        too_long(s, sum(len(m["content"].strip().encode()) for m in msgs), "messages")
         try:
-            with s.worker.tokenizer_lock:
-                ids = encode_chat(s.loaded.tokenizer, msgs)
+            ids = await encode(s, encode_chat, s.encoder, msgs)
         except Exception as e:  # a template that refuses the messages (e.g. roles out of turn)
             raise ApiError(400, f"the chat template refused the messages: {e}", "messages") from None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -100,8 +155,11 @@ def build(s: Served) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: HttpRequest):
         p = req.single()
-        with s.worker.tokenizer_lock:
-            ids = s.loaded.tokenizer(p).input_ids if isinstance(p, str) else list(p)
+        if isinstance(p, str):
+            too_long(s, len(p.encode()), "prompt")
+            ids = await encode(s, lambda: s.encoder(p).input_ids)
+        else:
+            ids = list(p)
         if any(not 0 <= t < s.loaded.cfg.vocab_size for t in ids):
             raise ApiError(400, f"token ids must be in [0, {s.loaded.cfg.vocab_size})", "prompt")
         return await respond(s, req, request, ids, req.max_tokens, chat=False)
@@ -109,9 +167,27 @@ def build(s: Served) -> FastAPI:
     return app
 
 
+async def encode(s: Served, fn, *args):
+    """fn(*args) (an encode) in a thread, one at a time: the event loop keeps answering, and
+    the generation decodes with its own tokenizer meanwhile."""
+    def locked():
+        with s.encode_lock:
+            return fn(*args)
+    return await asyncio.to_thread(locked)
+
+
+def too_long(s: Served, nbytes: int, param: str):
+    """Refuse, before encoding it, a prompt of more bytes than `limit` tokens can cover."""
+    if s.token_bytes and nbytes > s.limit * s.token_bytes:
+        raise ApiError(400, f"the prompt has {nbytes} bytes, more than a context of {s.limit} tokens "
+                       f"can hold (a token covers at most {s.token_bytes} bytes)", param,
+                       "context_length_exceeded")
+
+
 class Guard:
-    """ASGI middleware: the API key (every route but /health) and requests_total by status.
-    Pure ASGI, so a streamed response and its hang-up pass through untouched."""
+    """ASGI middleware: the API key (every route but /health), the body size (--max-body)
+    and requests_total by status. Pure ASGI, so a streamed response and its hang-up pass
+    through untouched."""
 
     def __init__(self, app, served: Served):
         self.app, self.s = app, served
@@ -126,12 +202,25 @@ class Guard:
                 status[0] = message["status"]
             await send(message)
 
+        headers, limit, seen = Headers(scope=scope), self.s.max_body, 0
+        too_large = f"the request body is larger than {limit} bytes (--max-body)"
+
+        async def receive_limited():  # a body without a (true) Content-Length
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > limit:  # FastAPI answers this one as it is, before parsing
+                raise HTTPException(413, too_large)
+            return message
+
         if key and path != "/health" and not secrets.compare_digest(
-                Headers(scope=scope).get("authorization", ""), f"Bearer {key}"):
+                headers.get("authorization", ""), f"Bearer {key}"):
             await error(401, "missing or wrong API key (Authorization: Bearer ...)",
                         code="invalid_api_key")(scope, receive, send_status)
+        elif headers.get("content-length", "").isdigit() and int(headers["content-length"]) > limit:
+            await error(413, too_large)(scope, receive, send_status)  # without reading the body
         else:
-            await self.app(scope, receive, send_status)
+            await self.app(scope, receive_limited, send_status)
         self.s.metrics.inc("requests_total", endpoint=path if path in ROUTES else "other",
                            status=str(status[0]))
 

@@ -35,10 +35,11 @@ class Request(BaseModel):
 
     model: Optional[str] = None  # must name the served model when given
     max_tokens: Optional[int] = None  # default: the server's --max-new-tokens
-    temperature: Optional[float] = Field(None, ge=0, le=2)  # default: the server's --temperature
-    top_p: Optional[float] = Field(None, gt=0, le=1)
+    # NaN passes no bound, so it is refused first ("a finite number", not "<= 2")
+    temperature: Optional[float] = Field(None, ge=0, le=2, allow_inf_nan=False)  # default: --temperature
+    top_p: Optional[float] = Field(None, gt=0, le=1, allow_inf_nan=False)
     top_k: Optional[int] = Field(None, ge=0)  # an extension (vLLM, llama.cpp); 0 keeps all
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(None, ge=0, lt=2 ** 64)  # what torch's generators take
     stop: Union[str, list[str], None] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None

@@ -67,13 +67,12 @@ class TextStream:
     """Text of a growing token list. New text is released unless it may be the start of
     a stop string or ends in an incomplete UTF-8 character; a stop string ends the text."""
 
-    def __init__(self, tokenizer, stops: list[str], lock):
-        self.tok, self.stops, self.lock = tokenizer, stops, lock
+    def __init__(self, tokenizer, stops: list[str]):
+        self.tok, self.stops = tokenizer, stops
         self.ids, self.text, self.sent, self.stopped = [], "", 0, False
 
     def decode(self) -> str:
-        with self.lock:
-            return self.tok.decode(self.ids, skip_special_tokens=True)
+        return self.tok.decode(self.ids, skip_special_tokens=True)
 
     def add(self, t: int) -> str:
         self.ids.append(t)
@@ -105,9 +104,7 @@ class Worker:
         self.queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self.current: Job | None = None
         self.closing = False
-        # the event loop encodes prompts while this thread decodes: a fast tokenizer used
-        # from two threads at once can fail ("Already borrowed")
-        self.tokenizer_lock = threading.Lock()
+        # this thread alone uses loaded.tokenizer (decoding): requests encode with a copy
         self.thread = threading.Thread(target=self._loop, name="generation", daemon=True)
         self.thread.start()
 
@@ -168,7 +165,7 @@ class Worker:
             log.exception("saving the KV to --kv-dir failed")
 
     def _run(self, job: Job):
-        text = TextStream(self.loaded.tokenizer, job.stops, self.tokenizer_lock)
+        text = TextStream(self.loaded.tokenizer, job.stops)
         state = {"first": None, "timed_out": False}
 
         def on_token(t: int) -> bool:
@@ -214,7 +211,9 @@ def stats_figures(d: dict, ttft: float, timed_out: bool) -> dict:
     keep = ("mode", "prompt_tokens", "new_tokens", "reused_tokens", "reused_from", "prefill_s",
             "decode_ms_per_token", "tokens_per_s", "acceptance", "acceptance_per_token",
             "mean_accepted", "rebuilds", "notes", "overlap")
-    out = {k: d[k] for k in keep if k in d}
+    # the same keys in every response: a figure this run has not (no reuse, no drafting
+    # level, resident KV) is null, or 0 reused tokens
+    out = {k: d.get(k, 0 if k == "reused_tokens" else None) for k in keep}
     out.update(time_to_first_token_s=round(ttft, 4), timed_out=timed_out)
     for k in ("prefill_s", "decode_ms_per_token", "tokens_per_s"):
         out[k] = round(out[k], 4)

@@ -29,10 +29,10 @@ MODEL = "SmolLM2-135M-Instruct"
 
 
 @contextmanager
-def server(tmp_path, *args):
+def server(tmp_path, *args, spec=SPEC):
     """A running `serve`: yields (base URL, Popen); SIGTERM then SIGKILL by PID at the end."""
     log = tmp_path / f"serve-{time.monotonic_ns()}.log"
-    cmd = [sys.executable, "-m", "triforce_offload.cli", "serve", "--port", "0", *SPEC, *args]
+    cmd = [sys.executable, "-m", "triforce_offload.cli", "serve", "--port", "0", *spec, *args]
     with open(log, "w") as err:
         p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, env=ENV)
     try:

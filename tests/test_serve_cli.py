@@ -36,13 +36,12 @@ def test_run_kv_dir_refuses_tp(tiny_model_dir, tmp_path):
 
 
 def test_text_stream_holds_back_a_stop_string_prefix():
-    import threading
     from triforce_offload.server.worker import TextStream
 
     class Tok:  # one character per token id
         def decode(self, ids, skip_special_tokens=True):
             return "".join(map(chr, ids))
-    ts = TextStream(Tok(), ["END"], threading.Lock())
+    ts = TextStream(Tok(), ["END"])
     out = [ts.add(ord(c)) for c in "abcEN"]
     assert "".join(out) == "abc" and not ts.stopped  # "EN" may begin "END"
     assert ts.add(ord("X")) == "ENX"  # it did not
@@ -63,3 +62,36 @@ def test_request_schema_refuses_what_it_does_not_do():
         ChatRequest(messages=msg, stop=list("abcde")).stops()
     with pytest.raises(ApiError):
         ChatRequest(messages=[{"role": "user", "content": [{"type": "image_url"}]}]).messages[0].text()
+
+
+def test_request_schema_bounds_seed_and_names_nan():
+    from pydantic import ValidationError
+    from triforce_offload.server.schema import CompletionRequest
+    for kw, needle in [({"seed": 2 ** 64}, "less than"), ({"seed": -1}, "greater than"),
+                       ({"temperature": float("nan")}, "finite number"), ({"top_p": float("nan")}, "finite number")]:
+        with pytest.raises(ValidationError, match=needle):
+            CompletionRequest(prompt="hi", **kw)
+    assert CompletionRequest(prompt="hi", seed=2 ** 64 - 1).seed == 2 ** 64 - 1
+
+
+def test_token_bytes_bound_only_what_cannot_shrink(smol_dir):
+    """The longest token as stored bounds the input bytes of a token, unless text may be
+    dropped (no bound) or shrunk (3x per such normalizer)."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from triforce_offload.runtime.loader import load_tokenizer
+    from triforce_offload.server.app import auto_body, token_bytes
+
+    assert token_bytes(load_tokenizer(smol_dir)) == 162  # "\n" and 80 spaces, 2 bytes each as stored
+    assert auto_body(4096, 162) == 2 * 4096 * 162 + 2 ** 20
+
+    def tok(pre=None, norm=None, **bpe):
+        t = Tokenizer(models.BPE({"a": 0, "bb": 1, "<unk>": 2}, [], unk_token="<unk>", **bpe))
+        t.pre_tokenizer, t.normalizer = pre, norm
+        return PreTrainedTokenizerFast(tokenizer_object=t)
+    assert token_bytes(tok(pre_tokenizers.ByteLevel())) == 5  # "<unk>"
+    assert token_bytes(tok(pre_tokenizers.Metaspace(), normalizers.NFC())) == 15
+    assert token_bytes(tok(pre_tokenizers.Whitespace())) is None  # drops spaces
+    assert token_bytes(tok(norm=normalizers.Strip())) is None
+    assert token_bytes(tok(norm=normalizers.Replace("ab", "c"))) is None
+    assert token_bytes(tok(fuse_unk=True)) is None  # a run of unknown characters is one token
