@@ -61,10 +61,13 @@ class ModelOptions(Options):
 
 @dataclass
 class SamplingParams(Options):
-    temperature: float = opt(0.0, "0 is greedy.", check=lambda v: None if v >= 0 else "must be >= 0 (0 is greedy)")
-    top_p: float = opt(1.0, "Nucleus sampling mass.", check=lambda v: None if 0 < v <= 1 else "must be in (0, 1]")
+    temperature: float = opt(0.0, "0 is greedy.", check=lambda v: "must be a finite number" if not math.isfinite(v)
+                             else None if v >= 0 else "must be >= 0 (0 is greedy)")
+    top_p: float = opt(1.0, "Nucleus sampling mass.", check=lambda v: "must be a finite number" if not math.isfinite(v)
+                       else None if 0 < v <= 1 else "must be in (0, 1]")
     top_k: int = opt(0, "Keep the k most likely tokens (0: all).", check=at_least(0))
-    seed: int | None = opt(None, "Seed for sampling.")
+    seed: int | None = opt(None, "Seed for sampling, 0 <= seed < 2**64.",
+                           check=lambda v: None if 0 <= v < 2 ** 64 else "must be in [0, 2**64)")
 
     @property
     def greedy(self) -> bool:

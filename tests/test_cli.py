@@ -63,6 +63,10 @@ def test_prompt_longer_than_context(tiny_model_dir):
 
 @pytest.mark.parametrize("flag,value,needle", [("--temperature", "-1", "temperature"),
                                                ("--top-p", "0", "top-p"),
+                                               ("--temperature", "nan", "must be a finite number"),
+                                               ("--top-p", "inf", "must be a finite number"),
+                                               ("--seed", str(2 ** 70), "[0, 2**64)"),
+                                               ("--seed", "-1", "[0, 2**64)"),
                                                ("--dtype", "int3", "float32"),
                                                ("--device", "tpu", "auto, cpu, cuda"),
                                                ("--mode", "magic", "autoregressive")])
