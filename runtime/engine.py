@@ -8,6 +8,7 @@ target+full]; `retrieval` and `draft` modes are two-level lists.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -95,16 +96,19 @@ class Bypass:
     the seconds and tokens of its top-level rounds (a round yields 1 to γ+1 tokens, so a
     ratio of sums, not a mean of ratios). The run starts with every level; after `warm`
     rounds each other configuration is probed until it produced `probe_tokens` tokens (at
-    most `probe_rounds` rounds; a configuration's very first round pays one-time costs such
-    as indexing the prompt's n-grams and is not counted), and the cheapest runs. Probes
+    most `probe_rounds` rounds, fewer once it is `hopeless` times slower than the best known),
+    and the cheapest runs. Every round counts (levels pay their one-time costs, such as
+    indexing the prompt's n-grams, before the first), except with `first_per_config` (CUDA
+    graphs: a new verification width captures) each configuration's first round. Probes
     repeat every `interval` tokens, the interval doubling while the choice holds (up to
     `max_interval`) and falling back when it changes, so a level that stopped paying is
     bypassed and one that pays again (text turned repetitive) comes back. Skipped levels
     stay in sync (the retrieval cache absorbs every verified token; the n-gram index reads
     the shared sequence), so switching costs nothing. Tokens per skipped level go to the stats."""
 
-    def __init__(self, optional: list[int], warm: int = 2, interval: int = 32, max_interval: int = 512,
-                 probe_tokens: int = 8, probe_rounds: int = 3, margin: float = 0.97, decay: float = 0.8):
+    def __init__(self, optional: list[int], warm: int = 1, interval: int = 32, max_interval: int = 512,
+                 probe_tokens: int = 8, probe_rounds: int = 3, margin: float = 0.97, decay: float = 0.8,
+                 hopeless: float = 1.2, first_per_config: bool = False, bound=None):
         import itertools
         self.configs = [frozenset(c) for r in range(len(optional) + 1)
                         for c in itertools.combinations(optional, r)]
@@ -113,6 +117,9 @@ class Bypass:
         self.current = self.configs[0]  # every level runs
         self.warm, self.base, self.max_interval, self.margin, self.decay = warm, interval, max_interval, margin, decay
         self.probe_tokens, self.probe_rounds = probe_tokens, probe_rounds
+        self.hopeless, self.first_per_config = hopeless, first_per_config
+        self.bound = bound  # bound(c): seconds per token c costs at best (None: unknown)
+        self.rest = {c: [0, 0] for c in self.configs}  # a hopeless probe's: tokens to sit out, next wait
         self.interval = interval
         self.probes: list[frozenset] = []
         self.probe = [0, 0]  # tokens, rounds of the probe under way
@@ -128,18 +135,23 @@ class Bypass:
         """The configuration of the next top-level round."""
         if not self.probes and (self.rounds == self.warm or
                                 (self.rounds > self.warm and self.since_probe >= self.interval)):
-            self.probes = sorted((c for c in self.configs if c != self.current), key=len, reverse=True)
+            self.probes = [c for c in sorted(self.configs, key=len, reverse=True)
+                           if c != self.current and self.rest[c][0] <= 0]
             self.since_probe, self.probe = 0, [0, 0]
+        while self.probes and self.probe == [0, 0] and self._beaten(self.probes[0]):
+            self._probed()  # judged by the latest measurements, just before it would start
         return self.probes[0] if self.probes else self.current
 
     def record(self, c: frozenset, seconds: float, tokens: int):
         self.rounds += 1
         self.since_probe += tokens
+        for r in self.rest.values():
+            r[0] -= tokens
         for i in c:
             self.skipped[i] += tokens
         self.seen[c] += 1
         probing = bool(self.probes) and c == self.probes[0]
-        if self.seen[c] > 1:  # a first round pays one-time costs
+        if not self.first_per_config or self.seen[c] > 1:  # a first round captures graphs
             s = self.sums[c]
             # a probe's rounds count alike, and a new probe outweighs what was measured before
             d = (0.25 if self.probe[1] == 0 else 1.0) if probing else self.decay
@@ -147,20 +159,46 @@ class Bypass:
             if probing:
                 self.probe = [self.probe[0] + tokens, self.probe[1] + 1]
         if probing:
-            if self.probe[0] >= self.probe_tokens or self.probe[1] >= self.probe_rounds or self._hopeless(c):
-                self.probes.pop(0)
-                self.probe = [0, 0]
-                if not self.probes:
-                    self.since_probe = 0
-                    if not self._switch():
-                        self.interval = min(2 * self.interval, self.max_interval)  # the choice holds
+            hopeless = self._hopeless(c)
+            if hopeless:
+                self._rest(c)
+            if self.probe[0] >= self.probe_tokens or self.probe[1] >= self.probe_rounds or hopeless:
+                if not hopeless:
+                    self.rest[c] = [0, 0]
+                self._probed()
         elif not self.probes and self.rounds > self.warm:
             self._switch()  # the running configuration got slower than a probed one
 
     def _hopeless(self, c: frozenset) -> bool:
-        """A probe 1.5x slower than the best known after one counted round ends early."""
+        """A probe `hopeless` times slower than the best known after one counted round ends early."""
         known = [self.spt(o) for o in self.configs if o != c and self.spt(o) is not None]
-        return self.probe[1] >= 1 and bool(known) and self.spt(c) > 1.5 * min(known)
+        return self.probe[1] >= 1 and bool(known) and self.spt(c) > self.hopeless * min(known)
+
+    def _probed(self):
+        """The probe at the head of the list is done; after the last, the choice is made."""
+        self.probes.pop(0)
+        self.probe = [0, 0]
+        if not self.probes:
+            self.since_probe = 0
+            if not self._switch():
+                self.interval = min(2 * self.interval, self.max_interval)  # the choice holds
+
+    def _beaten(self, c: frozenset) -> bool:
+        """Even at full acceptance c would be `hopeless` times slower than the best measured:
+        it sits out without a probe (the bound is an estimate, so only for a while)."""
+        b = self.bound(c) if self.bound else None
+        known = [v for v in (self.spt(o) for o in self.configs) if v is not None]
+        if b is None or not known or b <= self.hopeless * min(known):
+            return False
+        self._rest(c)
+        return True
+
+    def _rest(self, c: frozenset):
+        """A hopeless configuration sits out probe cycles: 4 intervals, twice as long each
+        time it is found hopeless again (a probe that is not resets it)."""
+        r = self.rest[c]
+        r[1] = 2 * r[1] if r[1] else 4 * self.base
+        r[0] = r[1]
 
     def _switch(self) -> bool:
         known = {c: self.spt(c) for c in self.configs if self.spt(c) is not None}
@@ -169,6 +207,8 @@ class Bypass:
         best = min(known, key=known.get)
         if best == self.current or (self.current in known and known[best] >= self.margin * known[self.current]):
             return False
+        if known.get(self.current, 0) > self.hopeless * known[best]:
+            self._rest(self.current)
         self.current, self.interval = best, self.base
         self.switches += 1
         return True
@@ -220,6 +260,7 @@ class Engine:
     reads0: dict = field(default_factory=dict)  # hostread.READS counts when the engine was made
     bypass: Bypass | None = None  # skip levels that do not pay (None: every level always runs)
     skip: frozenset = frozenset()  # levels the current round skips
+    forward_s: dict = field(default_factory=dict)  # level index -> seconds of its latest forward
     _since_build: int = 0
     _acc_ema: float = 1.0
 
@@ -232,6 +273,8 @@ class Engine:
                 raise TypeError(f"level {lv.name!r} cannot verify: only levels[0] may be a drafter")
         self.stats = [LevelStats() for _ in self.levels[1:]]
         self.reads0 = dict(READS.count)
+        if self.bypass is not None and self.bypass.bound is None:
+            self.bypass.bound = self.best_case
 
     @property
     def top(self):
@@ -269,6 +312,7 @@ class Engine:
         t1 = time.perf_counter()
         draft = seq[m:]
         p = probs(lv.forward(seq, len(draft) + 1), self.sp)  # [g+1, V]
+        self.forward_s[i] = time.perf_counter() - t1
         k, x = (self.accept_fn or accept)(draft, q, p, self.gen)
         del seq[m + k:]
         seq.append(x)
@@ -311,6 +355,23 @@ class Engine:
         mid.commit(top.held)
         self.rebuilds += 1
         self._since_build, self._acc_ema = 0, 1.0
+
+    def best_case(self, skip: frozenset) -> float | None:
+        """Seconds per token a round with `skip` costs at best: every draft accepted, so a
+        model level proposing g tokens runs g / (its drafter's γ + 1) forwards, each costing
+        its latest measured forward (of whatever width: an estimate). None until the levels
+        that run have been timed."""
+        run = [i for i in range(len(self.levels)) if i not in skip]
+        secs = 0.0
+        for n, i in enumerate(run):
+            if i == 0:
+                continue  # a drafter's own cost: n-gram lookups, next to nothing
+            if i not in self.forward_s:
+                return None
+            below = self.gammas[run[n - 1]] + 1 if n else 1  # tokens one forward yields at best
+            calls = 1 if i == run[-1] else math.ceil(self.gammas[i] / below)
+            secs += calls * self.forward_s[i]
+        return secs / (self.gammas[run[-2]] + 1 if len(run) > 1 else 1)
 
     def run(self, seq: list[int], max_new: int, eos: set[int], on_token=None) -> list[int]:
         """Decode after prefill: seq ends with the first new token (already sampled).

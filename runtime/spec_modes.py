@@ -123,7 +123,7 @@ def speculate(kind: str, loaded, prompt, opts, full, logits, on_token=None):
     gen = sp.generator(loaded.device)
     auto = AutoGamma(o.gamma2_start) if o.gamma2 == "auto" and kind != "draft" else None  # adapts gamma2
     eng = Engine(levels, gammas, sp, gen, auto, Rebuild.parse(opts.retrieval.rebuild), agree=agree,
-                 bypass=bypass_for(levels) if o.bypass else None)
+                 bypass=bypass_for(levels, loaded.device.type == "cuda" and o.graphs) if o.bypass else None)
     t1 = time.perf_counter()
     seq = list(prompt) + [to_host(sample(probs(logits[0], sp), gen))]  # counted as 'other'
     with torch.inference_mode():
@@ -136,12 +136,13 @@ def speculate(kind: str, loaded, prompt, opts, full, logits, on_token=None):
     return toks, st
 
 
-def bypass_for(levels) -> Bypass | None:
+def bypass_for(levels, captures: bool = False) -> Bypass | None:
     """The levels that may be skipped: the n-gram drafter and retrieval levels (both stay in
-    sync while skipped); a model drafter always runs (its streaming cache would fall behind)."""
+    sync while skipped); a model drafter always runs (its streaming cache would fall behind).
+    `captures`: CUDA graphs, whose first replay of a new width captures (not counted)."""
     optional = [i for i, lv in enumerate(levels[:-1])
                 if isinstance(lv, NgramDrafter) or isinstance(lv.cache, RetrievalKV)]
-    return Bypass(optional) if optional else None
+    return Bypass(optional, first_per_config=captures) if optional else None
 
 
 def runner(kind: str):

@@ -100,3 +100,26 @@ def test_bypass_keeps_every_level_when_all_pay():
     seen = _drive(b, cost, 200)
     assert b.current == none and b.switches == 0
     assert seen.count(none) > 0.8 * len(seen)  # probes back off: most rounds run the choice
+
+
+def _decode(b: Bypass, cost: dict, toks: dict, n: int) -> float:
+    """Seconds per token over n tokens, rounds of toks[c] tokens at cost[c] seconds per token."""
+    t = made = 0
+    while made < n:
+        c = b.choose()
+        b.record(c, cost[c] * toks[c], toks[c])
+        t, made = t + cost[c] * toks[c], made + toks[c]
+    return t / made
+
+
+def test_bypass_explores_cheaply_when_no_level_pays():
+    """Plain decoding is best (every speculative configuration is slower): exploring costs
+    little within 64 tokens, and a hopeless configuration sits out later probe cycles."""
+    b = Bypass([0, 1])
+    none, ngram, ret, plain = b.configs
+    cost = {none: 0.040, ngram: 0.050, ret: 0.030, plain: 0.0244}
+    toks = {none: 3, ngram: 3, ret: 1, plain: 1}
+    assert _decode(b, cost, toks, 64) < 1.1 * cost[plain]
+    assert b.current == plain and b.rest[ngram][0] > 0 and b.rest[none][0] > 0
+    assert _decode(b, cost, toks, 512) < 1.03 * cost[plain]  # rests double: rarer probes
+    assert b.rest[ngram][1] > 4 * b.base
