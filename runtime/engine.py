@@ -160,7 +160,7 @@ class Bypass:
                 self.probe = [self.probe[0] + tokens, self.probe[1] + 1]
         if probing:
             hopeless = self._hopeless(c)
-            if hopeless:
+            if hopeless and self.seen[c] >= 2:  # one unlucky round is no verdict: rest after two
                 self._rest(c)
             if self.probe[0] >= self.probe_tokens or self.probe[1] >= self.probe_rounds or hopeless:
                 if not hopeless:
@@ -195,7 +195,8 @@ class Bypass:
 
     def _rest(self, c: frozenset):
         """A hopeless configuration sits out probe cycles: 4 intervals, twice as long each
-        time it is found hopeless again (a probe that is not resets it)."""
+        time it is found hopeless again (a probe that is not resets it). Measured ones rest
+        after two rounds at least: one round's acceptance is luck."""
         r = self.rest[c]
         r[1] = 2 * r[1] if r[1] else 4 * self.base
         r[0] = r[1]
@@ -207,7 +208,7 @@ class Bypass:
         best = min(known, key=known.get)
         if best == self.current or (self.current in known and known[best] >= self.margin * known[self.current]):
             return False
-        if known.get(self.current, 0) > self.hopeless * known[best]:
+        if known.get(self.current, 0) > self.hopeless * known[best] and self.seen[self.current] >= 2:
             self._rest(self.current)
         self.current, self.interval = best, self.base
         self.switches += 1
