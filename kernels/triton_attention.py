@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..runtime.hostread import to_device
+
 try:
     import triton
     import triton.language as tl
@@ -315,7 +317,7 @@ def default_splits(batch_heads: int, row_blocks: int, s_cap: int, block_n: int,
 def _as_index(x, B: int, device, name: str) -> tuple[torch.Tensor, int]:
     """A [B] or [1] integer device tensor and its stride (0 for a shared value)."""
     if not torch.is_tensor(x):
-        x = torch.tensor([int(x)], dtype=torch.int32, device=device)
+        x = to_device([int(x)], device, torch.int32)  # no blocking pageable copy
     if x.dim() == 0:
         x = x.reshape(1)
     if x.dim() != 1 or x.numel() not in (1, B):

@@ -42,8 +42,9 @@ def test_smollm2_greedy_equals_autoregressive(setup, mode, extra):
     L, prompt, full, logits, qs, ref = setup
     full.rollback(len(prompt))
     full.q = dict(qs)
-    opts = api.RunOptions.of(mode=mode, max_new_tokens=N_NEW, ignore_eos=True, **dict(extra),
-                          sampling=SamplingParams())
+    # every level runs (no bypass): the identity must hold where each level drafts and verifies
+    opts = api.RunOptions.of(mode=mode, max_new_tokens=N_NEW, ignore_eos=True, bypass=False,
+                             **dict(extra), sampling=SamplingParams())
     out, st = speculate(mode, L, prompt, opts, full, logits)
     assert len(ref) == N_NEW
     assert out == ref, f"diverges at {next(i for i, (a, b) in enumerate(zip(out, ref)) if a != b)}"
