@@ -57,6 +57,24 @@ def verdict(draft: list[int], q: torch.Tensor, p: torch.Tensor, gen=None) -> tor
     return torch.stack([k, sample(nxt, gen)])
 
 
+def greedy_verdict(draft: list[int], p: torch.Tensor) -> torch.Tensor:
+    """`verdict` where p (and q) are one-hot (greedy): a draft token is accepted iff it is
+    p's argmax, and the next token is the argmax of the first row not accepted (the
+    residual of a one-hot p is p). The same result without random draws: a draw from a
+    one-hot row costs an exponential per vocabulary entry."""
+    top = p.argmax(-1)  # [g+1]
+    g = len(draft)
+    k = ((top[:g] == to_device(draft, p.device)).long().cumprod(0).sum() if g
+         else torch.zeros((), dtype=torch.long, device=p.device))
+    return torch.stack([k, top.index_select(0, k.view(1))[0]])
+
+
+def accept_greedy(draft: list[int], q: torch.Tensor, p: torch.Tensor, gen=None) -> tuple[int, int]:
+    """`accept` for greedy decoding (p one-hot), with one blocking host read."""
+    k, x = to_host(greedy_verdict(draft, p))
+    return k, x
+
+
 def accept(draft: list[int], q: torch.Tensor, p: torch.Tensor, gen=None) -> tuple[int, int]:
     """Verify a draft: q [g, V] (draft probs), p [g+1, V] (target probs) -> (k accepted,
     next token), with one blocking host read."""

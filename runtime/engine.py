@@ -18,7 +18,7 @@ from .errors import TriforceError
 from .hostread import READS
 from .protocols import RetrievalKV, VerifyingLevel
 from .sampling import SamplingParams, probs
-from .acceptance import accept
+from .acceptance import accept, accept_greedy
 
 
 @dataclass
@@ -254,7 +254,7 @@ class Engine:
     gen: torch.Generator  # randomness for drafts, acceptance and resampling
     auto: AutoGamma | None = None  # adapt gammas[-1]
     rebuild: Rebuild = field(default_factory=Rebuild)  # retrieval cache policy
-    accept_fn: object = None  # the acceptance rule; None: acceptance.accept (looked up per call)
+    accept_fn: object = None  # the acceptance rule; None: accept (accept_greedy when greedy), looked up per call
     agree: object = int  # makes a value every tensor-parallel rank's (spec_modes passes tp.agree)
     stats: list = field(default_factory=list)  # LevelStats per verifying level
     rebuilds: int = 0  # retrieval cache rebuilds
@@ -314,7 +314,7 @@ class Engine:
         draft = seq[m:]
         p = probs(lv.forward(seq, len(draft) + 1), self.sp)  # [g+1, V]
         self.forward_s[i] = time.perf_counter() - t1
-        k, x = (self.accept_fn or accept)(draft, q, p, self.gen)
+        k, x = (self.accept_fn or (accept_greedy if self.sp.greedy else accept))(draft, q, p, self.gen)
         del seq[m + k:]
         seq.append(x)
         lv.commit(m + k)

@@ -8,7 +8,8 @@ from triforce_offload.runtime.drafters import NgramDrafter, check_vocab
 from triforce_offload.runtime.engine import AutoGamma, LevelStats, Rebuild
 from triforce_offload.runtime.errors import TriforceError
 from triforce_offload.runtime.options import RunOptions
-from triforce_offload.runtime.acceptance import accept, n_accepted, one_hot, residual
+from triforce_offload.runtime.acceptance import accept, accept_greedy, n_accepted, one_hot, residual
+from triforce_offload.runtime.sampling import SamplingParams, probs
 
 
 def test_greedy_accepts_while_argmax_agrees():
@@ -17,6 +18,20 @@ def test_greedy_accepts_while_argmax_agrees():
     assert (k, x) == (2, 2)  # third draft rejected: the target's own token replaces it
     k, x = accept([3, 1, 2], one_hot([3, 1, 2], 5), p)
     assert (k, x) == (3, 0)  # all accepted: bonus token
+
+
+def test_greedy_rule_equals_the_sampling_rule_on_one_hot_rows():
+    """accept_greedy (argmax, no draws) gives what accept gives when p is one-hot, for any q."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        n = trial % 5
+        logits = torch.randn(n + 1, 12, generator=g)
+        p = probs(logits, SamplingParams())
+        top = logits.argmax(-1).tolist()
+        draft = [top[i] if torch.rand(1, generator=g) < 0.7 else int(torch.randint(12, (1,), generator=g))
+                 for i in range(n)]
+        q = one_hot(draft, 12) if trial % 2 else torch.softmax(torch.randn(n, 12, generator=g), -1)
+        assert accept_greedy(draft, q, p) == accept(draft, q, p, torch.Generator().manual_seed(trial))
 
 
 def test_n_accepted_is_vectorised_prefix():
