@@ -169,10 +169,14 @@ class Bypass:
         elif not self.probes and self.rounds > self.warm:
             self._switch()  # the running configuration got slower than a probed one
 
+    def _known(self, but: frozenset | None = None) -> dict:
+        """Seconds per token of every measured configuration (`but` left out)."""
+        return {c: v for c in self.configs if c != but and (v := self.spt(c)) is not None}
+
     def _hopeless(self, c: frozenset) -> bool:
         """A probe `hopeless` times slower than the best known after one counted round ends early."""
-        known = [self.spt(o) for o in self.configs if o != c and self.spt(o) is not None]
-        return self.probe[1] >= 1 and bool(known) and self.spt(c) > self.hopeless * min(known)
+        known = self._known(but=c)
+        return self.probe[1] >= 1 and bool(known) and self.spt(c) > self.hopeless * min(known.values())
 
     def _probed(self):
         """The probe at the head of the list is done; after the last, the choice is made."""
@@ -187,8 +191,8 @@ class Bypass:
         """Even at full acceptance c would be `hopeless` times slower than the best measured:
         it sits out without a probe (the bound is an estimate, so only for a while)."""
         b = self.bound(c) if self.bound else None
-        known = [v for v in (self.spt(o) for o in self.configs) if v is not None]
-        if b is None or not known or b <= self.hopeless * min(known):
+        known = self._known()
+        if b is None or not known or b <= self.hopeless * min(known.values()):
             return False
         self._rest(c)
         return True
@@ -202,7 +206,7 @@ class Bypass:
         r[0] = r[1]
 
     def _switch(self) -> bool:
-        known = {c: self.spt(c) for c in self.configs if self.spt(c) is not None}
+        known = self._known()
         if not known:
             return False
         best = min(known, key=known.get)
@@ -217,8 +221,8 @@ class Bypass:
     def figures(self, names: list[str]) -> dict:
         return {"bypassed_tokens": {names[i]: n for i, n in self.skipped.items()},
                 "bypass_switches": self.switches,
-                "ms_per_token_by_skipped": {"+".join(names[i] for i in sorted(c)) or "none": round(self.spt(c) * 1e3, 2)
-                                            for c in self.configs if self.spt(c) is not None},
+                "ms_per_token_by_skipped": {"+".join(names[i] for i in sorted(c)) or "none": round(v * 1e3, 2)
+                                            for c, v in self._known().items()},
                 "running": [n for i, n in enumerate(names) if i not in self.current]}
 
 
