@@ -18,7 +18,7 @@ import torch
 from .errors import TriforceError
 from .graphs import Step
 from .hostread import to_device, to_host
-from .sampling import probs, sample
+from .sampling import draw, probs
 from .acceptance import one_hot
 
 
@@ -63,7 +63,7 @@ class ModelLevel:
         qs = []
         for _ in range(g):
             p = probs(self.forward(seq, 1)[0], sp)  # [V]
-            seq.append(to_host(sample(p, gen)))
+            seq.append(to_host(draw(p, sp, gen)))
             qs.append(p)
         return torch.stack(qs)
 

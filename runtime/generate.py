@@ -11,7 +11,7 @@ from .errors import TriforceError
 from .graphs import Step
 from .hostread import to_device, to_host
 from .offloaded import prefill_layer_major
-from .sampling import SamplingParams, probs, sample
+from .sampling import SamplingParams, draw, probs
 
 
 @dataclass
@@ -116,8 +116,7 @@ def decode(model, cache, first_logits, start: int, sp: SamplingParams, max_new: 
     gen = gen or sp.generator(first_logits.device)
     step = step or Step(model, cache, graphs=False)
     for _ in range(max_new):
-        # greedy: the argmax itself (a draw from the one-hot would cost an exponential per vocab entry)
-        tok = logits.float().argmax(-1) if sp.greedy else sample(probs(logits, sp), gen)  # [B]
+        tok = draw(probs(logits, sp), sp, gen)  # [B]
         t = to_host(tok[0])  # the one blocking read per token
         out.append(t)
         if (on_token and on_token(t)) or t in eos or len(out) == max_new:

@@ -35,3 +35,9 @@ def sample(p: torch.Tensor, gen: torch.Generator | None = None) -> torch.Tensor:
     """Draw one token per row of p [..., V] -> [...] (long)."""
     flat = p.reshape(-1, p.shape[-1])
     return torch.multinomial(flat, 1, generator=gen).reshape(p.shape[:-1])
+
+
+def draw(p: torch.Tensor, sp: SamplingParams, gen: torch.Generator | None = None) -> torch.Tensor:
+    """A token per row of `probs(logits, sp)`: greedy takes the one-hot's argmax (the same
+    token a draw would give, without an exponential per vocabulary entry); else `sample`."""
+    return p.argmax(-1) if sp.greedy else sample(p, gen)

@@ -9,7 +9,7 @@ from triforce_offload.runtime.engine import AutoGamma, LevelStats, Rebuild
 from triforce_offload.runtime.errors import TriforceError
 from triforce_offload.runtime.options import RunOptions
 from triforce_offload.runtime.acceptance import accept, accept_greedy, n_accepted, one_hot, residual
-from triforce_offload.runtime.sampling import SamplingParams, probs
+from triforce_offload.runtime.sampling import SamplingParams, draw, probs, sample
 
 
 def test_greedy_accepts_while_argmax_agrees():
@@ -32,6 +32,17 @@ def test_greedy_rule_equals_the_sampling_rule_on_one_hot_rows():
                  for i in range(n)]
         q = one_hot(draft, 12) if trial % 2 else torch.softmax(torch.randn(n, 12, generator=g), -1)
         assert accept_greedy(draft, q, p) == accept(draft, q, p, torch.Generator().manual_seed(trial))
+
+
+def test_draw_is_the_argmax_when_greedy_and_a_sample_otherwise():
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1))
+    greedy = SamplingParams()
+    assert draw(probs(logits, greedy), greedy).tolist() == logits.argmax(-1).tolist()
+    assert draw(probs(logits, greedy), greedy).tolist() == sample(probs(logits, greedy)).tolist()
+    hot = SamplingParams(temperature=0.8)
+    p = probs(logits, hot)
+    assert draw(p, hot, torch.Generator().manual_seed(3)).tolist() == \
+        sample(p, torch.Generator().manual_seed(3)).tolist()
 
 
 def test_n_accepted_is_vectorised_prefix():
