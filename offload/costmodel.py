@@ -220,10 +220,14 @@ class ModelSpec:
         return round(self.params * self.weight_bits / 8)
 
     @property
+    def step_params(self) -> int:
+        """Weights a forward reads: all but an untied embedding table (gathered, not read)."""
+        return self.params - (0 if self.tied else self.vocab * self.hidden)
+
+    @property
     def step_bytes(self) -> int:
-        """Weight bytes a forward reads: the embedding table is gathered, not read."""
-        skip = 0 if self.tied else self.vocab * self.hidden
-        return round((self.params - skip) * self.weight_bits / 8)
+        """Weight bytes a forward reads (`step_params` at their stored size)."""
+        return round(self.step_params * self.weight_bits / 8)
 
     @property
     def step_read_bytes(self) -> int:
@@ -231,8 +235,7 @@ class ModelSpec:
         quantized weights are dequantized to bf16 per call (assumption 10)."""
         if not self.quantized:
             return self.step_bytes
-        skip = 0 if self.tied else self.vocab * self.hidden
-        return self.step_bytes + 2 * 2 * (self.params - skip)
+        return self.step_bytes + 2 * 2 * self.step_params
 
     @property
     def kv_layer_bytes(self) -> int:
