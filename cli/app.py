@@ -54,8 +54,9 @@ def _nonempty(text: str, where: str) -> str:
 def info(as_json: bool = typer.Option(False, "--json", help="Print one JSON object.")):
     """Show torch/CUDA versions, GPUs (PCIe link), CPU, RAM and pinned-memory support."""
     from ..offload.hw import system_info
+    from ..runtime.graphs import compile_status
     from .show import show_info
-    data = system_info()
+    data = system_info(compile_status)
     if as_json:
         print(json.dumps(data))
     else:

@@ -42,7 +42,9 @@ def pinned_available() -> bool:
         return False
 
 
-def system_info() -> dict:
+def system_info(compile_status=None) -> dict:
+    """What `info` shows. `compile_status(device) -> str` says what --compile does there
+    (runtime/graphs.py's, passed in by the CLI: offload/ does not import the runtime)."""
     vm = psutil.virtual_memory()
     return {
         "torch": torch.__version__,
@@ -58,7 +60,7 @@ def system_info() -> dict:
         "gpus": gpus(),
         "cpu_kernels": cpu_kernels(),
         "gpu_attention": gpu_attention(),
-        "gpu_compile": gpu_compile(),
+        "gpu_compile": gpu_compile(compile_status),
         "gpu_quantized_linear": gpu_quantized_linear(),
     }
 
@@ -79,9 +81,10 @@ def gpu_attention() -> str:
     return status("cuda")
 
 
-def gpu_compile() -> str:
-    """What --compile does on the first GPU (runtime/graphs.py)."""
-    from ..runtime.graphs import compile_status
+def gpu_compile(compile_status=None) -> str:
+    """What --compile does on the first GPU (`compile_status`: runtime/graphs.py's)."""
+    if compile_status is None:
+        return "unknown (ask the runtime: runtime.graphs.compile_status)"
     return compile_status("cuda" if torch.cuda.is_available() else "cpu")
 
 

@@ -1,6 +1,6 @@
 """One entry point for every generation mode: load, build caches, generate, report.
 
-`cli` calls this; so do benchmarks and tests. Modes register a runner in `MODES`:
+`cli` calls this; so do benchmarks and tests. Modes register a runner in `MODES` (runtime/modes.py):
 a function (loaded, prompt ids, RunOptions, on_token, progress) -> (new ids, Stats).
 The runtime's own are autoregressive and the speculative ones; code outside it adds
 comparison modes with `register_mode` (the benchmark library's `zero-inference`).
@@ -17,6 +17,7 @@ from .config import ModelConfig
 from .errors import TriforceError
 from .generate import autoregressive, capacity, stop_ids
 from .loader import load_model, parse_dtype
+from .modes import MODES, register_mode  # noqa: F401  (register_mode: the API's entry)
 from .offloaded import finish_stats, make_full_cache
 from .options import ModelOptions, RunOptions
 from .prefix_cache import lease
@@ -137,15 +138,9 @@ def run_with_cache(make_cache, loaded, prompt, opts, on_token=None, progress=Non
     return toks, st
 
 
-MODES = {"autoregressive": run_autoregressive}
-MODES.update(SPEC_MODES)  # triforce, retrieval, draft (runtime/spec_modes.py)
-
-
-def register_mode(name: str, runner) -> None:
-    """Make `runner` selectable as `RunOptions.mode` (and `run --mode`) under `name`."""
-    if MODES.get(name, runner) is not runner:
-        raise TriforceError(f"mode {name!r} is registered already")
-    MODES[name] = runner
+register_mode("autoregressive", run_autoregressive)
+for _name, _runner in SPEC_MODES.items():  # triforce, retrieval, draft (runtime/spec_modes.py)
+    register_mode(_name, _runner)
 
 
 def generate(loaded: Loaded, prompt: list[int], opts: RunOptions, on_token=None, progress=None):

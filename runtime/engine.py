@@ -16,6 +16,7 @@ import torch
 
 from .errors import TriforceError
 from .hostread import READS
+from .options import Rebuild  # noqa: F401  (a policy value: parsed with the other options)
 from .protocols import RetrievalKV, VerifyingLevel
 from .sampling import SamplingParams, probs
 from .acceptance import accept, accept_greedy
@@ -224,30 +225,6 @@ class Bypass:
                 "ms_per_token_by_skipped": {"+".join(names[i] for i in sorted(c)) or "none": round(v * 1e3, 2)
                                             for c, v in self._known().items()},
                 "running": [n for i, n in enumerate(names) if i not in self.current]}
-
-
-@dataclass
-class Rebuild:
-    """When to rebuild the retrieval cache: `never`, `every:N` tokens, or `adaptive`."""
-
-    kind: str = "never"  # never | every | adaptive
-    every: int = 0  # tokens between rebuilds for `every`
-    threshold: float = 0.6  # adaptive: rebuild when the middle level's acceptance EMA drops below
-    min_tokens: int = 32  # adaptive: at least this many tokens between rebuilds
-
-    @classmethod
-    def parse(cls, spec: str) -> "Rebuild":
-        if spec in ("never", "adaptive"):
-            return cls(spec)
-        kind, _, n = spec.partition(":")
-        if kind == "every" and n.isdigit() and int(n) > 0:
-            return cls("every", int(n))
-        raise TriforceError(f"--rebuild {spec!r}: allowed are never, every:N (N >= 1), adaptive")
-
-    def due(self, since: int, acc_ema: float) -> bool:
-        if self.kind == "every":
-            return since >= self.every
-        return self.kind == "adaptive" and since >= self.min_tokens and acc_ema < self.threshold
 
 
 @dataclass

@@ -24,10 +24,29 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .prefix_cache import holds, longest_prefix
 
 MAGIC = b"TRIFORCE-KV 1\n"
 HEADER_MAX = 64 << 20  # a header line longer than this is a damaged file
+
+
+def longest_prefix(items, prompt: list[int]) -> tuple[object, int]:
+    """(key, n) of the (key, ids) item whose int64 `ids` share the longest prefix with
+    `prompt`, n at most len(prompt) - 1 (the last prompt token is always prefilled);
+    (None, 0) when none shares a token. Kept caches and --kv-dir entries alike."""
+    p = np.asarray(prompt, dtype=np.int64)
+    best, n_best = None, 0
+    for key, ids in items:
+        m = min(len(ids), len(p) - 1)
+        diff = np.flatnonzero(ids[:m] != p[:m])
+        n = int(diff[0]) if diff.size else m
+        if n > n_best:
+            best, n_best = key, n
+    return best, n_best
+
+
+def holds(ids: np.ndarray, prefix: np.ndarray) -> bool:
+    """`prefix` (token ids) is a prefix of `ids`: an entry of `ids` makes one of `prefix` redundant."""
+    return len(prefix) <= len(ids) and np.array_equal(ids[:len(prefix)], prefix)
 
 
 def model_identity(loaded) -> dict:

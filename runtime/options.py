@@ -27,6 +27,7 @@ import torch
 from ..offload.costmodel import STAGE_DEPTH
 from ..settings import Options, at_least, one_of, opt
 from .errors import TriforceError
+from .modes import mode_names
 
 # The retrieval budget `auto` keeps this fraction of the prompt (rounded to whole retrieval
 # chunks, at least BUDGET_MIN tokens): chosen by benchmarks/budget_fraction.py, see docs/speculative.md.
@@ -80,8 +81,7 @@ class SamplingParams(Options):
 
 
 def _mode(v: str):
-    from .api import MODES  # the registry: the runtime's modes and registered ones
-    return None if v in MODES else f"allowed are {', '.join(MODES)}"
+    return None if v in mode_names() else f"allowed are {', '.join(mode_names())}"
 
 
 def _draft(v: str):
@@ -132,8 +132,31 @@ class GenerationOptions(SamplingParams):
         return 6 if self.gamma2 == "auto" else int(self.gamma2)
 
 
+@dataclass
+class Rebuild:
+    """When to rebuild the retrieval cache: `never`, `every:N` tokens, or `adaptive`."""
+
+    kind: str = "never"  # never | every | adaptive
+    every: int = 0  # tokens between rebuilds for `every`
+    threshold: float = 0.6  # adaptive: rebuild when the middle level's acceptance EMA drops below
+    min_tokens: int = 32  # adaptive: at least this many tokens between rebuilds
+
+    @classmethod
+    def parse(cls, spec: str) -> "Rebuild":
+        if spec in ("never", "adaptive"):
+            return cls(spec)
+        kind, _, n = spec.partition(":")
+        if kind == "every" and n.isdigit() and int(n) > 0:
+            return cls("every", int(n))
+        raise TriforceError(f"--rebuild {spec!r}: allowed are never, every:N (N >= 1), adaptive")
+
+    def due(self, since: int, acc_ema: float) -> bool:
+        if self.kind == "every":
+            return since >= self.every
+        return self.kind == "adaptive" and since >= self.min_tokens and acc_ema < self.threshold
+
+
 def _rebuild(v: str):
-    from .engine import Rebuild
     Rebuild.parse(v)  # refuses a bad policy in its own words (--rebuild 'x': allowed are ...)
 
 

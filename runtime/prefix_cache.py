@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .kv_disk import KVDir, holds, longest_prefix
+from .options import parse_size
 
 ROOM = 1024  # kept caches' capacity is a multiple of this many tokens
 
@@ -31,33 +33,11 @@ ROOM = 1024  # kept caches' capacity is a multiple of this many tokens
 def prefix_store(o, loaded, memory: bool, note=print, save_later: bool = False):
     """The PrefixCache for ReuseOptions `o`: host memory up to --kv-cache-mem (`memory`:
     serve) and --kv-dir; None when neither is asked for."""
-    from .options import parse_size
     disk = None
     if o.kv_dir:
-        from .kv_disk import KVDir
         disk = KVDir(o.kv_dir, parse_size(o.kv_dir_limit), loaded, note)
     mem = parse_size(o.kv_cache_mem) if memory else 0
     return PrefixCache(mem, disk, save_later) if mem or disk else None
-
-
-def longest_prefix(items, prompt: list[int]) -> tuple[object, int]:
-    """(key, n) of the (key, ids) item whose int64 `ids` share the longest prefix with
-    `prompt`, n at most len(prompt) - 1 (the last prompt token is always prefilled);
-    (None, 0) when none shares a token. Kept caches and --kv-dir entries alike."""
-    p = np.asarray(prompt, dtype=np.int64)
-    best, n_best = None, 0
-    for key, ids in items:
-        m = min(len(ids), len(p) - 1)
-        diff = np.flatnonzero(ids[:m] != p[:m])
-        n = int(diff[0]) if diff.size else m
-        if n > n_best:
-            best, n_best = key, n
-    return best, n_best
-
-
-def holds(ids: np.ndarray, prefix: np.ndarray) -> bool:
-    """`prefix` (token ids) is a prefix of `ids`: an entry of `ids` makes one of `prefix` redundant."""
-    return len(prefix) <= len(ids) and np.array_equal(ids[:len(prefix)], prefix)
 
 
 @dataclass(eq=False)  # compared by identity (numpy ids have no truth value)
