@@ -51,11 +51,14 @@ def host_available() -> int:
 
 
 def device_available(device) -> int | None:
-    """Free bytes on a CUDA device, or None for the CPU (where host RAM is the limit)."""
+    """Free bytes on a CUDA device, or None for the CPU (where host RAM is the limit):
+    the driver's free memory and what torch's caching allocator holds but no tensor uses
+    (a kept cache dropped before a new one is allocated, runtime/graphs.py: Kept)."""
     device = torch.device(device)
     if device.type != "cuda":
         return None
-    return torch.cuda.mem_get_info(device)[0]
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return torch.cuda.mem_get_info(device)[0] + cached
 
 
 def ranks_on_host() -> int:

@@ -206,3 +206,14 @@ class FullCache(KVCache):
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        self.leased = False  # handed out to a run that has not closed it (graphs.Kept)
+
+    def reset(self):
+        """Empty, in place: a kept cache starts another run at the addresses its captured
+        graphs replay (zeroed: the static path reads whole buffers, slots must be finite)."""
+        for t in self.k + self.v:
+            t.zero_()
+        self.length = 0
+
+    def close(self):
+        self.leased = False  # the run ended (finish_stats) or a prefix store let it go

@@ -26,10 +26,11 @@ class ModelLevel:
     """A model over one cache: the target over full/retrieval caches, or a draft model."""
 
     def __init__(self, model, cache, name: str, graphs: bool = False, held: int = 0,
-                 compile: bool = False):
+                 compile: bool = False, steps=Step):
         self.model, self.cache, self.name = model, cache, name
         self.device = next(model.parameters()).device
-        self.step = Step(model, cache, graphs, compile)  # CUDA graphs (compiled) over a static cache
+        # CUDA graphs (compiled) over a static cache; `steps`: graphs.Kept.step, kept across runs
+        self.step = steps(model, cache, graphs, compile)
         self.held = held  # leading positions of seq held by the cache (it may arrive filled)
         self.time = 0.0  # seconds spent in forwards
 

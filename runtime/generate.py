@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .errors import TriforceError
-from .graphs import Step
+from .graphs import Step, kept
 from .hostread import to_device, to_host
 from .offloaded import prefill_layer_major
 from .sampling import SamplingParams, draw, probs
@@ -139,7 +139,7 @@ def autoregressive(model, cache, prompt: list[int], sp: SamplingParams, max_new:
     t0 = time.perf_counter()
     logits = prefill(model, cache, ids, start, prefill_chunk, progress)
     t1 = time.perf_counter()
-    step = Step(model, cache, graphs, compile)
+    step = kept(model).step(model, cache, graphs, compile)  # captured in an earlier run, if kept
     toks = decode(model, cache, logits, len(prompt), sp, max_new, eos, on_token, step=step)
     t2 = time.perf_counter()
     st = Stats(len(prompt), len(toks), t1 - t0, t2 - t1, peak_memory_gb(dev))

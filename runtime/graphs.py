@@ -20,6 +20,16 @@ the graph path's arithmetic end to end that way.
 gpt-fast's `generate.py` does the same with `torch.compile(mode="reduce-overhead")`; a
 hand-made `torch.cuda.CUDAGraph` keeps the dependency surface to torch itself.
 
+Capture once: a model's static caches and the Steps captured over them outlive a run
+(`Kept`, one per model: `kept(model)`). A graph replays fixed addresses, so what it reads
+and writes must be the same objects at the next run: the full cache (one per capacity
+class, a multiple of `ROOM` tokens), its `Recorder` and the retrieval cache (one per slot
+class) are handed out again reset in place (zeroed, length 0), and the next run's levels
+get the same Steps with their graphs. A run whose shapes match the last one's captures
+nothing; one that needs other shapes drops the kept caches (and their graphs) first, so a
+model keeps one set on the device. A kept full cache that a prefix store (`serve`) also
+keeps is copied out to a new cache before it is reset, so the kept KV survives.
+
 `compile=True` (`--compile`) puts `torch.compile` (inductor, no cudagraphs of its own:
 this step captures) under the fixed-shape forward: it fuses each layer's norms, rotary,
 KV write, SwiGLU and residual adds into a few generated kernels, so a captured graph holds
@@ -44,12 +54,20 @@ from dataclasses import dataclass
 import torch
 from ..kernels.attention import fallback_notes
 from ..settings import env
+from .cache import FullCache
+from .retrieval import Recorder
 from .distributed import world_size
 
 TP_NOTE = ("CUDA graphs off under tensor parallelism: a captured graph would not replay the "
            "all_reduce hooks as collectives")
 COMPILE_NOTE = "--compile not applied {why}: it compiles fixed-shape steps, which run on CUDA over a resident cache"
 RECOMPILE_LIMIT = 64  # compiled graphs per code object (levels x last_only x static/symbolic)
+ROOM = 1024  # kept static caches hold a multiple of this many tokens (prefix_cache.ROOM too)
+
+
+def room_for(tokens: int) -> int:
+    """The capacity class of `tokens`: rounded up to a multiple of ROOM."""
+    return -(-tokens // ROOM) * ROOM
 
 
 @dataclass
@@ -83,9 +101,15 @@ class Step:
         self.start = torch.zeros(1, dtype=torch.int64, device=self.device)  # static start
         self.graphs: dict[tuple, _Graph | None] = {}  # None: capture failed, run eager
         self.pool = None  # one memory pool shared by this step's graphs
+        self.fresh()
+
+    def fresh(self) -> "Step":
+        """Zero the per-run figures (a kept Step starts another run with its graphs)."""
         self.replays = 0
         self.eager = 0  # steps run on the dynamic eager forward after a failed capture
+        self.captures = 0  # graphs captured in this run
         self.capture_s = 0.0  # warm-ups and captures, inside the decode time a user sees
+        return self
 
     def _where(self, static: bool, tp: bool) -> str:
         """Where --compile does not apply (one note per run: the levels' notes are merged)."""
@@ -109,6 +133,7 @@ class Step:
         key = (tuple(ids.shape), last_only)
         if self.graphed and key not in self.graphs:
             self.graphs[key] = self._capture(ids, last_only)
+            self.captures += self.graphs[key] is not None
         g = self.graphs.get(key)
         if g is None and key in self.graphs:  # the capture failed: whatever broke it may
             self.eager += 1  # break the fixed-shape forward too, so the cache's dynamic one
@@ -217,10 +242,118 @@ def combined(steps) -> dict:
     d = {"graphs": any(s.replays for s in steps)}
     if any(s.compiled for s in steps):
         d["compiled"] = True
-    captures = sum(g is not None for s in steps for g in s.graphs.values())
+    captures = sum(s.captures for s in steps)  # in this run: a kept Step replays earlier ones
     if captures:
         d.update(graph_captures=captures, capture_s=round(sum(s.capture_s for s in steps), 3))
     notes = list(dict.fromkeys([*(n for s in steps for n in s.notes), *fallback_notes()]))
     if notes:
         d["notes"] = notes
     return d
+
+
+def kept(model) -> "Kept":
+    """The static caches and Steps `model` keeps across runs (made on first use)."""
+    k = model.__dict__.get("_kept_steps")
+    if k is None:
+        k = model.__dict__["_kept_steps"] = Kept()
+    return k
+
+
+def graphable(device) -> bool:
+    """Whether Steps over static caches on `device` run the fixed-shape forward (CUDA, or
+    TRIFORCE_OFFLOAD_STATIC=1): only then are caches and Steps kept across runs."""
+    return torch.device(device).type == "cuda" or bool(env("static"))
+
+
+class Kept:
+    """One model's static caches and the Steps captured over them, kept across runs so a
+    second run with the same shapes captures nothing (module docstring). It holds at most
+    one full cache (with its Recorder) and one retrieval cache; Steps are kept only over
+    those, keyed by (the cache a Step runs over, graphs, compile)."""
+
+    def __init__(self):
+        self.full = None  # FullCache: the last static full cache handed out
+        self.recorder = None  # the Recorder over `full` (the verifier's queries)
+        self.retrieval = None  # RetrievalCache: the last one handed out
+        self.steps: dict[tuple, Step] = {}
+
+    def holds(self, cache) -> bool:
+        return any(cache is c for c in (self.full, self.recorder, self.retrieval) if c is not None)
+
+    def step(self, model, cache, graphs: bool = True, compile: bool = False) -> Step:
+        """The kept Step over `cache` (per-run figures zeroed), or a new one; kept when the
+        cache is. A static full cache (or Recorder over one) not kept yet, such as one a
+        prefix store handed back, becomes the kept one: its graphs serve the next runs."""
+        if not self.holds(cache):
+            base = cache.inner if isinstance(cache, Recorder) else cache
+            if not (isinstance(base, FullCache) and base.static and graphable(base.k[0].device)):
+                return Step(model, cache, graphs, compile)
+            self.adopt(base, cache if cache is not base else None)
+        key = (id(cache), graphs, compile)
+        if key not in self.steps:
+            self.steps[key] = Step(model, cache, graphs, compile)
+        return self.steps[key].fresh()
+
+    def full_cache(self, capacity: int):
+        """The kept full cache for a run needing `capacity` (a multiple of ROOM) tokens when
+        it has exactly that capacity and no run holds it; else None, and a kept one of
+        another capacity is dropped (its memory goes before a new cache is allocated)."""
+        w = self.full
+        if w is not None and w.capacity == capacity and not w.leased:
+            return w
+        self.forget(w)
+        return None
+
+    def adopt(self, cache, recorder=None):
+        """Keep `cache` as the full cache (and `recorder` as its Recorder, if given)."""
+        if cache is not self.full:
+            self.keep_full(cache)
+        if recorder is not None and recorder is not self.recorder:
+            self.steps = {k: s for k, s in self.steps.items() if k[0] != id(self.recorder)}
+            self.recorder = recorder
+
+    def keep_full(self, cache):
+        """`cache`, a new static full cache, is the one kept from now on."""
+        self.forget(self.full)
+        self.full = cache
+        return cache
+
+    def recorder_for(self, cache, make):
+        """The kept Recorder over the kept full cache (its query buffers are what the
+        verifier's graphs write), else `make(cache)`."""
+        if cache is not self.full:
+            return make(cache)
+        if self.recorder is None:
+            self.recorder = make(cache)
+        return self.recorder
+
+    def retrieval_cache(self, slots: int):
+        """The kept retrieval cache if it has `slots` slots, else None (a kept one of
+        another size is dropped)."""
+        r = self.retrieval
+        if r is not None and r.slots == slots:
+            return r
+        self.forget(r)
+        return None
+
+    def keep_retrieval(self, cache):
+        self.forget(self.retrieval)
+        self.retrieval = cache
+        return cache
+
+    def forget(self, cache):
+        """Drop `cache` (and its Recorder) and every Step over them."""
+        if cache is None:
+            return
+        gone = [cache]
+        if cache is self.full:
+            gone.append(self.recorder)
+            self.full = self.recorder = None
+        if cache is self.retrieval:
+            self.retrieval = None
+        ids = {id(c) for c in gone if c is not None}
+        self.steps = {k: s for k, s in self.steps.items() if k[0] not in ids}
+
+    def nbytes(self) -> int:
+        """Device bytes of the kept caches."""
+        return sum(c.nbytes() for c in (self.full, self.retrieval) if c is not None)

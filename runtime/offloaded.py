@@ -48,33 +48,55 @@ from ..kernels.chunked import StreamedAttention
 from ..offload.copier import ChunkCopier
 from ..offload.costmodel import STAGE_DEPTH, staging_bytes
 from ..offload.scheduler import PipelineScheduler
-from ..offload.store import HostKVStore, StoreSpec, _elem, check_memory, device_available
+from ..offload import store as S
+from ..offload.store import HostKVStore, StoreSpec, _elem, check_memory
 from ..offload.timeline import Span, Timeline, device_clock
 from ..offload.tune import transfer_chunk_for
 from .cache import FullCache, KVCache
+from .graphs import graphable, kept, room_for
+from .retrieval import RetrievalCache
 from .errors import TriforceError
 from .protocols import HostStore
 from .tp import agree
 
 HOST_HINT = "lower --max-context or --max-new-tokens (or shorten the prompt)"
+RESIDENT_HINT = HOST_HINT + ", or keep the KV in host memory with --offload on"
 DEVICE_HINT = "lower --on-chip or --transfer-chunk"
 PREFILL_HINT = "lower --on-chip, --transfer-chunk or --prefill-chunk, or --max-context"
 PREFILL_CHUNK = 512  # GenerationOptions.prefill_chunk's default
 
 
-def prefill_device_bytes(cfg, tokens: int, chunk: int, batch: int, elem: int) -> int:
+def layer_bytes(cfg, tokens: int, dtype, batch: int = 1) -> int:
+    """K and V bytes of `tokens` tokens in one layer."""
+    return tokens * batch * cfg.kv_bytes_per_token(_elem(dtype)) // cfg.n_layers
+
+
+def rebuild_device_bytes(cfg, capacity: int, retrieval_slots: int, dtype, offloaded: bool) -> int:
+    """Device bytes a retrieval-cache (re)build holds beside the caches, one layer at a
+    time: the selected chunks' K and V, gathered then joined to the tail (twice a layer of
+    the retrieval cache), and for an offloaded full cache the layer's whole prefix copied
+    in one block (`device_keys`)."""
+    if not retrieval_slots:
+        return 0
+    block = layer_bytes(cfg, capacity, dtype) if offloaded else 0
+    return block + 2 * layer_bytes(cfg, retrieval_slots, dtype)
+
+
+def prefill_device_bytes(cfg, tokens: int, chunk: int, batch: int, elem: int,
+                         layer_major: bool = True) -> int:
     """Device bytes a layer-major prefill of `tokens` holds besides the held layer's KV:
     the prompt's hidden states [B, T, H] and cos, sin [T, D] for the whole prefill; every
     layer's latest chunk of K, V (`fresh`, kept for `recent`: views that keep the chunk's
     stacked qkv and rotated q|k buffers alive); and the peak of one chunk's `layer_step`,
     the larger half of it: attention (the norm, the residual, qkv, the rotation and its
     temporaries, write-back copies of k, v, the fp32 prefix and causal partial outputs) or
-    the MLP (the norm, gate|up, silu(gate) and the product)."""
+    the MLP (the norm, gate|up, silu(gate) and the product). `layer_major=False`: a
+    resident prefill, chunk by chunk through every layer (no `fresh`)."""
     H, D, inner = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q, kv = cfg.n_heads * D, cfg.n_kv_heads * D
     c = min(chunk, tokens)
     whole = tokens * (batch * H + 2 * D) * elem
-    fresh = cfg.n_layers * c * batch * (2 * q + 3 * kv) * elem
+    fresh = cfg.n_layers * c * batch * (2 * q + 3 * kv) * elem if layer_major else 0
     attn = (3 * H + 4 * q + 7 * kv) * elem + (2 * H + 2 * q) * 4
     mlp = (3 * H + 4 * inner) * elem + 2 * H * 4
     return whole + fresh + c * batch * max(attn, mlp)
@@ -89,7 +111,7 @@ class OffloadedCache(KVCache):
     def __init__(self, cfg, capacity: int, batch: int = 1, dtype=torch.float32, device="cpu",
                  on_chip: int = 0, transfer_chunk: int | None = None, depth: int = STAGE_DEPTH,
                  overlap: bool = True, copier_cls=ChunkCopier, log_order: bool = False,
-                 prefill_chunk: int = PREFILL_CHUNK, profile: bool = False):
+                 prefill_chunk: int = PREFILL_CHUNK, profile: bool = False, retrieval_slots: int = 0):
         super().__init__(cfg, batch)
         if not 0 <= on_chip <= cfg.n_layers:
             raise TriforceError(f"--on-chip {on_chip}: must be between 0 and {cfg.n_layers} layers")
@@ -98,7 +120,7 @@ class OffloadedCache(KVCache):
         transfer_chunk = min(transfer_chunk_for(device, spec.bytes_per_token(), transfer_chunk), capacity)
         self.capacity, self.on_chip, self.device = capacity, on_chip, device
         self.transfer_chunk = transfer_chunk  # tokens per host-to-device copy
-        self._check(cfg, spec, depth, prefill_chunk)
+        self._check(cfg, spec, depth, prefill_chunk, retrieval_slots)
         self.timeline = Timeline(log_order, device_clock(device))  # forwards' edges, always
         self.spans = self.timeline if profile or log_order else None  # per-chunk spans: --profile
         self.store: HostStore = HostKVStore(spec)
@@ -117,18 +139,24 @@ class OffloadedCache(KVCache):
         self._sums0 = None  # copy and wait sums at its start (`_sums`)
         self._tokens = 0  # its tokens
 
-    def _check(self, cfg, spec: StoreSpec, depth: int, prefill_chunk: int):
-        """On-chip layers, the staging ring and the prefill (the layer it holds, and its
-        activations over a prompt as long as the capacity) must fit."""
+    def _check(self, cfg, spec: StoreSpec, depth: int, prefill_chunk: int, retrieval_slots: int = 0):
+        """On-chip layers, the staging ring, the retrieval cache (`retrieval_slots`: the
+        middle level's, 0 for none) and the larger of the prefill (the layer it holds, and
+        its activations over a prompt as long as the capacity) and a rebuild (a layer's
+        prefix in one block, the selection) must fit."""
         per_layer = spec.bytes_per_token() * spec.capacity
         dev = self.on_chip * per_layer
+        ret = RetrievalCache.bytes_for(cfg, retrieval_slots, spec.dtype, spec.batch)
+        rebuild = rebuild_device_bytes(cfg, spec.capacity, retrieval_slots, spec.dtype, bool(spec.layers))
+        what = f" and the retrieval cache ({ret / 2 ** 30:.1f} GB)" if ret else ""
         if spec.layers:
             stage = staging_bytes(self.transfer_chunk, spec.bytes_per_token(), depth)
             pre = prefill_device_bytes(cfg, spec.capacity, prefill_chunk, spec.batch, _elem(spec.dtype))
-            dev += stage + per_layer + pre
-            what = f"on-device KV, staging and the prefill ({(per_layer + pre) / 2 ** 30:.1f} GB)"
+            dev += stage + ret + max(per_layer + pre, rebuild)
+            what = f"on-device KV, staging, the prefill ({(per_layer + pre) / 2 ** 30:.1f} GB){what}"
             return check_memory(spec.nbytes(), dev, self.device, HOST_HINT, PREFILL_HINT, what)
-        check_memory(spec.nbytes(), dev, self.device, HOST_HINT, DEVICE_HINT)
+        check_memory(spec.nbytes(), dev + ret + rebuild, self.device, HOST_HINT, DEVICE_HINT,
+                     f"on-device KV{what}")
 
     def begin_forward(self, start: int, n_tokens: int):
         """Time the forward from here (an event on the compute stream on CUDA: no host sync)."""
@@ -348,30 +376,93 @@ def prefill_layer_major(model, cache, ids: torch.Tensor, start: int, prefill_chu
     return model.head(x, last_only=True)[:, -1]
 
 
-def use_offload(o, cfg, capacity: int, dtype, device) -> bool:
-    """`auto`: offload when the full KV would not fit in 80% of the free device memory;
-    on a CPU the device is the host, so auto means off."""
+def use_offload(o, cfg, capacity: int, dtype, device, above: int = 0) -> bool:
+    """`auto`: offload when the full KV (and `above`, what the levels above it add on the
+    device) would not fit in 80% of the free device memory; on a CPU the device is the
+    host, so auto means off."""
     if o.offload != "auto":
         return o.offload == "on"
-    free = device_available(device)
+    free = S.device_available(device)
     if free is None:
         return False
     need = capacity * cfg.kv_bytes_per_token(torch.empty(0, dtype=dtype).element_size())
-    return need > 0.8 * free
+    return need + above > 0.8 * free
 
 
-def make_full_cache(loaded, capacity: int, opts) -> KVCache:
-    """The full cache for `--offload`: FullCache on the device, or an OffloadedCache."""
+def make_full_cache(loaded, capacity: int, opts, retrieval_slots: int = 0) -> KVCache:
+    """The full cache for `--offload`: FullCache on the device (the kept one where it fits,
+    graphs.Kept), or an OffloadedCache. `retrieval_slots`: the size of the retrieval cache
+    the run will add on the device (0: none), counted in the memory checks."""
     o = opts.offload
     # tensor-parallel ranks decide together (rank 0's free memory): one offloading and the
     # other not would run different collectives (layer-major prefill against chunked)
-    if not agree(int(use_offload(o, loaded.cfg, capacity, loaded.dtype, loaded.device))):
+    if not agree(int(use_offload(o, loaded.cfg, capacity, loaded.dtype, loaded.device, ret))):
         if o.profile:
             raise TriforceError("--profile times the offload pipeline: add --offload on")
-        return FullCache(loaded.cfg, capacity, dtype=loaded.dtype, device=loaded.device)
+        return resident_cache(loaded, capacity, opts.prefill_chunk, retrieval_slots)
     return OffloadedCache(loaded.cfg, capacity, dtype=loaded.dtype, device=loaded.device,
                           on_chip=o.on_chip, transfer_chunk=o.transfer_chunk, depth=o.stage_depth,
-                          overlap=o.overlap, prefill_chunk=opts.prefill_chunk, profile=bool(o.profile))
+                          overlap=o.overlap, prefill_chunk=opts.prefill_chunk, profile=bool(o.profile),
+                          retrieval_slots=retrieval_slots)
+
+
+def resident_cache(loaded, capacity: int, prefill_chunk: int = PREFILL_CHUNK, retrieval_slots: int = 0):
+    """A FullCache on the device, checked against its free memory first. Where steps are
+    fixed-shape (graphs.graphable) it is the model's kept one (graphs.Kept: capacity
+    rounded up to graphs.ROOM), reset in place, when that has this capacity; its kept KV
+    moves out of the prefix store (`loaded.prefix`) first."""
+    cfg, dtype, device = loaded.cfg, loaded.dtype, loaded.device
+    make = lambda c: FullCache(cfg, c, dtype=dtype, device=device)  # noqa: E731
+    k = kept(loaded.model) if graphable(device) else None
+    if k is None:
+        check_resident(cfg, capacity, dtype, device, prefill_chunk, retrieval_slots)
+        return make(capacity)
+    capacity = room_for(capacity)
+    w = k.full_cache(capacity)  # None: a kept one of another capacity is dropped
+    r = k.retrieval_cache(retrieval_slots) if retrieval_slots else None
+    check_resident(cfg, capacity, dtype, device, prefill_chunk, retrieval_slots,
+                   held=(w.nbytes() if w else 0) + (r.nbytes() if r else 0))
+    if w is None:
+        w = k.keep_full(make(capacity))
+    else:
+        move_out(loaded.prefix, w, make)
+        w.reset()
+    w.leased = True  # until the run closes it (finish_stats)
+    return w
+
+
+def check_resident(cfg, capacity: int, dtype, device, prefill_chunk: int, retrieval_slots: int = 0,
+                   held: int = 0):
+    """Refuse a resident run that cannot fit the device: the full KV, the retrieval cache
+    and the larger of a prefill chunk's activations and a rebuild's selection, less `held`
+    (kept caches it reuses, allocated already)."""
+    kv = capacity * cfg.kv_bytes_per_token(_elem(dtype))
+    ret = RetrievalCache.bytes_for(cfg, retrieval_slots, dtype)
+    pre = prefill_device_bytes(cfg, min(prefill_chunk, capacity), prefill_chunk, 1, _elem(dtype), False)
+    need = kv + ret + max(pre, rebuild_device_bytes(cfg, capacity, retrieval_slots, dtype, False)) - held
+    what = (f"the KV cache ({kv / 2 ** 30:.1f} GB)"
+            + (f", the retrieval cache ({ret / 2 ** 30:.1f} GB)" if ret else "") + " and the prefill")
+    if S.device_available(device) is not None:  # on the CPU the KV is host memory, as it was
+        check_memory(0, need, device, HOST_HINT, RESIDENT_HINT + (", or lower --budget" if ret else ""), what)
+
+
+def move_out(store, cache, make):
+    """`cache` is about to be reset for a new run: entries of the prefix store `store` that
+    keep it get a copy of its KV (`make(capacity)`) instead, so what they keep survives."""
+    if store is None:
+        return
+    with store.lock:
+        entries = [e for e in store.entries if e.cache is cache]
+        queued = any(c is cache for c, _ in store.unsaved)
+        if not entries and not queued:
+            return
+        copy = make(cache.capacity)
+        for layer in range(cache.n_layers):
+            copy.put(layer, 0, *cache.keys(layer))
+        copy.commit(cache.length)
+        for e in entries:
+            e.cache = copy
+        store.unsaved[:] = [(copy if c is cache else c, ids) for c, ids in store.unsaved]
 
 
 def finish_stats(cache: KVCache, st, opts) -> None:
@@ -382,4 +473,5 @@ def finish_stats(cache: KVCache, st, opts) -> None:
     if o.profile and isinstance(cache, OffloadedCache) and cache.trace is not None:
         Path(o.profile).write_text(json.dumps(cache.trace))
         st.extra["profile"] = o.profile
+    ret = RetrievalCache.bytes_for(loaded.cfg, retrieval_slots, loaded.dtype)
     cache.close()

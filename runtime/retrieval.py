@@ -107,11 +107,12 @@ class RetrievalCache(KVCache):
     static = True
 
     def __init__(self, cfg, budget: int, retrieval_chunk: int, extra: int, batch: int = 1,
-                 dtype=torch.float32, device="cpu"):
+                 dtype=torch.float32, device="cpu", slots: int = 0):
         super().__init__(cfg, batch)
         self.retrieval_chunk = retrieval_chunk  # tokens per scored and selected chunk
         self.n_chunks = budget // retrieval_chunk
-        self.slots = (self.n_chunks + 1) * retrieval_chunk + extra  # selected + tail + appended
+        # selected + tail + appended, or `slots` if more (a size class kept across runs)
+        self.slots = max(self.slots_for(budget, retrieval_chunk, extra), slots)
         shape = (batch, cfg.n_kv_heads, self.slots, cfg.head_dim)  # [B, Hkv, slots, D]
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
@@ -124,6 +125,26 @@ class RetrievalCache(KVCache):
 
     def begin_forward(self, start, n_tokens: int):
         self._slots.begin(start, n_tokens)
+
+    @staticmethod
+    def slots_for(budget: int, retrieval_chunk: int, extra: int) -> int:
+        """Slots a cache of `budget` tokens with room for `extra` appended ones needs."""
+        return (budget // retrieval_chunk + 1) * retrieval_chunk + extra
+
+    @staticmethod
+    def bytes_for(cfg, slots: int, dtype, batch: int = 1) -> int:
+        """Device bytes of a retrieval cache with `slots` slots (every layer's K and V)."""
+        return slots * batch * cfg.kv_bytes_per_token(torch.empty(0, dtype=dtype).element_size())
+
+    def reset(self, budget: int, retrieval_chunk: int):
+        """Empty, in place, for another run with this budget (graphs.Kept): the buffers and
+        the offset keep their addresses, so graphs captured over them replay."""
+        self.retrieval_chunk, self.n_chunks = retrieval_chunk, budget // retrieval_chunk
+        for t in self.k + self.v:
+            t.zero_()
+        self.offset.zero_()
+        self.base = self.n_retrieved = self.length = 0
+        self.holds_all = False
 
     def end_forward(self):
         self._slots.end()

@@ -16,7 +16,7 @@ from .drafters import ModelLevel, NgramDrafter, check_vocab
 from .engine import AutoGamma, Bypass, Engine, Rebuild
 from .errors import TriforceError
 from .generate import Stats, capacity, peak_memory_gb, prefill, stop_ids
-from .graphs import combined
+from .graphs import combined, graphable, kept, room_for
 from .hostread import to_device, to_host
 from .offloaded import finish_stats, make_full_cache
 from .prefix_cache import lease
@@ -56,10 +56,36 @@ def check_draft(o: GenerationOptions, loaded):
         check_vocab(loaded.tokenizer, peek_tokenizer(o.draft))
 
 
+def retrieval_slots(kind, loaded, n: int, opts) -> int:
+    """Slots of the retrieval cache a run of `kind` over a prompt of n tokens builds (0:
+    none): the budget, the incomplete last chunk and room for every new token; rounded up
+    to a size class (graphs.ROOM) where it is kept across runs (graphs.Kept)."""
+    r = opts.retrieval
+    budget, chunk = r.budget_for(n), r.retrieval_chunk
+    if kind not in ("triforce", "retrieval") or (kind == "triforce" and RetrievalCache.fits(n, budget, chunk)):
+        return 0
+    extra = capacity(loaded, n, opts)[0] - n + 64  # every new token and the look-ahead
+    slots = RetrievalCache.slots_for(budget, chunk, extra)
+    return room_for(slots) if graphable(loaded.device) else slots
+
+
+def retrieval_cache(loaded, budget: int, chunk: int, slots: int):
+    """The model's kept retrieval cache of `slots` slots, reset (graphs.Kept), or a new one."""
+    k = kept(loaded.model) if graphable(loaded.device) else None
+    ret = k.retrieval_cache(slots) if k else None
+    if ret is not None:
+        ret.reset(budget, chunk)
+        return ret
+    ret = RetrievalCache(loaded.cfg, budget, chunk, 0, dtype=loaded.dtype, device=loaded.device, slots=slots)
+    return k.keep_retrieval(ret) if k else ret
+
+
 def build_levels(kind, opts, loaded, prompt, full, notes: list):
-    """[drafter?, target+retrieval?, target+full] and their gammas for `kind`."""
+    """[drafter?, target+retrieval?, target+full] and their gammas for `kind`. The target's
+    levels get the model's kept Steps (graphs.Kept: captured once)."""
     g, r, n = opts.generation, opts.retrieval, len(prompt)
-    top = ModelLevel(loaded.model, full, "full", g.graphs, held=n, compile=g.compile)
+    steps = kept(loaded.model).step
+    top = ModelLevel(loaded.model, full, "full", g.graphs, held=n, compile=g.compile, steps=steps)
     levels, gammas = [top], []
     if kind in ("triforce", "retrieval"):
         budget, chunk = r.budget_for(n), r.retrieval_chunk
@@ -71,12 +97,11 @@ def build_levels(kind, opts, loaded, prompt, full, notes: list):
             notes.append(f"prompt of {n} tokens fits the budget {budget}: no retrieval level, "
                          f"the drafter drafts for the full cache directly (lower --budget to keep it)")
         else:
-            extra = full.capacity - n + 64
-            ret = RetrievalCache(loaded.cfg, budget, chunk, extra, dtype=loaded.dtype, device=loaded.device)
+            ret = retrieval_cache(loaded, budget, chunk, retrieval_slots(kind, loaded, n, opts))
             ret.build(full, full.q, n)
             if ret.holds_all:
                 notes.append(f"prompt of {n} tokens fits the budget: the retrieval cache holds all of it")
-            mid = ModelLevel(loaded.model, ret, "retrieval", g.graphs, held=n, compile=g.compile)
+            mid = ModelLevel(loaded.model, ret, "retrieval", g.graphs, held=n, compile=g.compile, steps=steps)
             levels.insert(0, mid)
             gammas.insert(0, g.gamma2_start)
             notes.append(f"retrieval level: budget {budget} tokens of {n} "
@@ -95,8 +120,9 @@ def run_speculative(kind: str, loaded, prompt, opts, on_token=None, progress=Non
     # with another tokenizer fail before the long prefill
     cap, max_new = capacity(loaded, len(prompt), opts)
     # in memory, or offloaded with --offload; with loaded.prefix maybe holding a prefix already
-    with lease(loaded, prompt, cap, lambda c: make_full_cache(loaded, c, opts)) as kv:
-        full = Recorder(kv.cache)
+    slots = retrieval_slots(kind, loaded, len(prompt), opts)  # counted in the memory checks
+    with lease(loaded, prompt, cap, lambda c: make_full_cache(loaded, c, opts, slots)) as kv:
+        full = kept(loaded.model).recorder_for(kv.cache, Recorder)  # the kept one over a kept cache
         t0 = time.perf_counter()
         ids = to_device([prompt[kv.start:]], loaded.device)
         logits = prefill(loaded.model, full, ids, kv.start, opts.prefill_chunk, progress)

@@ -103,8 +103,8 @@ def test_graph_figures_combine_levels_and_reach_the_stats_line():
     from triforce_offload.cli.show import stats_line
     from triforce_offload.runtime.graphs import combined
     target = SimpleNamespace(replays=9, graphs={((1, 1), False): object(), ((1, 7), False): object()},
-                             capture_s=0.25, notes=[], compiled=False)
-    middle = SimpleNamespace(replays=0, graphs={((1, 1), False): None}, capture_s=0.5, compiled=False,
+                             captures=2, capture_s=0.25, notes=[], compiled=False)
+    middle = SimpleNamespace(replays=0, graphs={((1, 1), False): None}, captures=0, capture_s=0.5, compiled=False,
                              notes=["CUDA graph capture failed for 1 tokens (X); running eager"])
     d = combined([target, middle])
     assert d == {"graphs": True, "graph_captures": 2, "capture_s": 0.75, "notes": middle.notes}
