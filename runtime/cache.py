@@ -18,6 +18,11 @@ moves the length. The full interface is `protocols.Cache`; this is what each cal
   streaming its first layers; `hold(layer, end)`: a layer-major prefill pass).
 - `stats()`, `close()`: figures for Stats.extra, release of threads and buffers.
 
+Sliding-window layers (`cfg.window(layer)`, Mistral, Qwen2/3, Gemma): a query at position
+p sees only the keys at positions p - window < pos <= p, in every cache and on every path
+(`window_attention`, `write_and_attend`): each query its own band, also in a multi-token
+verification and a prefill chunk. Caches still keep every token of such a layer.
+
 Caches with `static = True` also take `start` as an int64 device tensor [1]: they then
 write and attend with shapes that do not depend on its value and never read it on the
 host, so the forward can be captured and replayed as a CUDA graph (runtime/graphs.py).
@@ -29,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.attention import attention, static_attention
+from ..kernels.attention import attention, sdpa, static_attention
 from .config import ModelConfig
 from .errors import TriforceError
 from ..settings import env
@@ -44,6 +49,7 @@ class KVCache:
 
     def __init__(self, cfg: ModelConfig, batch: int = 1):
         self.n_layers, self.n_kv_heads, self.head_dim = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
+        self.windows = cfg.windows  # per layer: keys a query sees (None: all before it)
         self.batch = batch
         self.length = 0
 
@@ -113,14 +119,63 @@ def static_slots(slot: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor
     return pos, slot + T, {}
 
 
-def write_and_attend(K, V, q, k, v, slots: tuple):
+def write_and_attend(K, V, q, k, v, slots: tuple, window: int | None = None):
     """The fixed-shape step of a preallocated cache: write k, v [B, Hkv, T, D] into the
     buffers K, V [B, Hkv, cap, D] at `slots` (from `static_slots`) and attend causally over
-    the whole buffers up to its length."""
+    the whole buffers up to its length (a sliding layer: over the last `window` slots of
+    each query, slots being consecutive positions)."""
     pos, length, shared = slots
     K.index_copy_(2, pos, k)
     V.index_copy_(2, pos, v)
+    if window is not None:
+        return static_window_attention(q, K, V, length, window, shared)
     return static_attention(q, K, V, length, shared)
+
+
+def _folded(q, n_kv: int):
+    """[B, Hq, T, D] -> [B, Hkv, G*T, D] (the G query heads of a KV head side by side)."""
+    B, Hq, T, D = q.shape
+    return q.reshape(B, n_kv, (Hq // n_kv) * T, D)
+
+
+def window_attention(q, k, v, q_pos0: int, k_pos0: int, window: int | None):
+    """`attention` of q [B, Hq, T, D] (positions q_pos0..) over k, v [B, Hkv, S, D]
+    (positions k_pos0..) where a query at p sees only keys at p - window < pos <= p (None:
+    every key up to p). Keys before the first query's band are cut off: a decode step is
+    plain attention over its last `window` keys; where the queries' bands still differ (a
+    verification, a prefill chunk), SDPA with a band mask."""
+    if window is None:
+        return attention(q, k, v, q_pos0, k_pos0)
+    lo = max(q_pos0 + 1 - window - k_pos0, 0)
+    k, v, k_pos0 = k[:, :, lo:], v[:, :, lo:], k_pos0 + lo
+    B, Hq, T, D = q.shape
+    if k_pos0 > q_pos0 + T - 1 - window:  # the last query's band still holds the first key
+        return attention(q, k, v, q_pos0, k_pos0)
+    qp = torch.arange(q_pos0, q_pos0 + T, device=q.device)[:, None]
+    kp = torch.arange(k_pos0, k_pos0 + k.shape[2], device=q.device)[None, :]
+    mask = ((kp <= qp) & (kp > qp - window)).repeat(Hq // k.shape[1], 1)  # [G*T, S]
+    o = sdpa(_folded(q, k.shape[1]), k, v, attn_mask=mask)
+    return o.reshape(B, Hq, T, D)
+
+
+def static_window_attention(q, K, V, length: torch.Tensor, window: int, shared: dict | None = None):
+    """`static_attention` of a sliding layer: the folded query row of position
+    length - T + t sees the slots in [length - T + t + 1 - window, length - T + t]; SDPA over
+    the whole buffers with a band mask built on the device (once per forward in `shared`)."""
+    B, Hq, T, D = q.shape
+    n_kv, cap = K.shape[1], K.shape[2]
+    key = ("band", T, Hq // n_kv, window)
+
+    def make():
+        t = torch.arange(1 - T, 1, device=length.device).repeat(Hq // n_kv)  # [G*T]
+        limit = length.view(-1, 1, 1, 1) + t[:, None]  # [B, 1, G*T, 1]: slots < limit
+        slot = torch.arange(cap, device=length.device)
+        return (slot < limit) & (slot >= limit - window)  # [B, 1, G*T, cap]
+    if shared is None:
+        mask = make()
+    else:
+        mask = shared[key] = shared[key] if key in shared else make()
+    return sdpa(_folded(q, n_kv), K, V, attn_mask=mask).reshape(B, Hq, T, D)
 
 
 class PerForward:
@@ -163,6 +218,17 @@ class FullCache(KVCache):
         self.k = [alloc(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
         self.v = [alloc(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
         self._slots = PerForward(static_slots)  # slots and length of a fixed-shape forward
+        self.leased = False  # handed out to a run that has not closed it (graphs.Kept)
+
+    def reset(self):
+        """Empty, in place: a kept cache starts another run at the addresses its captured
+        graphs replay (zeroed: the static path reads whole buffers, slots must be finite)."""
+        for t in self.k + self.v:
+            t.zero_()
+        self.length = 0
+
+    def close(self):
+        self.leased = False  # the run ended (finish_stats) or a prefix store let it go
 
     def begin_forward(self, start, n_tokens: int):
         self._slots.begin(start, n_tokens)
@@ -177,11 +243,12 @@ class FullCache(KVCache):
         K, V = self.k[layer], self.v[layer]
         K[:, :, start:end] = k
         V[:, :, start:end] = v
-        return attention(q, K[:, :, :end], V[:, :, :end], start)
+        return window_attention(q, K[:, :, :end], V[:, :, :end], start, 0, self.windows[layer])
 
     def _attend_static(self, layer, q, k, v, start: torch.Tensor):
         """The same with `start` on the device (the caller checked the capacity on the host)."""
-        return write_and_attend(self.k[layer], self.v[layer], q, k, v, self._slots.get(start, q.shape[2]))
+        return write_and_attend(self.k[layer], self.v[layer], q, k, v, self._slots.get(start, q.shape[2]),
+                                self.windows[layer])
 
     def put(self, layer: int, start: int, k, v):
         """Write K, V [B, Hkv, T, D] of positions start.. as they are (a kept or saved
@@ -206,14 +273,3 @@ class FullCache(KVCache):
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
-        self.leased = False  # handed out to a run that has not closed it (graphs.Kept)
-
-    def reset(self):
-        """Empty, in place: a kept cache starts another run at the addresses its captured
-        graphs replay (zeroed: the static path reads whole buffers, slots must be finite)."""
-        for t in self.k + self.v:
-            t.zero_()
-        self.length = 0
-
-    def close(self):
-        self.leased = False  # the run ended (finish_stats) or a prefix store let it go

@@ -268,8 +268,39 @@ def load_weights(model: Transformer, d: Path, dtype: torch.dtype, device) -> Non
     missing = [m for m in missing if not m.endswith("rotary.inv_freq")]
     if missing:
         raise TriforceError(f"checkpoint in {str(d)!r} lacks weights: {', '.join(missing[:3])}")
+    refuse_unexpected(unexpected, f"checkpoint in {str(d)!r}")
     model.tie_weights()
     model.to(device)
+
+
+def refuse_unexpected(names, what: str) -> None:
+    """A checkpoint tensor the model has no place for (attention sinks, an output-projection
+    or MLP bias, experts) would change the output if it were dropped: one line names it."""
+    extra = sorted(n for n in names if not n.endswith("inv_freq"))  # old checkpoints' RoPE tables
+    if extra:
+        more = f" and {len(extra) - 3} more" if len(extra) > 3 else ""
+        raise TriforceError(f"{what} has weights this runtime does not implement: "
+                            f"{', '.join(extra[:3])}{more}")
+
+
+def expected_names(cfg: ModelConfig) -> set[str]:
+    """Every HF tensor name a checkpoint of `cfg` may hold (stacked projections by part)."""
+    with torch.device("meta"):
+        names = set(Transformer(cfg).state_dict()) | {"lm_head.weight"}
+    for name in list(names):
+        for into, parts in STACKED.items():
+            if f".{into}." in name:
+                names |= {name.replace(into, p) for p in parts}
+    return names
+
+
+def checked(items, cfg: ModelConfig, what: str):
+    """(name, tensor) pairs as they come, refusing a name the model has no place for."""
+    known = expected_names(cfg)
+    for name, t in items:
+        if name not in known:
+            refuse_unexpected([name], what)
+        yield name, t
 
 
 def weights_class(path: str | os.PathLike | None, weights: str = "auto") -> str:
@@ -319,7 +350,7 @@ def load_quantized(p: Path, kind: str, own: bool, dtype, device, rope_scaling, p
     else:
         items = quantize_stream(((n, t) for f in weight_files(d) for n, t in read_safetensors(f, torch.float32)),
                                 kind)
-    model = assemble(cfg, items, dtype, device, f"{p.name}")
+    model = assemble(cfg, checked(items, cfg, f"checkpoint {p.name}"), dtype, device, f"{p.name}")
     return model, cfg, load_tokenizer(d)
 
 

@@ -1,4 +1,8 @@
-"""The Llama-family forward (Llama 2/3, SmolLM2, Mistral-style, Qwen2) in plain PyTorch.
+"""The forward of Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3, Gemma 3 and Gemma 2 in plain
+PyTorch: one block with the differences as config fields (q/k norms, (1 + w) norms, norms
+after attention and the MLP, the activation, the embedding scale, the attention scale, per
+layer-kind RoPE). A sliding-window layer's window is the cache's to honour: the model
+hands every layer's (q, k, v) to it alike.
 
 The model knows nothing of offloading, retrieval or parallelism: each attention layer
 hands rotated (q, k, v) and the first token's position (tokens are contiguous) to the cache
@@ -7,6 +11,8 @@ q/k/v and gate/up are stacked into one Linear each (`STACKED`): HF-named checkpo
 as they are (the loader and `load_state_dict` stack them).
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn as nn
@@ -36,35 +42,51 @@ def _loads_hf(module: nn.Module, into: str) -> None:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, plus_one: bool = False):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.plus_one = plus_one  # Gemma: the scale is (1 + w), w as checkpoints store it
+        self.weight = nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim))
 
     def forward(self, x):
         # one op (one fused kernel on CUDA), normalised in fp32 as HF does; the weight is
         # applied before the cast back (HF casts, then multiplies: in bf16 about a quarter
         # of the outputs differ from HF's by one ulp; in fp32 on the CPU, bitwise equal)
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        w = self.weight + 1 if self.plus_one else self.weight
+        return F.rms_norm(x, self.weight.shape, w, self.eps)
+
+
+def norm(cfg: ModelConfig, dim: int | None = None) -> RMSNorm:
+    return RMSNorm(dim or cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_plus_one)
 
 
 class Rotary(nn.Module):
     """RoPE cos/sin for a forward's absolute positions (scaling kinds as HF computes them),
-    computed once per forward and shared by every layer."""
+    computed once per forward and shared by every layer. Where sliding layers have their
+    own base (Gemma 3), their cos/sin follow the global layers' in the last dimension
+    ([T, 1, 2D]; `Transformer.layer_step` gives each layer its half)."""
 
     def __init__(self, cfg: ModelConfig, max_len: int | None = None):
         super().__init__()
         inv, self.scale = rope_frequencies(cfg, max_len or cfg.max_position_embeddings)
+        if cfg.local_rope:  # the sliding layers' plain RoPE of their own base
+            local = dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling=None)
+            inv_local, _ = rope_frequencies(local, max_len or cfg.max_position_embeddings)
+            inv = inv + inv_local
         self.register_buffer("inv_freq", torch.tensor(inv, dtype=torch.float32), persistent=False)
+        self.half = len(inv) if not cfg.local_rope else len(inv) // 2  # D/2 frequencies per kind
 
     def forward(self, pos: torch.Tensor, dtype):
-        """pos [T] -> cos, sin [T, 1, D] in `dtype` (broadcast over the heads of [B, T, H, D]).
-        sin's first half is negated: `rotate` then needs no negation of its own."""
-        f = pos.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        """pos [T] -> cos, sin [T, 1, D] in `dtype` (broadcast over the heads of [B, T, H, D]),
+        [T, 1, 2D] with a sliding layers' RoPE. sin's first half is negated: `rotate` then
+        needs no negation of its own."""
+        f = pos.float()[:, None] * self.inv_freq[None, :]  # [T, K*D/2]
         c, s = f.cos(), f.sin()
-        if self.scale != 1.0:
-            c, s = c * self.scale, s * self.scale
-        cos, sin = torch.cat([c, c], dim=-1), torch.cat([-s, s], dim=-1)  # [T, D]
+        if self.scale != 1.0:  # yarn's attention factor: the global RoPE's only
+            c[:, : self.half], s[:, : self.half] = c[:, : self.half] * self.scale, s[:, : self.half] * self.scale
+        parts = [(c[:, i: i + self.half], s[:, i: i + self.half]) for i in range(0, f.shape[1], self.half)]
+        cos = torch.cat([torch.cat([a, a], dim=-1) for a, _ in parts], dim=-1)  # [T, K*D]
+        sin = torch.cat([torch.cat([-b, b], dim=-1) for _, b in parts], dim=-1)
         return cos.to(dtype)[:, None], sin.to(dtype)[:, None]
 
 
@@ -85,14 +107,27 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(cfg.hidden_size, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim,
                                bias=cfg.attention_bias)
         self.o_proj = Linear(cfg.n_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:  # per-head RMSNorm of q and k before RoPE (Qwen3, Gemma 3)
+            self.q_norm, self.k_norm = norm(cfg, cfg.head_dim), norm(cfg, cfg.head_dim)
+        # Gemma scales scores by query_pre_attn_scalar ** -0.5, attention by head_dim ** -0.5:
+        # q carries the ratio (1 where they agree, as in Gemma 3 270M)
+        qpas = cfg.query_pre_attn_scalar
+        self.q_scale = 1.0 if qpas is None or qpas == cfg.head_dim else (cfg.head_dim / qpas) ** 0.5
         _loads_hf(self, "qkv_proj")
 
     def forward(self, x, cos, sin, start, cache):
         B, T, _ = x.shape
         Hq, Hkv = self.n_heads, self.n_kv_heads
         qkv = self.qkv_proj(x).view(B, T, Hq + 2 * Hkv, self.head_dim)  # [B, T, Hq+2Hkv, D]
-        qk = rotate(qkv[:, :, : Hq + Hkv], cos, sin)  # q and k heads in one pass
+        if self.qk_norm:
+            qk = torch.cat([self.q_norm(qkv[:, :, :Hq]), self.k_norm(qkv[:, :, Hq: Hq + Hkv])], 2)
+        else:
+            qk = qkv[:, :, : Hq + Hkv]
+        qk = rotate(qk, cos, sin)  # q and k heads in one pass
         q, k, v = qk[:, :, :Hq], qk[:, :, Hq:], qkv[:, :, Hq + Hkv:]  # views
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
         o = cache.attend(self.layer, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                          start)  # q [B, Hq, T, D], k, v [B, Hkv, T, D] -> o [B, Hq, T, D]
         return self.o_proj(o.transpose(1, 2).reshape(B, T, Hq * self.head_dim))
@@ -104,22 +139,35 @@ class MLP(nn.Module):
         # rows: gate (intermediate_size), then up (intermediate_size)
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"  # Gemma; else SiLU
         _loads_hf(self, "gate_up_proj")
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act * up)
 
 
 class Block(nn.Module):
+    """Pre-norm block; Gemma's sandwich adds a norm after attention and after the MLP (its
+    `post_attention_layernorm` is the one after attention, `pre_feedforward_layernorm` the
+    one before the MLP; in Llama `post_attention_layernorm` is the one before the MLP)."""
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.self_attn = Attention(cfg, layer)
         self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = norm(cfg)
+        self.post_attention_layernorm = norm(cfg)
+        self.sandwich = cfg.sandwich_norm
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm(cfg)
+            self.post_feedforward_layernorm = norm(cfg)
 
     def forward(self, x, cos, sin, start, cache):
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, start, cache))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, start, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -131,7 +179,7 @@ class Body(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = norm(cfg)
 
 
 class Transformer(nn.Module):
@@ -161,8 +209,11 @@ class Transformer(nn.Module):
         return self.head(x, last_only)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """Token ids [B, T] -> hidden states [B, T, H]."""
-        return self.model.embed_tokens(ids)
+        """Token ids [B, T] -> hidden states [B, T, H] (Gemma: times sqrt(H), rounded to
+        the dtype first as HF does)."""
+        x = self.model.embed_tokens(ids)
+        s = self.config.embed_scale
+        return x if s == 1.0 else x * torch.tensor(s, dtype=x.dtype)
 
     def rope(self, start, T: int, dtype, device):
         """cos, sin [T, 1, D] of positions start..start+T-1 (`start` an int or a device tensor [1])."""
@@ -174,11 +225,17 @@ class Transformer(nn.Module):
 
     def layer_step(self, i: int, x, cos, sin, start, cache) -> torch.Tensor:
         """Layer i over hidden states x [B, T, H] of the tokens at positions start.. (cos,
-        sin theirs), attending through `cache`."""
+        sin theirs, from `rope`), attending through `cache`."""
+        D = self.config.head_dim
+        if cos.shape[-1] > D:  # global RoPE, then the sliding layers' own
+            k = D if self.config.layer_types[i] == "sliding_attention" else 0
+            cos, sin = cos[..., k: k + D], sin[..., k: k + D]
         return self.model.layers[i](x, cos, sin, start, cache)
 
     def head(self, x: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         """Hidden states [B, T, H] -> logits [B, T, V] (of the last position only: [B, 1, V])."""
         if last_only:
             x = x[:, -1:]
-        return self.lm_head(self.model.norm(x))
+        logits = self.lm_head(self.model.norm(x))
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -52,7 +52,7 @@ from ..offload import store as S
 from ..offload.store import HostKVStore, StoreSpec, _elem, check_memory
 from ..offload.timeline import Span, Timeline, device_clock
 from ..offload.tune import transfer_chunk_for
-from .cache import FullCache, KVCache
+from .cache import FullCache, KVCache, window_attention
 from .graphs import graphable, kept, room_for
 from .retrieval import RetrievalCache
 from .errors import TriforceError
@@ -186,12 +186,31 @@ class OffloadedCache(KVCache):
     def _attend_offloaded(self, layer, q, k, v, start):
         if self.held is not None and self.held[0] == layer:
             return self._attend_held(layer, q, k, v, start)
+        if self.windows[layer] is not None:
+            return self._attend_window(layer, q, k, v, start)
         acc = StreamedAttention(q, k.shape[1])
         with Span(self.spans, "compute", f"attention L{layer}", tokens=q.shape[2]):
             for _, kc, vc in self.sched.stream(layer, start):
                 acc.add(kc, vc)  # all keys < start: no mask
             acc.add_causal(k, v, start, start)  # the forward's own tokens
             out = acc.result(q.dtype)
+        self._write_back(layer, k, v, start)
+        return out
+
+    def _attend_window(self, layer, q, k, v, start):
+        """A sliding-window layer: the streamed chunks' keys from the first query's band on
+        (copied out of their staging slots), then the forward's own, each query attending
+        to its own band (the whole prefix still streams)."""
+        lo = max(start + 1 - self.windows[layer], 0)
+        ks, vs = [], []
+        with Span(self.spans, "compute", f"attention L{layer}", tokens=q.shape[2]):
+            for c0, kc, vc in self.sched.stream(layer, start):
+                a = max(lo - c0, 0)
+                if a < kc.shape[2]:
+                    ks.append(kc[:, :, a:].clone())
+                    vs.append(vc[:, :, a:].clone())
+            K, V = torch.cat(ks + [k], 2), torch.cat(vs + [v], 2)
+            out = window_attention(q, K, V, start, lo, self.windows[layer])
         self._write_back(layer, k, v, start)
         return out
 
@@ -204,7 +223,7 @@ class OffloadedCache(KVCache):
         K[:, :, start:end] = k
         V[:, :, start:end] = v
         with Span(self.spans, "compute", f"attention L{layer}", tokens=q.shape[2]):
-            out = attention(q, K[:, :, :end], V[:, :, :end], start)
+            out = window_attention(q, K[:, :, :end], V[:, :, :end], start, 0, self.windows[layer])
         self._write_back(layer, k, v, start)
         return out
 
@@ -394,6 +413,7 @@ def make_full_cache(loaded, capacity: int, opts, retrieval_slots: int = 0) -> KV
     graphs.Kept), or an OffloadedCache. `retrieval_slots`: the size of the retrieval cache
     the run will add on the device (0: none), counted in the memory checks."""
     o = opts.offload
+    ret = RetrievalCache.bytes_for(loaded.cfg, retrieval_slots, loaded.dtype)
     # tensor-parallel ranks decide together (rank 0's free memory): one offloading and the
     # other not would run different collectives (layer-major prefill against chunked)
     if not agree(int(use_offload(o, loaded.cfg, capacity, loaded.dtype, loaded.device, ret))):
@@ -473,5 +493,4 @@ def finish_stats(cache: KVCache, st, opts) -> None:
     if o.profile and isinstance(cache, OffloadedCache) and cache.trace is not None:
         Path(o.profile).write_text(json.dumps(cache.trace))
         st.extra["profile"] = o.profile
-    ret = RetrievalCache.bytes_for(loaded.cfg, retrieval_slots, loaded.dtype)
     cache.close()

@@ -12,14 +12,17 @@ Verified tokens are absorbed from the full cache (`absorb`): the retrieval cache
 holds the target's exact KV for them rather than its own approximation. An offloaded full
 cache hands them over from the verification forward's device tensors (`recent`), so the
 update never waits for a write-back to the host.
+
+A sliding-window layer (Gemma, Mistral) keeps the last tokens instead of scored chunks: the
+same number of slots, consecutive positions, so its band of the last `window` keys is
+exact whenever the budget covers the window.
 """
 from __future__ import annotations
 
 import torch
 
-from ..kernels.attention import attention
 from ..kernels.retrieval import chunk_means, chunk_scores, gather_chunks, top_chunks
-from .cache import KVCache, PerForward, static_slots, write_and_attend
+from .cache import KVCache, PerForward, static_slots, window_attention, write_and_attend
 from .errors import TriforceError
 
 
@@ -123,9 +126,6 @@ class RetrievalCache(KVCache):
         # a fixed-shape forward's slots (start + offset ..) and length, once for every layer
         self._slots = PerForward(lambda start, T: static_slots(start + self.offset, T))
 
-    def begin_forward(self, start, n_tokens: int):
-        self._slots.begin(start, n_tokens)
-
     @staticmethod
     def slots_for(budget: int, retrieval_chunk: int, extra: int) -> int:
         """Slots a cache of `budget` tokens with room for `extra` appended ones needs."""
@@ -146,6 +146,9 @@ class RetrievalCache(KVCache):
         self.base = self.n_retrieved = self.length = 0
         self.holds_all = False
 
+    def begin_forward(self, start, n_tokens: int):
+        self._slots.begin(start, n_tokens)
+
     def end_forward(self):
         self._slots.end()
 
@@ -164,6 +167,9 @@ class RetrievalCache(KVCache):
             K, V = full.device_keys(layer, length)  # [B, Hkv, S, D]; offloaded: scored on the device
             if self.holds_all:
                 k, v = K, V
+            elif self.windows[layer] is not None:  # the most recent tokens, as many as selected
+                keep = self.n_chunks * c + length - n_full * c
+                k, v = K[:, :, length - keep:], V[:, :, length - keep:]
             else:
                 k, v = self._select(K, V, qs[layer], n_full * c)
             self.n_retrieved = k.shape[2]
@@ -194,7 +200,8 @@ class RetrievalCache(KVCache):
 
     def attend(self, layer, q, k, v, start):
         if isinstance(start, torch.Tensor):  # slots as positions: the same causal order
-            return write_and_attend(self.k[layer], self.v[layer], q, k, v, self._slots.get(start, q.shape[2]))
+            return write_and_attend(self.k[layer], self.v[layer], q, k, v, self._slots.get(start, q.shape[2]),
+                                    self.windows[layer])
         s, T = self._slot(start), q.shape[2]
         if start < self.base or s + T > self.slots:
             raise TriforceError(f"retrieval cache: positions {start}..{start + T - 1} are outside "
@@ -202,7 +209,8 @@ class RetrievalCache(KVCache):
         K, V = self.k[layer], self.v[layer]
         K[:, :, s: s + T] = k
         V[:, :, s: s + T] = v
-        return attention(q, K[:, :, : s + T], V[:, :, : s + T], start, self.base - self.n_retrieved)
+        k0 = self.base - self.n_retrieved  # slots as consecutive positions (exact for a sliding layer)
+        return window_attention(q, K[:, :, : s + T], V[:, :, : s + T], start, k0, self.windows[layer])
 
     @torch.inference_mode()
     def absorb(self, full, lo: int, hi: int):

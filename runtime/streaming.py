@@ -5,14 +5,14 @@ distances of the rest intact. Layout in the preallocated buffer: slots [0, sink_
 hold positions [0, sink_slots) (the sink; sink_slots = min(sink, run_start)), the slots
 after them hold the contiguous run of positions run_start .. followed by pending tokens.
 Evicting shifts the run left once per commit; rolling back only shortens the run (evicted
-tokens stay evicted, which costs draft quality, never correctness).
+tokens stay evicted, which costs draft quality, never correctness). A sliding-window
+layer's band counts the sink slots as the positions just before the run, like the rest.
 """
 from __future__ import annotations
 
 import torch
 
-from ..kernels.attention import attention
-from .cache import KVCache
+from .cache import KVCache, window_attention
 from .errors import TriforceError
 
 
@@ -44,7 +44,8 @@ class StreamingCache(KVCache):
         K[:, :, s: s + T] = k
         V[:, :, s: s + T] = v
         # sink slots pretend to sit just before r0: they stay visible to every query
-        return attention(q, K[:, :, : s + T], V[:, :, : s + T], start, self.run_start - self.sink_slots)
+        return window_attention(q, K[:, :, : s + T], V[:, :, : s + T], start, self.run_start - self.sink_slots,
+                                self.windows[layer])
 
     def commit(self, n: int):
         super().commit(n)
