@@ -36,7 +36,12 @@ NAMES = {"token_embd": "model.embed_tokens", "output": "lm_head", "output_norm":
          "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
          "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
          "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-         "ffn_down": "mlp.down_proj"}
+         "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# Gemma's sandwich: llama.cpp's names for the norms around attention and the MLP
+GEMMA_NAMES = {**NAMES, "post_attention_norm": "post_attention_layernorm",
+               "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+GEMMA_ARCHS = ("gemma2", "gemma3")
+COMPUTED = {"rope_freqs"}  # tensors the runtime computes from the config instead
 
 # the class a quantized type keeps under --weights auto
 INT4_TYPES = {"Q4_0", "Q4_1", "Q4_K"}
@@ -44,14 +49,18 @@ INT8_TYPES = {"Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K"}
 DENSE_TYPES = {"F32", "F16", "BF16"}
 
 
-def hf_name(name: str) -> str | None:
-    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight' (None: not ours)."""
+def hf_name(name: str, arch: str = "llama") -> str | None:
+    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight' (None: computed,
+    such as rope_freqs); a tensor with no place in the model is refused in one line."""
+    names = GEMMA_NAMES if arch in GEMMA_ARCHS else NAMES
     parts = name.split(".")
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in NAMES:
-        return f"model.layers.{parts[1]}.{NAMES[parts[2]]}.{parts[3]}"
-    if len(parts) == 2 and parts[0] in NAMES:
-        return f"{NAMES[parts[0]]}.{parts[1]}"
-    return None
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in names:
+        return f"{names[parts[0]]}.{parts[1]}"
+    if parts[0] in COMPUTED:
+        return None
+    raise TriforceError(f"GGUF tensor {name} ({arch}) has no place in the model: not implemented")
 
 
 def weight_class(reader) -> str:
@@ -189,11 +198,12 @@ def read(path, want: str | None, cfg, progress=None):
     2-D weights as QParts of class `want` (None: each its own), norms and biases as float32."""
     from gguf import dequantize
     reader_ = reader(path)
-    llama = _arch(reader_) == "llama"
+    arch = _arch(reader_)
+    llama = arch == "llama"
     for t in _progress(reader_.tensors, progress):
-        name = hf_name(t.name)
+        name = hf_name(t.name, arch)
         if name is None:
-            continue  # rope_freqs and the like: computed, not loaded
+            continue  # rope_freqs: computed, not loaded
         if len(t.shape) == 2:
             part = tensor_part(t, want)
             if llama and ".q_proj." in name:
@@ -202,7 +212,10 @@ def read(path, want: str | None, cfg, progress=None):
                 part = permute_rows(part, cfg.n_kv_heads)
             yield name, part
         else:
-            yield name, torch.from_numpy(np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).copy())
+            w = torch.from_numpy(np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).copy())
+            if arch in GEMMA_ARCHS and name.endswith("norm.weight"):
+                w -= 1  # llama.cpp stores Gemma's (1 + w) norm scales with the 1 added
+            yield name, w
 
 
 def _arch(reader) -> str:

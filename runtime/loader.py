@@ -144,7 +144,7 @@ def _dequantize(gguf: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     try:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+        hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, config=gguf_config(gguf),
                                                   dtype=torch.float32)
     except GGUF_ERRORS as e:
         raise TriforceError(not_gguf(gguf, e)) from None
@@ -169,9 +169,9 @@ def gguf_meta_dir(gguf: Path) -> Path:
 
 
 def _write_meta(gguf: Path, out: Path) -> None:
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
     try:
-        conf = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).to_dict()
+        conf = gguf_config(gguf).to_dict()
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except GGUF_ERRORS as e:
         raise TriforceError(not_gguf(gguf, e)) from None
@@ -183,8 +183,22 @@ def _write_meta(gguf: Path, out: Path) -> None:
     (out / "done").write_text(str(gguf))
 
 
+def gguf_config(gguf: Path):
+    """transformers' config of a GGUF, with the head size the file states (transformers
+    leaves Qwen3's at its default of 128 whatever `attention.key_length` says)."""
+    from transformers import AutoConfig
+    conf = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    from .gguf_weights import _arch, reader
+    r = reader(gguf)
+    f = r.fields.get(f"{_arch(r)}.attention.key_length")
+    if f is not None and hasattr(conf, "head_dim"):
+        conf.head_dim = int(f.parts[f.data[0]][0])
+    return conf
+
+
 # a GGUF's config names its model type, not its class
-ARCH_OF_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCH_OF_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                "qwen3": "Qwen3ForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "gemma2": "Gemma2ForCausalLM"}
 
 
 def read_config(d: Path, rope_scaling: str | None = None) -> ModelConfig:
