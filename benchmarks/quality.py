@@ -1,10 +1,11 @@
 """What quantized weights cost in quality: perplexity and agreement with fp32, per precision.
 
 Usage:
-    python benchmarks/quality.py                              # the bundled model: fp32, auto, int8, int4
+    python benchmarks/quality.py                              # the bundled model: fp32, auto, auto:int8, int8, int4
     python benchmarks/quality.py --models bundled,path/to/model.gguf --tokens 4096 --out q.jsonl
 
-For each model and each `--weights` precision (the model loaded as `run --weights W` would):
+For each model and each `--weights` precision W or W:A (the model loaded as `run --weights W
+--activations A` would; A is fp32 unless given, so W alone measures the weights alone):
 - perplexity on the bundled essays (`--tokens` tokens from `--offset`, scored in
   independent windows of `--window` tokens, the first token of a window not scored);
 - top-1 agreement with fp32: the share of those positions where the precision's argmax
@@ -16,7 +17,9 @@ For each model and each `--weights` precision (the model loaded as `run --weight
 
 fp32 of a GGUF is its blocks dequantized exactly, so a GGUF's own class (`auto`: Q4_1
 loads as int4) computes the same weights as fp32 and differs only in summation order; int8
-of a 4-bit GGUF requantizes. One JSON line per (model, precision) to `--out`.
+of a 4-bit GGUF requantizes. `:int8` quantizes each row of activations per 32 inputs into the
+quantized linears (what `--activations auto` does on an AVX-512 VNNI CPU). One JSON line per
+(model, precision) to `--out`.
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ import torch
 
 from triforce_offload.runtime import api, data, quantized
 from triforce_offload.runtime.cache import FullCache
-from triforce_offload.runtime.options import RunOptions
+from triforce_offload.runtime.options import ModelOptions, RunOptions
 
 
 @torch.inference_mode()
@@ -71,7 +74,8 @@ def lead(a: list[int], b: list[int]) -> int:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="bundled", help="comma list: 'bundled', HF folders, .gguf files")
-    ap.add_argument("--weights", default="fp32,auto,int8,int4", help="precisions; fp32 first is the reference")
+    ap.add_argument("--weights", default="fp32,auto,auto:int8,int8,int4",
+                    help="precisions W or W:A (activations); fp32 first is the reference")
     ap.add_argument("--tokens", type=int, default=4096, help="essay tokens scored")
     ap.add_argument("--offset", type=int, default=0, help="first essay token")
     ap.add_argument("--window", type=int, default=512, help="tokens per scored window")
@@ -93,7 +97,8 @@ def main():
         ref = None
         for kind in kinds:
             t0 = time.perf_counter()
-            L = api.load(path, weights=kind)
+            w, _, act = kind.partition(":")
+            L = api.load(ModelOptions(path, weights=w, activations=act or "fp32"))
             toks = data.essay_tokens(L.tokenizer, a.offset + a.tokens)[a.offset:]
             nll, top = score(L, toks, a.window)
             gens = generations(L, toks, a.generations, a.prompt_len, a.new)
@@ -103,6 +108,7 @@ def main():
             same = sum(lead(g, r) for g, r in zip(gens, ref[1])) / len(gens)
             ident = sum(g == r for g, r in zip(gens, ref[1]))
             row = {"bench": "quality", "model": model, "weights": kind, "loaded": L.weights,
+                   "activations": L.activations or str(L.dtype).removeprefix("torch."),
                    "mb": round(quantized.weight_bytes(L.model) / 1e6, 1),
                    "perplexity": round(math.exp(nll.mean().item()), 4), "scored": len(nll),
                    "top1_agreement": round(agree, 4), "greedy_same_tokens": same,

@@ -229,3 +229,325 @@ int triforce_qrows(const int64_t *ids, int64_t n_ids, int64_t K, const uint8_t *
     }
     return 0;
 }
+
+/* ---- int8 activations: integer dot products (AVX-512 VNNI `vpdpbusd`) -------------------
+ *
+ * The same weights, with each row of x quantized by itself to int8 in blocks of 32 inputs
+ * (d = max|x| / 127, q = round(x / d): GGUF's Q8_0, what llama.cpp does to activations), so
+ * a 64-input chunk of a weight row dots with a chunk of x in one instruction: 16 int32 lanes,
+ * each the exact sum of 4 byte products. A row's quantization and every instruction after it
+ * depend only on that row, never on M: the identity speculative decoding needs still holds.
+ *
+ * Lane i of a chunk covers 4 consecutive bytes. For int4 weights the bytes are the chunk's
+ * two 32-blocks unpacked as [A0..15, B0..15, A16..31, B16..31] (low nibbles, then high), so
+ * x is stored in that order too; int8 weights are in natural order. Each lane's integer sum
+ * is scaled by its weight group's scale times its x block's scale:
+ *   acc += float(idot) * sx_lane * sw_lane   (one FMA after the multiply),
+ * and a group's offset adds min[g] * sum_{k in g} d_b q_k (the dot of the dequantized x).
+ * Signed int8 weights go into vpdpbusd's signed operand with x + 128 as the unsigned one;
+ * the lane starts from -128 * (sum of the lane's weights), so the sum is exactly q . w.
+ * Builds without VNNI compute the same lanes in portable C (same integer sums, same float
+ * operations in the same order): slow, for sanitizer runs and other CPUs.
+ *
+ * Layouts taken: K a multiple of 64, G in {16, 32} or a multiple of 64 (a lane never spans
+ * two groups); anything else returns -1 and the caller uses float activations. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define TRIFORCE_VNNI 1
+#else
+#define TRIFORCE_VNNI 0
+#endif
+
+#define QC 64 /* inputs per chunk */
+#define NTQ 4 /* output features per tile (int8 activations) */
+
+int triforce_linear_vnni(void) { return TRIFORCE_VNNI; }
+
+/* input position (within its chunk) of lane i's first byte */
+static inline int lane_pos(int bits, int i) {
+    if (bits == 8) return 4 * i;
+    static const int p4[16] = {0, 4, 8, 12, 32, 36, 40, 44, 16, 20, 24, 28, 48, 52, 56, 60};
+    return p4[i];
+}
+
+/* One row of x (K floats) -> bytes in the chunk order of `bits` (int4: q as int8, int8: q + 128
+ * as uint8), lane scales sxl [K/64][16], and per weight group the dot of dequantized x with
+ * ones, xsg [ngp] (zero padded; only when the weights have offsets). */
+static void quantize_row(const float *restrict x, int64_t K, int bits, int64_t G, uint8_t *restrict xq,
+                         float *restrict sxl, float *restrict xsg, int64_t ngp) {
+    if (xsg)
+        for (int64_t g = 0; g < ngp; g++) xsg[g] = 0.0f;
+    for (int64_t c = 0; c < K / QC; c++) {
+        float d[2];
+        int8_t q[QC];
+        for (int h = 0; h < 2; h++) { /* the chunk's two blocks of 32 */
+            const float *xb = x + c * QC + h * 32;
+#if TRIFORCE_VNNI
+            const __m512 a = _mm512_loadu_ps(xb), b = _mm512_loadu_ps(xb + 16);
+            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+            const __m512 id = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+            _mm_storeu_si128((__m128i *)(q + h * 32), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, id))));
+            _mm_storeu_si128((__m128i *)(q + h * 32 + 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(b, id))));
+#else
+            float amax = 0.0f;
+            for (int k = 0; k < 32; k++) {
+                const float a = xb[k] < 0 ? -xb[k] : xb[k];
+                amax = a > amax ? a : amax;
+            }
+            const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+            for (int k = 0; k < 32; k++) {
+                const float v = __builtin_nearbyintf(xb[k] * id);
+                q[h * 32 + k] = (int8_t)(v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v);
+            }
+#endif
+            d[h] = amax / 127.0f;
+        }
+        for (int i = 0; i < 16; i++) {
+            const int p = lane_pos(bits, i);
+            sxl[c * 16 + i] = d[p / 32];
+            for (int b = 0; b < 4; b++)
+                xq[c * QC + 4 * i + b] = bits == 8 ? (uint8_t)(q[p + b] + 128) : (uint8_t)q[p + b];
+        }
+        if (xsg)
+            for (int s = 0; s < 4; s++) {
+                int sum = 0;
+                for (int k = 0; k < 16; k++) sum += q[s * 16 + k];
+                xsg[(c * QC + s * 16) / G] += d[s / 2] * (float)sum;
+            }
+    }
+}
+
+/* Weight row n's scales and offsets as float32, zero padded to ngp + 16 (the lane gather
+ * below reads 16 from a chunk's first group). */
+static void row_params(const void *scale, const void *minv, int f16, int64_t n, int64_t groups, int64_t ngp,
+                       float *restrict sw, float *restrict mf) {
+#if TRIFORCE_VNNI
+    for (int which = 0; which < (minv ? 2 : 1); which++) {
+        const void *src = which ? minv : scale;
+        float *dst = which ? mf : sw;
+        for (int64_t g = 0; g < ngp + 16; g += 16) {
+            const int64_t left = groups - g;
+            const __mmask16 m = left >= 16 ? 0xffff : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+            const __m512 v = f16 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, (const uint16_t *)src + n * groups + g))
+                                 : _mm512_maskz_loadu_ps(m, (const float *)src + n * groups + g);
+            _mm512_storeu_ps(dst + g, v);
+        }
+    }
+#else
+    for (int64_t g = 0; g < ngp + 16; g++) sw[g] = g < groups ? load_param(scale, n * groups + g, f16) : 0.0f;
+    if (minv)
+        for (int64_t g = 0; g < ngp + 16; g++) mf[g] = g < groups ? load_param(minv, n * groups + g, f16) : 0.0f;
+#endif
+}
+
+/* sum over lanes of float(idot) * sx * sw, accumulated chunk by chunk in increasing k, for one
+ * x row and one weight row: the one definition both paths compute. */
+static float dot_row(const uint8_t *restrict xq, const float *restrict sxl, const uint8_t *restrict wrow,
+                     const float *restrict sw, int bits, int64_t G, int64_t C, const int *gl) {
+#if TRIFORCE_VNNI
+    const __m512i idx = _mm512_loadu_si512(gl);
+    const __m256i lo4 = _mm256_set1_epi8(0xf);
+    const __m512i bias8 = _mm512_set1_epi8((char)0x80);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t c = 0; c < C; c++) {
+        const __m512i xv = _mm512_loadu_si512(xq + c * QC);
+        __m512i idot;
+        if (bits == 4) {
+            const __m256i b = _mm256_loadu_si256((const __m256i *)(wrow + c * (QC / 2)));
+            const __m512i wv = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, lo4)),
+                                                  _mm256_and_si256(_mm256_srli_epi16(b, 4), lo4), 1);
+            idot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv);
+        } else {
+            const __m512i wv = _mm512_loadu_si512(wrow + c * QC);
+            idot = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), xv, wv),
+                                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias8, wv));
+        }
+        const __m512 s = G <= 32 ? _mm512_permutexvar_ps(idx, _mm512_loadu_ps(sw + c * QC / G))
+                                 : _mm512_set1_ps(sw[c * QC / G]);
+        const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(idot), _mm512_loadu_ps(sxl + c * 16));
+        acc = _mm512_fmadd_ps(t, s, acc);
+    }
+    v16 r;
+    memcpy(&r, &acc, sizeof r);
+    return hsum(r);
+#else
+    v16 acc = (v16){};
+    for (int64_t c = 0; c < C; c++) {
+        for (int i = 0; i < 16; i++) {
+            int32_t sum = 0;
+            for (int b = 0; b < 4; b++) {
+                const int k = 4 * i + b; /* byte k of the chunk, in the lane order above */
+                if (bits == 4) {
+                    const uint8_t byte = wrow[c * (QC / 2) + (k % 32)];
+                    sum += (int32_t)(k < 32 ? byte & 0xf : byte >> 4) * (int8_t)xq[c * QC + k];
+                } else {
+                    sum += ((int32_t)xq[c * QC + k] - 128) * (int8_t)wrow[c * QC + k];
+                }
+            }
+            const float s = G <= 32 ? sw[c * QC / G + gl[i]] : sw[c * QC / G];
+            acc[i] = __builtin_fmaf((float)sum * sxl[c * 16 + i], s, acc[i]);
+        }
+    }
+    return hsum(acc);
+#endif
+}
+
+#if TRIFORCE_VNNI
+/* Rows r < RBN of x (row_bytes apart from xq) against weight rows j < NTN, every chunk: res[r][j]
+ * as dot_row computes it, lane for lane and chunk for chunk (so a row's result does not
+ * depend on RB or NT); each weight chunk is unpacked and its lane scales gathered once for
+ * the RBN rows. RBN, NTN and bits are constants in each specialization (tile_q8 below). */
+static inline __attribute__((always_inline)) void dot_tile(const uint8_t *xq, size_t row_bytes, int64_t K,
+                                                           const uint8_t *const *w, const float *const *sw,
+                                                           const int bits, int64_t G, int64_t C, __m512i idx,
+                                                           const int RBN, const int NTN, float res[4][4]) {
+    const __m256i lo4 = _mm256_set1_epi8(0xf);
+    const __m512i bias8 = _mm512_set1_epi8((char)0x80);
+    __m512 acc[4][4];
+    for (int r = 0; r < RBN; r++)
+        for (int j = 0; j < NTN; j++) acc[r][j] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < C; c++) {
+        __m512i wv[4], cr[4];
+        __m512 s[4];
+        for (int j = 0; j < NTN; j++) {
+            if (bits == 4) {
+                const __m256i b = _mm256_loadu_si256((const __m256i *)(w[j] + c * (QC / 2)));
+                wv[j] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, lo4)),
+                                           _mm256_and_si256(_mm256_srli_epi16(b, 4), lo4), 1);
+            } else {
+                wv[j] = _mm512_loadu_si512(w[j] + c * QC);
+                cr[j] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias8, wv[j]);
+            }
+            s[j] = G <= 32 ? _mm512_permutexvar_ps(idx, _mm512_loadu_ps(sw[j] + c * QC / G))
+                           : _mm512_set1_ps(sw[j][c * QC / G]);
+        }
+        for (int r = 0; r < RBN; r++) {
+            const uint8_t *xr = xq + r * row_bytes;
+            const __m512i xv = _mm512_loadu_si512(xr + c * QC);
+            const __m512 sx = _mm512_loadu_ps((const float *)(xr + K) + c * 16);
+            for (int j = 0; j < NTN; j++) {
+                const __m512i idot = bits == 4 ? _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[j], xv)
+                                               : _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), xv, wv[j]), cr[j]);
+                acc[r][j] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(idot), sx), s[j], acc[r][j]);
+            }
+        }
+    }
+    for (int r = 0; r < RBN; r++)
+        for (int j = 0; j < NTN; j++) {
+            v16 v;
+            memcpy(&v, &acc[r][j], sizeof v);
+            res[r][j] = hsum(v);
+        }
+}
+
+#define TILE_CASE(B, R, T) \
+    case (B) * 100 + (R) * 10 + (T): dot_tile(xq, row_bytes, K, w, sw, B, G, C, idx, R, T, res); break;
+#define TILE_ROWS(B, R) TILE_CASE(B, R, 1) TILE_CASE(B, R, 2) TILE_CASE(B, R, 3) TILE_CASE(B, R, 4)
+
+static void tile_q8(const uint8_t *xq, size_t row_bytes, int64_t K, const uint8_t *const *w, const float *const *sw,
+                    int bits, int64_t G, int64_t C, __m512i idx, int rb, int nt, float res[4][4]) {
+    switch (bits * 100 + rb * 10 + nt) {
+        TILE_ROWS(4, 1) TILE_ROWS(4, 2) TILE_ROWS(4, 3) TILE_ROWS(4, 4)
+        TILE_ROWS(8, 1) TILE_ROWS(8, 2) TILE_ROWS(8, 3) TILE_ROWS(8, 4)
+    }
+}
+#endif
+
+static float dot_offsets(const float *mf, const float *xsg, int64_t ngp) {
+#if TRIFORCE_VNNI
+    __m512 a = _mm512_setzero_ps();
+    for (int64_t g = 0; g < ngp; g += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(mf + g), _mm512_loadu_ps(xsg + g), a);
+    v16 acc;
+    memcpy(&acc, &a, sizeof acc);
+#else
+    v16 acc = (v16){};
+    for (int64_t g = 0; g < ngp; g += 16) {
+        v16 m, s;
+        memcpy(&m, mf + g, sizeof m);
+        memcpy(&s, xsg + g, sizeof s);
+        for (int i = 0; i < 16; i++) acc[i] = __builtin_fmaf(m[i], s[i], acc[i]);
+    }
+#endif
+    return hsum(acc);
+}
+
+/* Thread-local byte scratch, grown as needed (as scratch() above). */
+static void *scratch_bytes(int slot, size_t bytes) {
+    static __thread void *buf[2];
+    static __thread size_t cap[2];
+    if (bytes > cap[slot]) {
+        free(buf[slot]);
+        buf[slot] = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        cap[slot] = buf[slot] ? bytes : 0;
+    }
+    return buf[slot];
+}
+
+/* As triforce_qlinear, with x quantized per row to int8 (above). Returns 0, -1 for a layout
+ * it does not take, -2 when scratch memory is short. */
+int triforce_qlinear_q8(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *q, int bits,
+                        int64_t G, const void *scale, const void *minv, int f16, const float *bias,
+                        int64_t N, float *out, int64_t ldo) {
+    if (K <= 0 || N <= 0 || M < 0 || G <= 0 || K % QC || K % G || (bits != 8 && bits != 4) ||
+        !(G == 16 || G == 32 || G % 64 == 0) || (bits == 4 && G % 32) || ldx < K || ldo < N)
+        return -1;
+    if (M == 0) return 0;
+    const int64_t C = K / QC, groups = K / G, ngp = (groups + 15) / 16 * 16;
+    const int64_t wbytes = bits == 4 ? K / 2 : K;
+    const size_t row_bytes = (size_t)K + (size_t)C * 16 * sizeof(float) + (size_t)ngp * sizeof(float);
+    uint8_t *xbuf = scratch_bytes(0, (size_t)M * row_bytes);
+    if (!xbuf) return -2;
+    for (int64_t r = 0; r < M; r++) {
+        uint8_t *xr = xbuf + r * row_bytes;
+        quantize_row(x + r * ldx, K, bits, G, xr, (float *)(xr + K), minv ? (float *)(xr + K) + C * 16 : NULL, ngp);
+    }
+    int gl[16]; /* lane i's group, relative to its chunk's first (0 when G is a multiple of 64) */
+    for (int i = 0; i < 16; i++) gl[i] = G <= 32 ? lane_pos(bits, i) / (int)G : 0;
+#if TRIFORCE_VNNI
+    const __m512i idx = _mm512_loadu_si512(gl);
+#endif
+    const int64_t tiles = (N + NTQ - 1) / NTQ;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *sw = scratch_bytes(1, (size_t)NTQ * (2 * ngp + 32) * sizeof(float));
+        if (!sw) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t ti = 0; ti < tiles; ti++) {
+            if (!sw) continue;
+            const int64_t n0 = ti * NTQ, nt = N - n0 < NTQ ? N - n0 : NTQ;
+            for (int64_t j = 0; j < nt; j++)
+                row_params(scale, minv, f16, n0 + j, groups, ngp, sw + j * (2 * ngp + 32), sw + j * (2 * ngp + 32) + ngp + 16);
+            const uint8_t *w[NTQ];
+            const float *swp[NTQ];
+            for (int64_t j = 0; j < nt; j++) {
+                w[j] = q + (n0 + j) * wbytes;
+                swp[j] = sw + j * (2 * ngp + 32);
+            }
+            for (int64_t r0 = 0; r0 < M; r0 += 4) {
+                const int rb = M - r0 < 4 ? (int)(M - r0) : 4;
+                float res[4][4];
+#if TRIFORCE_VNNI
+                tile_q8(xbuf + r0 * row_bytes, row_bytes, K, w, swp, bits, G, C, idx, rb, (int)nt, res);
+#else
+                for (int r = 0; r < rb; r++)
+                    for (int64_t j = 0; j < nt; j++) {
+                        const uint8_t *xr = xbuf + (r0 + r) * row_bytes;
+                        res[r][j] = dot_row(xr, (const float *)(xr + K), w[j], swp[j], bits, G, C, gl);
+                    }
+#endif
+                for (int r = 0; r < rb; r++) {
+                    const float *xsg = (const float *)(xbuf + (r0 + r) * row_bytes + K) + C * 16;
+                    for (int64_t j = 0; j < nt; j++) {
+                        float o = res[r][j];
+                        if (minv) o += dot_offsets(swp[j] + ngp + 16, xsg, ngp);
+                        out[(r0 + r) * ldo + n0 + j] = o + (bias ? bias[n0 + j] : 0.0f);
+                    }
+                }
+            }
+        }
+    }
+    return failed ? -2 : 0;
+}

@@ -1,4 +1,4 @@
-"""Weight-only quantized linear layers: int8 and int4 weights, float activations.
+"""Weight-only quantized linear layers: int8 and int4 weights; float or per-row int8 activations.
 
 A weight is one or more `QPart`s (rows of the output side by side: q, k and v of a stacked
 projection may come from GGUF tensors of different formats). A part holds integers q and,
@@ -11,14 +11,18 @@ Scales and offsets are float16 (as GGUF stores them) or float32 (where float16 w
 them, e.g. Q4_K's d * sc).
 
 Kernels, one per device, behind `QLinear.forward` (`kernel()` names the one in use):
-- `native`: cpu_linear.c on the CPU (AVX-512, AVX2 or NEON by build): dequantizes a tile of
-  rows once and dots it with every row of x in float32; each row's arithmetic is the same
-  whatever the batch, so a verification of γ+1 tokens equals γ+1 single-token decodes bit
-  for bit (test_qlinear.py checks it).
+- `native`, int8 activations (`act="int8"`, `--activations` auto on a CPU with AVX-512
+  VNNI): cpu_linear.c quantizes each row of x by itself to int8 per 32 inputs (Q8_0, as
+  llama.cpp does) and dots 64 inputs per instruction in int32 (`vpdpbusd`), scaling each
+  lane by its weight group's and x block's scales. Portable C elsewhere (slow).
+- `native`, float32 activations: cpu_linear.c on the CPU (AVX-512, AVX2 or NEON by build):
+  dequantizes a tile of rows once and dots it with every row of x in float32.
+  Either way each row's arithmetic is the same whatever the batch, so a verification of γ+1
+  tokens equals γ+1 single-token decodes bit for bit (test_qlinear.py checks it).
 - `torch`: the reference: dequantize the weight to x's dtype, then `linear`. The CPU path
   without a C compiler, and the CUDA path (a dequantize per call: correct and capturable in
   CUDA graphs, but it reads the weight twice; a fused GPU kernel is future work).
-Activations are never quantized, so no kernel's row depends on other rows.
+Activations are quantized per row or not at all, so no kernel's row depends on other rows.
 """
 from __future__ import annotations
 
@@ -53,6 +57,9 @@ def load():
                 lib.triforce_qrows.restype = I
                 lib.triforce_qrows.argtypes = [P, I64, I64, P, I, I64, P, P, I, I64, P]
                 lib.triforce_linear_vector_bits.restype = I
+                lib.triforce_qlinear_q8.restype = I
+                lib.triforce_qlinear_q8.argtypes = lib.triforce_qlinear.argtypes
+                lib.triforce_linear_vnni.restype = I
                 _lib = lib
             except (OSError, RuntimeError, AttributeError) as e:
                 _lib, _error = False, str(e)
@@ -64,14 +71,42 @@ def reason() -> str:
     return _error
 
 
-def kernel(device: torch.device | str = "cpu") -> str:
+def vnni() -> bool:
+    """Whether the native kernel was built with AVX-512 VNNI (int8 activations at full speed)."""
+    lib = load()
+    return bool(lib and lib.triforce_linear_vnni())
+
+
+def activations(mode: str, device: torch.device | str = "cpu") -> str:
+    """The activation precision `--activations` `mode` (auto|fp32|int8) gives on `device`:
+    auto is int8 where the native kernel has VNNI (a CPU), fp32 elsewhere. int8 asked for on
+    a device with no int8 kernel runs the torch reference, which quantizes x the same way."""
+    if mode == "auto":
+        return "int8" if torch.device(device).type == "cpu" and vnni() else "fp32"
+    return mode
+
+
+def kernel(device: torch.device | str = "cpu", act: str = "fp32") -> str:
     """Which kernel a quantized linear runs on `device`, with why (for `info` and stats)."""
     if torch.device(device).type != "cpu":
-        return "torch (dequantize per call, then the dense GEMM)"
+        return f"torch (dequantize per call, then the dense GEMM{'; x quantized per 32' if act == 'int8' else ''})"
     lib = load()
     if lib is None:
         return f"torch (dequantize per call; native kernel unavailable: {reason()})"
+    if act == "int8":
+        how = "AVX-512 VNNI" if lib.triforce_linear_vnni() else "portable C, no VNNI: slow"
+        return f"native (int8 activations per row and 32 inputs, integer dots, {how})"
     return f"native ({lib.triforce_linear_vector_bits()}-bit vectors, float32 activations)"
+
+
+def quantize_x(x: torch.Tensor) -> torch.Tensor:
+    """x with each row quantized to int8 per 32 inputs and back (d = max|x| / 127, round half
+    to even): the activations the int8 kernel dots with, as floats (the torch reference)."""
+    b = x.float().reshape(*x.shape[:-1], -1, 32)
+    amax = b.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = (b * inv).round().clamp(-127, 127)
+    return (q * (amax / 127.0)).reshape(x.shape).to(x.dtype)
 
 
 class QPart(nn.Module):
@@ -108,6 +143,11 @@ class QPart(nn.Module):
             w = w + m.float()[..., None]
         return w.reshape(n, K).to(dtype)
 
+    def q8_ok(self) -> bool:
+        """Whether the int8-activation kernel takes this layout (else x stays float)."""
+        K, G = self.in_features, self.group
+        return K % 64 == 0 and (G in (16, 32) or G % 64 == 0)
+
     def _args(self):
         return (self.q.data_ptr(), self.bits, self.group, self.scale.data_ptr(),
                 None if self.minv is None else self.minv.data_ptr(), int(self.scale.dtype == torch.float16))
@@ -122,14 +162,24 @@ class QLinear(nn.Module):
     """Drop-in for a Linear whose weight is `parts` stacked along the output (a module swap
     after load, as gpt-fast's WeightOnlyInt8Linear): same forward(x) -> x @ W^T + bias."""
 
-    def __init__(self, parts: list[QPart], bias: torch.Tensor | None = None):
+    def __init__(self, parts: list[QPart], bias: torch.Tensor | None = None, act: str = "fp32"):
         super().__init__()
+        self._calls = None  # the native calls (native_calls), kept while buffers and act stay
+        self.act = act  # "int8": x quantized per row and 32 inputs (see quantize_x), else float
         k = {p.in_features for p in parts}
         assert len(k) == 1, "parts of one linear share their inputs"
-        self.parts = nn.ModuleList(parts)
+        self.parts = nn.ModuleList(merge(parts))
         self.in_features = k.pop()
         self.out_features = sum(p.out_features for p in parts)
         self.register_buffer("bias", None if bias is None else bias.float().contiguous())
+
+    @property
+    def act(self) -> str:
+        return self._act
+
+    @act.setter
+    def act(self, value: str):
+        self._act, self._calls = value, None
 
     @property
     def bits(self) -> int:
@@ -138,26 +188,69 @@ class QLinear(nn.Module):
     def nbytes(self) -> int:
         return sum(p.nbytes() for p in self.parts) + (0 if self.bias is None else self.bias.numel() * 4)
 
+    def _apply(self, fn, *args, **kwargs):  # .to(), .cuda(), ...: buffers move
+        self._calls = None
+        return super()._apply(fn, *args, **kwargs)
+
+    def __setstate__(self, state):  # a copy's buffers are new
+        super().__setstate__(state)
+        self._calls = None
+
+    def native_calls(self) -> list | None:
+        """Per part: (kernel, the part's own arguments, bias pointer, rows, first output column),
+        or None where the native kernel does not run (no library, weights not on the CPU). The
+        int8-activation kernel where `act` asks for it and the part's layout allows it."""
+        if self._calls is None and self.parts[0].q.device.type == "cpu" and load() is not None:
+            lib, col, calls = load(), 0, []
+            for p in self.parts:
+                fn = lib.triforce_qlinear_q8 if self.act == "int8" and p.q8_ok() else lib.triforce_qlinear
+                bias = None if self.bias is None else self.bias.data_ptr() + 4 * col
+                calls.append((fn, p._args(), bias, p.out_features, col))
+                col += p.out_features
+            self._calls = calls
+        return self._calls
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not _native_ok(x, self.parts[0]):
-            w = torch.cat([p.dequantize(x.dtype) for p in self.parts]) if len(self.parts) > 1 \
-                else self.parts[0].dequantize(x.dtype)
-            return linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+        calls = self._calls or self.native_calls()
+        if calls is None or x.dtype != torch.float32 or x.device.type != "cpu" or torch.compiler.is_compiling():
+            return self._reference(x)
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
-        M, N = x2.shape[0], self.out_features
+        M, N, K = x2.shape[0], self.out_features, self.in_features
         out = torch.empty(M, N, dtype=torch.float32)
-        lib, col = load(), 0
-        for p in self.parts:
-            bias = None if self.bias is None else self.bias[col:].data_ptr()
-            rc = lib.triforce_qlinear(x2.data_ptr(), M, self.in_features, x2.stride(0), *p._args(), bias,
-                                      p.out_features, out.data_ptr() + 4 * col, N)
+        xp, ld, op = x2.data_ptr(), x2.stride(0), out.data_ptr()
+        for fn, args, bias, rows, col in calls:
+            rc = fn(xp, M, K, ld, *args, bias, rows, op + 4 * col, N)
             if rc:
-                raise (MemoryError if rc == -2 else RuntimeError)(f"native quantized linear failed ({rc}) on {p}")
-            col += p.out_features
+                raise (MemoryError if rc == -2 else RuntimeError)(f"native quantized linear failed ({rc}) on {self}")
         return out.view(*shape[:-1], N)
+
+    def _reference(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        if self.act == "int8" and any(p.q8_ok() for p in self.parts):  # the int8 kernel's reference
+            xq = quantize_x(x)
+            y = torch.cat([linear(xq if p.q8_ok() else x, p.dequantize(x.dtype)) for p in self.parts], -1)
+            return y if bias is None else y + bias
+        w = torch.cat([p.dequantize(x.dtype) for p in self.parts]) if len(self.parts) > 1 \
+            else self.parts[0].dequantize(x.dtype)
+        return linear(x, w, bias)
+
+
+def merge(parts: list[QPart]) -> list[QPart]:
+    """Neighbouring parts of one format as one (q, k and v of the same GGUF type): one kernel
+    call instead of several, the same numbers (rows are independent)."""
+    out = [parts[0]]
+    for p in parts[1:]:
+        o = out[-1]
+        if (p.bits, p.group, p.scale.dtype, p.minv is None, p.q.device) == \
+                (o.bits, o.group, o.scale.dtype, o.minv is None, o.q.device):
+            out[-1] = QPart(torch.cat([o.q, p.q]), torch.cat([o.scale, p.scale]),
+                            None if p.minv is None else torch.cat([o.minv, p.minv]), p.bits, p.group, p.in_features)
+        else:
+            out.append(p)
+    return out
 
 
 class QEmbedding(nn.Module):

@@ -93,4 +93,4 @@ def cpu_kernels() -> dict:
     from ..kernels import linear, native, qlinear
     return {"attention": native.status(),
             "float32_linear": "oneDNN" if linear.onednn_enabled() else "F.linear",
-            "quantized_linear": qlinear.kernel("cpu")}
+            "quantized_linear": qlinear.kernel("cpu", qlinear.activations("auto", "cpu"))}

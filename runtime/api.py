@@ -36,6 +36,7 @@ class Loaded:
     prefix: object = None  # a PrefixCache: full caches come from it and go back after a run (serve)
     weights: str = ""  # what the projections are stored as: int4, int8, int4+int8, float32, ...
     load_info: str = ""  # weight bytes, load seconds and the peak host memory while loading
+    activations: str = ""  # what quantized linears multiply: int8 (per row and 32 inputs) or fp32
 
     @property
     def eos(self) -> set[int]:
@@ -92,7 +93,8 @@ def load(model: ModelOptions | str | None = None, dtype: str | None = None, devi
     if shard is not None:
         cfg = shard(model, cfg)
         model.to(dev)
-    loaded = Loaded(model, cfg, tok, dev, dt, weights=quantized.weights_name(model))
+    act = quantized.set_activations(model, o.activations, dev)
+    loaded = Loaded(model, cfg, tok, dev, dt, weights=quantized.weights_name(model), activations=act)
     loaded.load_info = (f"{quantized.weight_bytes(model) / 1e6:.0f} MB, loaded in "
                         f"{time.perf_counter() - started:.1f} s, peak host memory {peak_rss_gb():.2f} GB")
     return loaded
@@ -153,4 +155,6 @@ def generate(loaded: Loaded, prompt: list[int], opts: RunOptions, on_token=None,
         st.extra.setdefault("tp", world_size())
     st.extra.setdefault("mode", opts.mode)
     st.extra.setdefault("weights", loaded.weights)
+    if loaded.activations:
+        st.extra.setdefault("activations", loaded.activations)
     return toks, st

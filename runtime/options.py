@@ -58,6 +58,11 @@ class ModelOptions(Options):
                        "embedding weights. auto: a GGUF keeps its own (Q8_0 int8, Q4_x int4, ...), "
                        "an HF checkpoint stays dense at --dtype; int8/int4 quantize at load.",
                        check=one_of("auto", "fp32", "bf16", "int8", "int4"))
+    activations: str = opt("auto", "auto|fp32|int8: what int8/int4 weights multiply. int8: each "
+                           "row of activations quantized to int8 per 32 inputs (as llama.cpp does), "
+                           "integer dot products. auto: int8 on a CPU whose native kernel has "
+                           "AVX-512 VNNI, else fp32. Dense weights always take float activations.",
+                           check=one_of("auto", "fp32", "int8"))
 
 
 @dataclass

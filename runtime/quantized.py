@@ -11,7 +11,7 @@ from typing import Iterable
 
 import torch
 
-from ..kernels.qlinear import QEmbedding, QLinear, QPart, quantize
+from ..kernels.qlinear import QEmbedding, QLinear, QPart, activations, quantize
 from .config import ModelConfig
 from .errors import TriforceError
 from .model import Rotary, Transformer
@@ -98,6 +98,18 @@ def assemble(cfg: ModelConfig, items, dtype: torch.dtype, device, what: str) -> 
     if left:
         raise TriforceError(f"checkpoint {what} lacks weights: {', '.join(left[:3])}")
     return model.to(device).eval().requires_grad_(False)
+
+
+def set_activations(model: torch.nn.Module, mode: str, device) -> str:
+    """Set what every quantized linear multiplies (`--activations` `mode` on `device`, see
+    qlinear.activations); returns it, or '' for a model without quantized linears."""
+    lins = [m for m in model.modules() if isinstance(m, QLinear)]
+    if not lins:  # a dense model: nothing to ask the native kernel (or build it) for
+        return ""
+    act = activations(mode, device)
+    for m in lins:
+        m.act = act
+    return act
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

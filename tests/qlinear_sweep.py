@@ -3,7 +3,9 @@ inside a build with a sanitizer or _FORTIFY_SOURCE: an out-of-bounds access abor
 
 Covers int8 and int4, float16 and float32 scales, with and without offsets, groups of 16 to
 K, output counts around the 8-row tile (the zero-padded last tile), one row and many, strided
-rows, several parts writing side by side into one output, and the embedding lookup.
+rows, several parts writing side by side into one output, and the embedding lookup; each
+case with float activations and with int8 ones (x quantized per row and 32 inputs: compared
+with the float64 product of the quantized x, and every row with that row alone).
 Exits 1 naming the first case that differs from the float64 reference.
 """
 import sys
@@ -11,7 +13,7 @@ import sys
 import torch
 
 from triforce_offload.kernels import qlinear
-from triforce_offload.kernels.qlinear import QEmbedding, QLinear, QPart, pack4
+from triforce_offload.kernels.qlinear import QEmbedding, QLinear, QPart, pack4, quantize_x
 
 
 def part(bits, N, K, G, f16, with_min, g):
@@ -38,12 +40,16 @@ def main() -> int:
                             p = part(bits, N, K, G, f16, bits == 4 or N % 2, g)
                             b = torch.randn(N, generator=g)
                             x = torch.randn(M, 2 * K, generator=g)[:, ::2] if M == 3 else torch.randn(M, K, generator=g)
-                            y = QLinear([p], b)(x)
-                            ref = torch.nn.functional.linear(x.double(), p.dequantize().double(), b.double())
-                            if not torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-4):
-                                print(f"differs: bits {bits} N {N} K {K} G {G} M {M} f16 {f16}")
-                                return 1
-                            n += 1
+                            for act in ("fp32", "int8"):
+                                lin = QLinear([p], b, act=act)
+                                y = lin(x)
+                                xr = quantize_x(x) if act == "int8" else x
+                                ref = torch.nn.functional.linear(xr.double(), p.dequantize().double(), b.double())
+                                rows = torch.cat([lin(x[i:i + 1]) for i in range(M)])
+                                if not torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-4) or not torch.equal(rows, y):
+                                    print(f"differs: bits {bits} N {N} K {K} G {G} M {M} f16 {f16} {act}")
+                                    return 1
+                                n += 1
     a, c = part(4, 9, 64, 32, True, True, g), part(8, 5, 64, 16, False, False, g)
     x = torch.randn(4, 64, generator=g)
     y = QLinear([a, c])(x)
@@ -54,7 +60,7 @@ def main() -> int:
     if not torch.equal(emb(torch.tensor([[0, 8, 3]])), a.dequantize()[[0, 8, 3]][None]):
         print("differs: embedding rows")
         return 1
-    print(f"{n + 2} cases match float64 linear")
+    print(f"{n + 2} cases match float64 linear (int8 activations {'VNNI' if qlinear.vnni() else 'portable C'})")
     return 0
 
 

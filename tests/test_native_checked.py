@@ -56,17 +56,26 @@ def test_native_kernel_under_address_sanitizer(tmp_path):
     _assert_clean(r)
 
 
+# the quantized linear's int8-activation dot has a VNNI path and a portable one: both checked
+# ("-mno-avx512vnni" builds the portable one on a CPU that has VNNI)
+PORTABLE = "-mno-avx512vnni"
+
+
 @pytest.mark.skipif(not shutil.which("gcc"), reason="needs gcc (the native kernel's compiler)")
-def test_quantized_linear_kernel_under_fortify_source(tmp_path):
-    r = _run_sweep(tmp_path, "-O2 -D_FORTIFY_SOURCE=3", {}, QLINEAR_SWEEP)
+@pytest.mark.parametrize("extra", ["", PORTABLE])
+def test_quantized_linear_kernel_under_fortify_source(tmp_path, extra):
+    r = _run_sweep(tmp_path, f"-O2 -D_FORTIFY_SOURCE=3 {extra}", {}, QLINEAR_SWEEP)
     _assert_clean(r, "match float64 linear")
+    if extra:
+        assert "portable C" in r.stdout
 
 
-def test_quantized_linear_kernel_under_address_sanitizer(tmp_path):
+@pytest.mark.parametrize("extra", ["", PORTABLE])
+def test_quantized_linear_kernel_under_address_sanitizer(tmp_path, extra):
     asan, ubsan = _gcc_runtime("libasan.so"), _gcc_runtime("libubsan.so")
     if not (asan and ubsan):
         pytest.skip("gcc without libasan/libubsan")
-    r = _run_sweep(tmp_path, "-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer",
+    r = _run_sweep(tmp_path, f"-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer {extra}",
                    {"LD_PRELOAD": f"{asan} {ubsan}", "ASAN_OPTIONS": "detect_leaks=0",
                     "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1"}, QLINEAR_SWEEP)
     _assert_clean(r, "match float64 linear")

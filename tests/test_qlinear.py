@@ -35,6 +35,56 @@ def test_kernel_matches_reference_and_rows_do_not_depend_on_the_batch(bits, N, K
     assert torch.equal(y, rows)  # a verification's rows are the decodes' rows, bit for bit
 
 
+@pytest.mark.parametrize("bits,N,K,G,f16,with_min", CASES)
+def test_int8_activations_match_their_reference_and_rows_do_not_depend_on_the_batch(bits, N, K, G, f16, with_min):
+    """x quantized per row and 32 inputs, integer dots: the float64 product of the quantized x
+    and the weights; a layout the kernel does not take (K = 96) keeps float x, bit for bit."""
+    if qlinear.load() is None:
+        pytest.skip(f"native kernel unavailable: {qlinear.reason()}")
+    part = _part(bits, N, K, G, f16, with_min)
+    bias = torch.randn(N)
+    lin = QLinear([part], bias, act="int8")
+    x = torch.randn(2, 9, K) * torch.logspace(-2, 1, K)  # blocks of very different scales
+    y = lin(x)
+    if part.q8_ok():
+        ref = F.linear(qlinear.quantize_x(x).double(), part.dequantize().double(), bias.double()).float()
+        torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
+        assert not torch.equal(y, QLinear([part], bias)(x))  # x was quantized
+    else:
+        assert torch.equal(y, QLinear([part], bias)(x))
+    rows = torch.cat([lin(x[b, t:t + 1]) for b in range(2) for t in range(9)]).view(2, 9, N)
+    assert torch.equal(y, rows)
+
+
+def test_quantize_x_is_per_row_and_block():
+    x = torch.randn(3, 64)
+    x[1, 40] = 100.0  # one outlier: only its own block of row 1 gets the coarse scale
+    q = qlinear.quantize_x(x)
+    err = (q - x).abs()
+    assert err[1, 40] == 0 and err[1, 32:].max() <= 100 / 127 / 2 + 1e-6
+    for r, blk in ((0, slice(0, 32)), (1, slice(0, 32)), (2, slice(32, 64))):
+        assert err[r, blk].max() <= x[r, blk].abs().max() / 127 / 2 + 1e-6
+    assert torch.equal(qlinear.quantize_x(x[1:2]), q[1:2])
+    assert torch.equal(qlinear.quantize_x(torch.zeros(1, 32)), torch.zeros(1, 32))
+
+
+def test_activations_auto_is_int8_only_where_vnni_runs_it():
+    assert qlinear.activations("auto", "cpu") == ("int8" if qlinear.vnni() else "fp32")
+    assert qlinear.activations("auto", "cuda") == "fp32"
+    assert qlinear.activations("int8", "cuda") == "int8" and qlinear.activations("fp32", "cpu") == "fp32"
+    if qlinear.vnni():
+        assert "VNNI" in qlinear.kernel("cpu", "int8")
+
+
+def test_int8_activations_torch_reference(monkeypatch):
+    """Without the native kernel (or on a GPU) int8 activations run the torch reference,
+    which quantizes x the same way."""
+    part = _part(4, 16, 128, 32, True, True)
+    lin, x = QLinear([part], act="int8"), torch.randn(3, 128)
+    monkeypatch.setattr(qlinear, "load", lambda: None)
+    torch.testing.assert_close(lin(x), F.linear(qlinear.quantize_x(x), part.dequantize()))
+
+
 def test_parts_side_by_side_and_strided_input():
     if qlinear.load() is None:
         pytest.skip("native kernel unavailable")
