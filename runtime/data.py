@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import warnings
 from functools import lru_cache
 from pathlib import Path
 
@@ -50,6 +51,8 @@ def check_builtin_prompt(kind: str) -> str:
 def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
     if chat and getattr(tokenizer, "chat_template", None):
         return encode_chat(tokenizer, [{"role": "user", "content": text}])
+    if chat:  # a GGUF without a chat template (Gemma 3 270M): plain text, said once
+        warnings.warn("the model has no chat template: the prompt goes in as plain text", stacklevel=2)
     return tokenizer(text).input_ids
 
 
