@@ -57,7 +57,19 @@ def tiny_gemma3(seed=0, qpas=16, softcap=None, gguf=False):
     return _sharpen(Gemma3ForCausalLM(conf).eval())
 
 
-MAKERS = {"qwen3": tiny_qwen3, "qwen3-window": lambda: tiny_qwen3(window=True),
+def tiny_gemma2(seed=0):
+    """Gemma 2 is Gemma 3's machinery without q/k norms and with one RoPE base; attention
+    soft-capping is refused, so this one has none (final logit soft-capping it does have)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    torch.manual_seed(seed)
+    conf = Gemma2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=WINDOW,
+                        attn_logit_softcapping=None, final_logit_softcapping=5.0, query_pre_attn_scalar=32,
+                        max_position_embeddings=512)
+    return _sharpen(Gemma2ForCausalLM(conf).eval())
+
+
+MAKERS = {"qwen3": tiny_qwen3, "gemma2": tiny_gemma2, "qwen3-window": lambda: tiny_qwen3(window=True),
           "gemma3": tiny_gemma3, "gemma3-scalar": lambda: tiny_gemma3(qpas=32, softcap=5.0)}
 
 
