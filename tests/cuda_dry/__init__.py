@@ -111,6 +111,10 @@ class DryRun:
                 g.counting -= 1
         p.set(hostread.READS, "read", counted)
         _clear_caches()
+        self._overwrite = torch.__future__.get_overwrite_module_params_on_conversion()
+        torch.__future__.set_overwrite_module_params_on_conversion(True)  # Module.to: new Parameters
+        self._threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # tiny tensors: one thread is fastest (no OpenMP barriers)
         self.checker = fakes.CHECKER = tensor.CHECKER = Checker(g)
         self.router = Router(g)
         self.router.__enter__()
@@ -123,6 +127,8 @@ class DryRun:
             self.router.__exit__(*exc)
         finally:
             self.gpu.active = False
+            torch.set_num_threads(self._threads)
+            torch.__future__.set_overwrite_module_params_on_conversion(self._overwrite)
             self._patches.restore()
             sys.modules.pop("flash_attn", None)
             if self._flash is not None:

@@ -231,6 +231,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     first cache_seqlens[b] keys valid; causal aligns the queries to the end of those keys.
     Its argument rules are checked; the result is computed with torch ops."""
     what = "flash_attn_with_kvcache"
+    GPU.launches[what] += 1
     _must_be_cuda(what, q=q, k_cache=k_cache, v_cache=v_cache, cache_seqlens=cache_seqlens)
     if k is not None or block_table is not None or alibi_slopes is not None:
         raise NotImplementedError(f"{what}: only the arguments the runtime passes are faked")
@@ -280,6 +281,7 @@ class _Kernel:
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
     def launch(self, grid, args, kwargs):
+        GPU.launches[self.fn.__name__] += 1
         a = self.sig.bind(*args, **{k: v for k, v in kwargs.items() if k not in self.SKIP}).arguments
         _must_be_cuda(f"Triton launch of {self.fn.__name__}",
                       **{k: v for k, v in a.items() if isinstance(v, torch.Tensor)})

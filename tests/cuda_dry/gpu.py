@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -132,6 +133,7 @@ class Gpu:
         self.counting = 0  # inside hostread.READS.read (a counted blocking read)
         self.copies_in_read = 0  # blocking reads made inside the current counted read
         self.reads = {"counted": 0, "uncounted": 0}
+        self.launches = Counter()  # faked kernel launches by name (flash-attn, Triton)
 
     # ---- findings
 

@@ -35,6 +35,8 @@ A = torch.ops.aten
 RNG = torch.Tag.nondeterministic_seeded
 NO_ACCESS = {A.detach.default, A.alias.default, A.lift_fresh.default, A._unsafe_view.default}
 CPU = torch.device("cpu")
+# ops that read device values on the host (composite ones reach the mode whole under inference_mode)
+READS = {A._local_scalar_dense.default, A.item.default, A.is_nonzero.default, A.equal.default}
 
 
 def _sptr(t: torch.Tensor) -> int:
@@ -190,8 +192,8 @@ class Checker(TorchDispatchMode):
             return self._copy(func, args, kwargs)
         if func is A._to_copy.default:
             return self._to_copy(func, args, kwargs)
-        if func is A._local_scalar_dense.default and isinstance(args[0], DryTensor):
-            self.read(args[0], "a scalar read (.item(), int(), bool())")
+        if func in READS and isinstance(args[0], DryTensor):
+            self.read(args[0], f"a scalar read ({func}: .item(), int(), bool())")
         return self._op(func, args, kwargs)
 
     # ---- ordinary ops
@@ -210,38 +212,20 @@ class Checker(TorchDispatchMode):
         if dry and any(t.dim() for t in host):
             gpu.violate("device", f"{name} mixes CUDA tensors with a CPU tensor of shape "
                                   f"{tuple(next(t for t in host if t.dim()).shape)}")
-        self._generator(name, kwargs.get("generator"), on_gpu)
         pin = kwargs.get("pin_memory")
-        if gpu.capture is not None:
-            if _draws(func, args, kwargs):
-                gpu.capture_check(f"random numbers ({name})")
-            if not on_gpu and (pin or not func.is_view and any(t.dim() for t in host)):
-                self._host_in_capture(name)
+        if gpu.capture is not None and _draws(func, args, kwargs):
+            gpu.capture_check(f"random numbers ({name})")
         ukw = {k: (CPU if k == "device" and on_gpu else False if k == "pin_memory" else _unwrap(v))
                for k, v in kwargs.items()}
         out = CUDA_ONLY.get(func, func)(*_map(_unwrap, args), **ukw)
         if pin:
             _map(lambda t: gpu.pinned_alloc(t) if isinstance(t, torch.Tensor) else t, out)
         if not on_gpu:
-            if gpu.capture is not None and any(isinstance(t, torch.Tensor) and t.dim() for t in _leaves(out)):
-                self._host_in_capture(name)
             self._host_accesses(func, args, name)
             return out
         wrapped = self._wrap(out, dry, name)
         self._accesses(func, args, kwargs, out, wrapped, name)
         return wrapped
-
-    def _host_in_capture(self, name):
-        self.gpu.capture_check(f"host work or a host allocation ({name}; it runs once, at capture, and "
-                               "never at replay)")
-
-    def _generator(self, name, gen, on_gpu):
-        if gen is None:
-            return
-        g_cuda = getattr(gen, "dry_device", CPU).type == "cuda"
-        if g_cuda != on_gpu:
-            self.gpu.violate("generator", f"{name}: a {'CUDA' if g_cuda else 'CPU'} generator draws for "
-                                          f"{'CUDA' if on_gpu else 'CPU'} tensors")
 
     def _wrap(self, out, dry, name):
         """Results as DryTensors: an input returned (in place) as that input, a view in
@@ -350,8 +334,12 @@ class Checker(TorchDispatchMode):
         g = self.gpu
         h2d = not isinstance(src, DryTensor)
         way = "host-to-device" if h2d else "device-to-host"
-        g.capture_check(f"a {way} copy ({what})")
         pinned = g.is_pinned(host)
+        if g.capture is not None:
+            if not (non_blocking and pinned and host.is_contiguous()):
+                g.capture_check(f"a {'blocking' if not non_blocking else 'pageable'} {way} copy ({what})")
+            g.violate("capture", f"a {way} copy ({what}) of pinned host memory inside a CUDA graph capture: "
+                                 "every replay copies that host buffer again, as it is then")
         if non_blocking and not (pinned and host.is_contiguous()):
             why = "pageable memory" if not pinned else "a strided view of pinned memory (staged in a pageable copy)"
             g.violate("pageable", f"a non_blocking {way} copy ({what}) {'from' if h2d else 'into'} {why}: "
@@ -398,10 +386,25 @@ class Router(TorchFunctionMode):
                        torch.Tensor.pin_memory: self._pin, torch.Tensor.is_pinned: self._is_pinned}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         route = self.routes.get(func)
         if route is not None:
-            return route(func, *args, **(kwargs or {}))
-        return func(*args, **(kwargs or {}))
+            return route(func, *args, **kwargs)
+        gen = kwargs.get("generator")
+        if gen is not None:
+            self._generator(func, gen, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _generator(self, func, gen, args, kwargs):
+        """A generator draws for tensors of its own device (checked here: the dispatcher hands
+        a generator to the aten op as a new Python object)."""
+        dev = kwargs.get("device")
+        on_gpu = _is_cuda(dev) if dev is not None else any(isinstance(t, DryTensor) for t in _leaves(args))
+        g_cuda = getattr(gen, "dry_device", CPU).type == "cuda"
+        if g_cuda != on_gpu:
+            name = getattr(func, "__name__", str(func))
+            self.gpu.violate("generator", f"{name}: a {'CUDA' if g_cuda else 'CPU'} generator draws for "
+                                          f"{'CUDA' if on_gpu else 'CPU'} tensors")
 
     def _tensor(self, func, data, dtype=None, device=None, requires_grad=False, pin_memory=False):
         t = func(data, dtype=dtype)
