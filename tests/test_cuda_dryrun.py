@@ -89,7 +89,7 @@ def test_fixed_shape_attention_kernels(model, prompt, reference, attention, mode
     loaded = model
     if attention == "flash-attn":
         loaded = dataclasses.replace(model, model=copy.deepcopy(model.model).to(torch.bfloat16),
-                                     dtype=torch.bfloat16)
+                                     dtype=torch.bfloat16, kv_dtype=torch.bfloat16)
     toks, st, dry = dry_run(loaded, prompt, opts(mode), attention)
     dry.check()
     no_capture_failed(st)
