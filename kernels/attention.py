@@ -73,7 +73,9 @@ def _sdpa_backends():
 
 
 def sdpa(q, k, v, **kw):
-    """F.scaled_dot_product_attention; on CUDA never the cuDNN backend (re-plans per shape)."""
+    """F.scaled_dot_product_attention; on CUDA never the cuDNN backend (re-plans per shape).
+    K and V in q's dtype (`like_q`)."""
+    k, v = like_q(q, k, v)
     if q.device.type != "cuda":
         return F.scaled_dot_product_attention(q, k, v, **kw)
     from torch.nn.attention import sdpa_kernel
@@ -148,6 +150,7 @@ def static_attention(q, k, v, length: torch.Tensor, shared: dict | None = None):
     cache's per-forward state): what every layer derives from `length` alone (flash-attn's
     int32 lengths, the SDPA path's mask) the first layer makes and the others reuse."""
     shared = {} if shared is None else shared
+    k, v = like_q(q, k, v)
     path = static_path(q.device)[0]
     B = q.shape[0]
     if path == "flash-attn" and not flash_attn_fits(q):  # fp32 (tests) or an odd head size
@@ -253,6 +256,14 @@ def static_mask(length: torch.Tensor, T: int, group: int, cap: int) -> torch.Ten
     return torch.arange(cap, device=length.device) < limit
 
 
+def like_q(q, k, v):
+    """K and V in q's dtype: a KV cache may store bfloat16 beside float32 queries (--kv-dtype),
+    which the native CPU kernel reads as it is; every other path computes in q's dtype."""
+    if k.dtype == q.dtype:
+        return k, v
+    return k.to(q.dtype), v.to(q.dtype)
+
+
 def attention(q, k, v, q_pos0: int, k_pos0: int = 0, scale: float | None = None):
     """Softmax attention of q [B, Hq, T, D] over k, v [B, Hkv, S, D] -> [B, Hq, T, D].
 
@@ -262,6 +273,7 @@ def attention(q, k, v, q_pos0: int, k_pos0: int = 0, scale: float | None = None)
     n_kv = k.shape[1]
     if native.supports(q, k):
         return native.attend(q, k, v, q_pos0, k_pos0, scale)[0]
+    k, v = like_q(q, k, v)
     if q.device.type == "cpu" and B == 1:
         free = max(0, min(q_pos0 - k_pos0, k.shape[2]))  # keys every query sees
         splits = cpu_splits(n_kv, free)
@@ -327,6 +339,7 @@ def attention_lse(q, k, v, q_pos0: int, k_pos0: int = 0, scale: float | None = N
     n_kv = k.shape[1]
     if native.supports(q, k):
         return native.attend(q, k, v, q_pos0, k_pos0, scale, out_dtype=torch.float32)
+    k, v = like_q(q, k, v)
     scale = D ** -0.5 if scale is None else scale
     s = (_fold(q, n_kv).float() @ k.float().transpose(-1, -2)) * scale  # [B, Hkv, G*T, S]
     mask = causal_mask(q_pos0, T, k_pos0, k.shape[2], Hq // n_kv, q.device)

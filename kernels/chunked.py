@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import _fold, _unfold, attention_lse, flash_attn_fits
+from .attention import _fold, _unfold, attention_lse, flash_attn_fits, like_q
 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention
@@ -49,6 +49,7 @@ def _efficient_ok(q: torch.Tensor) -> bool:
 def fused_lse(q, k, v, scale: float, path: str, causal: bool = False):
     """One kernel: (out [B, H, L, D] in q's dtype, lse [B, H, L] fp32) of q over k, v with
     equal head counts; `causal` (q and k the same positions) aligns the diagonal."""
+    k, v = like_q(q, k, v)
     if path == "cpu":
         return _FLASH_CPU(q, k, v, 0.0, causal, scale=scale)
     if flash_attn_fits(q):

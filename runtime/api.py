@@ -32,11 +32,15 @@ class Loaded:
     cfg: ModelConfig  # its configuration
     tokenizer: object  # HF tokenizer
     device: torch.device  # where it runs
-    dtype: torch.dtype  # activations and KV dtype (and dense weights')
+    dtype: torch.dtype  # activations' dtype (and dense weights')
     prefix: object = None  # a PrefixCache: full caches come from it and go back after a run (serve)
     weights: str = ""  # what the projections are stored as: int4, int8, int4+int8, float32, ...
     load_info: str = ""  # weight bytes, load seconds and the peak host memory while loading
     activations: str = ""  # what quantized linears multiply: int8 (per row and 32 inputs) or fp32
+    kv_dtype: torch.dtype | None = None  # what every KV cache stores (None: dtype)
+
+    def __post_init__(self):
+        self.kv_dtype = self.kv_dtype or self.dtype
 
     @property
     def eos(self) -> set[int]:
@@ -94,10 +98,21 @@ def load(model: ModelOptions | str | None = None, dtype: str | None = None, devi
         cfg = shard(model, cfg)
         model.to(dev)
     act = quantized.set_activations(model, o.activations, dev)
-    loaded = Loaded(model, cfg, tok, dev, dt, weights=quantized.weights_name(model), activations=act)
+    loaded = Loaded(model, cfg, tok, dev, dt, weights=quantized.weights_name(model), activations=act,
+                    kv_dtype=kv_dtype(o.kv_dtype, dev, dt, act))
     loaded.load_info = (f"{quantized.weight_bytes(model) / 1e6:.0f} MB, loaded in "
                         f"{time.perf_counter() - started:.1f} s, peak host memory {peak_rss_gb():.2f} GB")
     return loaded
+
+
+def kv_dtype(name: str, dev: torch.device, dt: torch.dtype, activations: str) -> torch.dtype:
+    """--kv-dtype: what the caches store. auto: bfloat16 on a CPU where quantized linears take
+    int8 activations (the model runs at the GGUF's precision, as llama.cpp's default f16 KV
+    does; the native attention kernel reads bf16 keys and values with float32 queries, half
+    the bytes of a float32 KV), else the compute dtype (a float32 model stays exact)."""
+    if name == "auto":
+        return torch.bfloat16 if dev.type == "cpu" and dt == torch.float32 and activations == "int8" else dt
+    return parse_dtype(name)
 
 
 def compute_dtype(o: ModelOptions, dev: torch.device) -> torch.dtype:

@@ -61,7 +61,7 @@ def model_identity(loaded) -> dict:
             flat = p.reshape(-1)
             ends = torch.cat([flat[:256], flat[-256:]]).float().cpu().numpy()
             h.update(f"{name}{tuple(p.shape)}".encode() + ends.tobytes())
-    return {"model": h.hexdigest()[:32], "dtype": str(loaded.dtype).removeprefix("torch."),
+    return {"model": h.hexdigest()[:32], "dtype": str(loaded.kv_dtype).removeprefix("torch."),
             "rope": rope,
             "shape": [loaded.cfg.n_layers, 1, loaded.cfg.n_kv_heads, loaded.cfg.head_dim]}
 
@@ -71,8 +71,8 @@ class KVDir:
         self.path, self.limit, self.note = Path(path), limit, note
         self.path.mkdir(parents=True, exist_ok=True)
         self.me = model_identity(loaded)
-        self.elem = torch.empty(0, dtype=loaded.dtype).element_size()
-        self.dtype = loaded.dtype
+        self.elem = torch.empty(0, dtype=loaded.kv_dtype).element_size()
+        self.dtype = loaded.kv_dtype
         self.told: set[str] = set()  # entries whose reason for being skipped was said
         self.index: dict[str, dict] = {}  # file name -> header of usable entries
         for f in sorted(self.path.glob("*.kv")):

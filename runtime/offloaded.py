@@ -413,14 +413,14 @@ def make_full_cache(loaded, capacity: int, opts, retrieval_slots: int = 0) -> KV
     graphs.Kept), or an OffloadedCache. `retrieval_slots`: the size of the retrieval cache
     the run will add on the device (0: none), counted in the memory checks."""
     o = opts.offload
-    ret = RetrievalCache.bytes_for(loaded.cfg, retrieval_slots, loaded.dtype)
+    ret = RetrievalCache.bytes_for(loaded.cfg, retrieval_slots, loaded.kv_dtype)
     # tensor-parallel ranks decide together (rank 0's free memory): one offloading and the
     # other not would run different collectives (layer-major prefill against chunked)
-    if not agree(int(use_offload(o, loaded.cfg, capacity, loaded.dtype, loaded.device, ret))):
+    if not agree(int(use_offload(o, loaded.cfg, capacity, loaded.kv_dtype, loaded.device, ret))):
         if o.profile:
             raise TriforceError("--profile times the offload pipeline: add --offload on")
         return resident_cache(loaded, capacity, opts.prefill_chunk, retrieval_slots)
-    return OffloadedCache(loaded.cfg, capacity, dtype=loaded.dtype, device=loaded.device,
+    return OffloadedCache(loaded.cfg, capacity, dtype=loaded.kv_dtype, device=loaded.device,
                           on_chip=o.on_chip, transfer_chunk=o.transfer_chunk, depth=o.stage_depth,
                           overlap=o.overlap, prefill_chunk=opts.prefill_chunk, profile=bool(o.profile),
                           retrieval_slots=retrieval_slots)
@@ -431,7 +431,7 @@ def resident_cache(loaded, capacity: int, prefill_chunk: int = PREFILL_CHUNK, re
     fixed-shape (graphs.graphable) it is the model's kept one (graphs.Kept: capacity
     rounded up to graphs.ROOM), reset in place, when that has this capacity; its kept KV
     moves out of the prefix store (`loaded.prefix`) first."""
-    cfg, dtype, device = loaded.cfg, loaded.dtype, loaded.device
+    cfg, dtype, device = loaded.cfg, loaded.kv_dtype, loaded.device
     make = lambda c: FullCache(cfg, c, dtype=dtype, device=device)  # noqa: E731
     k = kept(loaded.model) if graphable(device) else None
     if k is None:

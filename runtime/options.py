@@ -63,6 +63,9 @@ class ModelOptions(Options):
                            "integer dot products. auto: int8 on a CPU whose native kernel has "
                            "AVX-512 VNNI, else fp32. Dense weights always take float activations.",
                            check=one_of("auto", "fp32", "int8"))
+    kv_dtype: str = opt("auto", "auto|fp32|bf16|fp16: what the KV caches store. auto: bf16 on a CPU "
+                        "where quantized linears take int8 activations (--activations), else the "
+                        "compute dtype.", check=lambda v: None if v == "auto" else _dtype(v))
 
 
 @dataclass

@@ -35,7 +35,7 @@ def make_drafter(o: GenerationOptions, loaded, prompt, full):
         dr.sync(prompt)  # index the prompt while building, not in the first draft
         return dr
     mk = lambda cfg: StreamingCache(cfg, o.draft_sink, o.draft_window, max(64, o.gamma1 + 16),
-                                    dtype=loaded.dtype, device=loaded.device)
+                                    dtype=loaded.kv_dtype, device=loaded.device)
     if o.draft == "self":
         cache = mk(loaded.cfg)
         cache.load_from(full, len(prompt))  # the target's own KV of sink + window
@@ -76,7 +76,7 @@ def retrieval_cache(loaded, budget: int, chunk: int, slots: int):
     if ret is not None:
         ret.reset(budget, chunk)
         return ret
-    ret = RetrievalCache(loaded.cfg, budget, chunk, 0, dtype=loaded.dtype, device=loaded.device, slots=slots)
+    ret = RetrievalCache(loaded.cfg, budget, chunk, 0, dtype=loaded.kv_dtype, device=loaded.device, slots=slots)
     return k.keep_retrieval(ret) if k else ret
 
 

@@ -22,8 +22,8 @@ def one_thread():
 
 
 def quantized_tiny(arch: str, kind: str):
-    """kind: int8 | int4 weights, or int4:int8 (int4 weights, activations quantized per row:
-    the CPU default where VNNI runs it)."""
+    """kind: int8 | int4 weights, or int4:int8 (int4 weights, activations quantized per row
+    and a bfloat16 KV: what --activations/--kv-dtype auto give on a CPU with VNNI)."""
     weights, _, act = kind.partition(":")
     # int8 activations run where K is a multiple of 64: llama then gets dim 64 (every
     # projection), qwen2 keeps 96 (down_proj only, the rest on float x: the mix)
@@ -33,6 +33,8 @@ def quantized_tiny(arch: str, kind: str):
     L.model = quantize_model(copy.deepcopy(L.model), weights)
     L.weights = weights_name(L.model)
     L.activations = set_activations(L.model, act or "fp32", "cpu")
+    if act:
+        L.kv_dtype = torch.bfloat16
     return L
 
 
@@ -61,6 +63,7 @@ def test_greedy_equals_autoregressive_at_the_precision_it_runs(arch, kind, mode,
     out, st = run(L, prompt, mode, 48, **extra)
     assert out == ref
     assert st.extra["weights"] == L.weights
+
 
 
 def test_quantized_logits_stay_close_to_dense():
