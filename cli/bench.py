@@ -105,6 +105,7 @@ def runs_bar():
 def run_meta(loaded, o: BenchOptions, model) -> dict:
     return {"bench": "bench", "time": time.time(), "model": model or "bundled SmolLM2-135M-Instruct",
             "dtype": str(loaded.dtype).replace("torch.", ""), "device": str(loaded.device),
+            "kv_dtype": str(loaded.kv_dtype).replace("torch.", ""), "activations": loaded.activations,
             "torch_threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
             "new_tokens": o.new_tokens, "spec": o.spec}
 

@@ -88,7 +88,8 @@ def run_job(job: Job, tp: int):
     err.print(f"model {loaded.cfg.arch} {loaded.cfg.n_layers} layers, weights {loaded.weights} "
               f"({loaded.load_info}), "
               f"activations {str(loaded.dtype).removeprefix('torch.')}"
-              f"{' (int8 into quantized linears)' if loaded.activations == 'int8' else ''} on "
+              f"{' (int8 into quantized linears)' if loaded.activations == 'int8' else ''}, "
+              f"KV {str(loaded.kv_dtype).removeprefix('torch.')} on "
               f"{loaded.device}; mode {opts.mode}; prompt {len(ids)} tokens", highlight=False)
     text, d = generate(loaded, ids, opts, stream=not job.as_json)
     if job.compare is None:
