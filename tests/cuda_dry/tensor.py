@@ -36,7 +36,7 @@ RNG = torch.Tag.nondeterministic_seeded
 NO_ACCESS = {A.detach.default, A.alias.default, A.lift_fresh.default, A._unsafe_view.default}
 CPU = torch.device("cpu")
 # ops that read device values on the host (composite ones reach the mode whole under inference_mode)
-READS = {A._local_scalar_dense.default, A.item.default, A.is_nonzero.default, A.equal.default}
+READ_OPS = {A._local_scalar_dense.default, A.item.default, A.is_nonzero.default, A.equal.default}
 
 
 def _sptr(t: torch.Tensor) -> int:
@@ -192,7 +192,7 @@ class Checker(TorchDispatchMode):
             return self._copy(func, args, kwargs)
         if func is A._to_copy.default:
             return self._to_copy(func, args, kwargs)
-        if func in READS and isinstance(args[0], DryTensor):
+        if func in READ_OPS and isinstance(args[0], DryTensor):
             self.read(args[0], f"a scalar read ({func}: .item(), int(), bool())")
         return self._op(func, args, kwargs)
 
