@@ -22,7 +22,7 @@ import textwrap
 import torch
 
 from . import fakes, tensor
-from .gpu import CUDA, CaptureError, Gpu, Violation
+from .gpu import CUDA, CaptureError, Event, Gpu, Violation
 from .tensor import A, Checker, DryTensor, Router
 
 __all__ = ["DryRun", "plant", "Violation", "CaptureError", "DryTensor"]
@@ -89,6 +89,7 @@ class DryRun:
         from triforce_offload.runtime import hostread
         p, g = self._patches, self.gpu
         fakes.GPU = g
+        p.set(Event, "gpu", g)
         for name, fake in fakes.cuda_namespace().items():
             p.set(torch.cuda, name, fake)
         p.set(torch, "Generator", fakes.DryGenerator)

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import torch
 
-from .gpu import CUDA, Gpu, Stream, now
+from .gpu import CUDA, Event, Gpu, Stream
 from .tensor import CUDA_ONLY, DryTensor, _leaves, _map, _unwrap
 
 GPU: Gpu = None  # the device of the active dry run
@@ -30,47 +30,16 @@ def new_stream(device=None, priority=0, **kw) -> Stream:
     return Stream(GPU, f"{len(GPU.streams)} ({_caller()})")
 
 
-class Event:
-    """torch.cuda.Event: a snapshot of a stream's clock, with the host time it was recorded."""
-
-    def __init__(self, enable_timing=False, blocking=False, interprocess=False):
-        self.timing, self.vc, self.t = enable_timing, None, None
-
-    def record(self, stream=None):
-        stream = stream or GPU.current
-        self.vc, self.t = dict(stream.vc), now()
-
-    def wait(self, stream=None):
-        (stream or GPU.current).wait_event(self)
-
-    def query(self) -> bool:
-        GPU.capture_check("an event query", sync=True)
-        return self.vc is None or GPU.known(self.vc)
-
-    def synchronize(self):
-        if self.vc is not None:
-            GPU.host_sync(self.vc, "Event.synchronize()")
-
-    def elapsed_time(self, end: "Event") -> float:
-        if not (self.timing and end.timing):
-            raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
-        if self.vc is None or end.vc is None:
-            raise RuntimeError("Both events must be recorded before calculating elapsed time.")
-        if not (GPU.known(self.vc) and GPU.known(end.vc)):
-            raise RuntimeError("CUDA error: device not ready (elapsed_time of an event not completed)")
-        return (end.t - self.t) * 1e3
-
-
 class _Op:
     """One aten op recorded in a capture: replayed on the recorded tensors."""
 
-    __slots__ = ("func", "args", "kwargs", "fresh", "acc", "mutates", "name")
+    __slots__ = ("func", "args", "kwargs", "fresh", "acc", "name")
 
     def __init__(self, func, args, kwargs, wrapped, acc):
         self.func, self.args, self.kwargs, self.acc, self.name = func, args, kwargs, acc, str(func)
         ins = {id(t) for t in _leaves((args, kwargs)) if isinstance(t, DryTensor)}
+        # outputs the op allocated (an in-place op's output is its input, mutated again by the replay)
         self.fresh = [(i, w) for i, w in enumerate(_leaves(wrapped)) if isinstance(w, DryTensor) and id(w) not in ins]
-        self.mutates = any(a.alias_info is not None and a.alias_info.is_write for a in func._schema.arguments)
 
     def replay(self):
         kw = {k: (torch.device("cpu") if k == "device" else _unwrap(v)) for k, v in self.kwargs.items()}

@@ -68,7 +68,6 @@ class Stream:
         _join(self.vc, stream.vc)
 
     def record_event(self, event=None):
-        from .fakes import Event
         event = event or Event()
         event.record(self)
         return event
@@ -89,6 +88,39 @@ class Stream:
 
     def __repr__(self):
         return f"<stream {self.name}>"
+
+
+class Event:
+    """torch.cuda.Event: a snapshot of a stream's clock, with the host time it was recorded."""
+
+    gpu: "Gpu" = None  # the active fake device (DryRun sets it)
+
+    def __init__(self, enable_timing=False, blocking=False, interprocess=False):
+        self.timing, self.vc, self.t = enable_timing, None, None
+
+    def record(self, stream=None):
+        stream = stream or self.gpu.current
+        self.vc, self.t = dict(stream.vc), time.perf_counter()
+
+    def wait(self, stream=None):
+        (stream or self.gpu.current).wait_event(self)
+
+    def query(self) -> bool:
+        self.gpu.capture_check("an event query", sync=True)
+        return self.vc is None or self.gpu.known(self.vc)
+
+    def synchronize(self):
+        if self.vc is not None:
+            self.gpu.host_sync(self.vc, "Event.synchronize()")
+
+    def elapsed_time(self, end: "Event") -> float:
+        if not (self.timing and end.timing):
+            raise RuntimeError("Both events must be created with argument 'enable_timing=True'.")
+        if self.vc is None or end.vc is None:
+            raise RuntimeError("Both events must be recorded before calculating elapsed time.")
+        if not (self.gpu.known(self.vc) and self.gpu.known(end.vc)):
+            raise RuntimeError("CUDA error: device not ready (elapsed_time of an event not completed)")
+        return (end.t - self.t) * 1e3
 
 
 def _join(into: dict, other: dict):
@@ -272,6 +304,3 @@ class Gpu:
         if self.copies_in_read > 1:
             self.violate("read", f"{what}: a second blocking device-to-host copy inside one counted read")
 
-
-def now() -> float:
-    return time.perf_counter()

@@ -224,7 +224,7 @@ class Checker(TorchDispatchMode):
             self._host_accesses(func, args, name)
             return out
         wrapped = self._wrap(out, dry, name)
-        self._accesses(func, args, kwargs, out, wrapped, name)
+        self._accesses(func, args, kwargs, wrapped, name)
         return wrapped
 
     def _wrap(self, out, dry, name):
@@ -251,7 +251,7 @@ class Checker(TorchDispatchMode):
             return DryTensor(x, block)
         return _map(wrap, out)
 
-    def _accesses(self, func, args, kwargs, out, wrapped, name):
+    def _accesses(self, func, args, kwargs, wrapped, name):
         """Reads of the inputs, writes of mutated inputs and fresh outputs, on the current
         stream (recorded into the graph while capturing)."""
         if func.is_view or func in NO_ACCESS:
