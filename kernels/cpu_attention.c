@@ -9,15 +9,16 @@
  * second pass merges the blocks of a row in key order.
  *
  * Scores take one of two paths. Few rows (a decode, < FEW_ROWS): one key at a time, each
- * row's dot product vectorised over the head dimension and summed horizontally; this is
- * bound by reading K. More rows (a verification, a prefill chunk): a tile of 32 keys is
- * transposed so keys sit in the vector lanes, and tiles of 8 rows x 32 keys accumulate in
- * head-dimension order; with a bfloat16 cache and queries on CPUs with AVX512-BF16 through
- * vdpbf16ps (pairs of exact bf16 products added in float32, twice the multiply-adds of FMA
- * per instruction). Both paths leave scores row by row, so the softmax and the weighted
- * sum of values are shared. Within a path a row's result depends only on its own query
- * and the keys it sees, never on the other rows; the two paths round differently (float32
- * order of summation).
+ * row's dot product vectorised over the head dimension (16 lanes, fused multiply-adds in
+ * increasing d) and summed horizontally; this is bound by reading K. More rows (a
+ * verification, a prefill chunk): a tile of 32 keys is transposed so keys sit in the
+ * vector lanes, and tiles of up to 8 rows x 32 keys compute the same sums: per lane of
+ * the head dimension, then the 16 lane sums in the horizontal sum's tree. So a row's
+ * scores are the same bits on both paths, and softmax and the weighted sum of values run
+ * row by row: a verification's row equals that token's decode bit for bit, also where
+ * the activations feeding the next layer are quantized (a last-bit difference there can
+ * flip a rounding). Blocks of keys have a fixed size (kernels/native.py BLOCK), so every
+ * row's blocks and their merge order are the same too.
  * Probabilities and sums are float32 throughout.
  * Vectors are GCC/Clang vector extensions of 16 floats: the compiler maps them onto
  * whatever the CPU has (one AVX-512 register, two AVX2 ones, four NEON ones).
@@ -26,7 +27,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -142,7 +143,7 @@ static inline __attribute__((always_inline)) void scores_by_key(
 
 #define FEW_ROWS 8 /* below: rows one by one (decode); from here: keys in vector lanes */
 #define TK 32 /* keys per transposed tile: two vectors */
-#define MR 8 /* query rows per register tile (rows are padded to a multiple) */
+#define MR 8 /* query rows per register tile (the packed rows are padded to a multiple) */
 
 /* 16x16 transpose of 32-bit elements: x[i][e] -> x[e][i], four butterfly stages (each
  * swaps one bit of the row index with the same bit of the column index) */
@@ -177,9 +178,15 @@ static inline __attribute__((always_inline)) void transpose_keys(
                 int64_t j = j0 + 16 * h + u;
                 j = j < jend ? j : jend - 1;
                 if (bf16 && !pairs) {
+#if defined(__AVX512F__)
+                    const __m512i w = _mm512_slli_epi32(
+                        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)k + base + j * ss + 16 * c))), 16);
+                    memcpy(x + u, &w, sizeof w);
+#else
                     u16x16 w;
                     memcpy(&w, (const uint16_t *)k + base + j * ss + 16 * c, sizeof w);
                     x[u] = __builtin_convertvector(w, u32x16) << 16;
+#endif
                 } else if (bf16)
                     memcpy(x + u, (const uint16_t *)k + base + j * ss + 32 * c, sizeof x[u]);
                 else
@@ -190,11 +197,49 @@ static inline __attribute__((always_inline)) void transpose_keys(
         }
 }
 
+/* scores of NR query rows (qr, float32 bits) against the TK keys of a transposed tile (kt),
+ * written at column `col` of rows r0.. of `scores`, in scores_by_key's order of operations:
+ * lane l of the head dimension (elements l, 16 + l, ...) accumulates by fused multiply-adds
+ * in increasing d, then the 16 lane sums add up in hsum's tree. So a row's scores are the
+ * same bits on either path: a verification's rows equal the decodes' rows. */
+static inline __attribute__((always_inline)) void score_rows(
+        float *restrict scores, const uint32_t *qr, const uint32_t *kt, int64_t r0, int64_t col,
+        int64_t block, const int DV, const int NR) {
+    const int P = 16 * DV;
+    v16 part[16][MR][TK / 16];
+    for (int l = 0; l < 16; l++) {
+        v16 acc[MR][TK / 16];
+        for (int rr = 0; rr < NR; rr++)
+            for (int h = 0; h < TK / 16; h++) acc[rr][h] = (v16){0};
+        for (int i = 0; i < DV; i++) {
+            v16 kv[TK / 16];
+            memcpy(kv, kt + (16 * i + l) * TK, sizeof kv);
+            for (int rr = 0; rr < NR; rr++) {
+                float a;
+                memcpy(&a, qr + rr * P + 16 * i + l, sizeof a);
+                for (int h = 0; h < TK / 16; h++) acc[rr][h] += a * kv[h];
+            }
+        }
+        for (int rr = 0; rr < NR; rr++)
+            for (int h = 0; h < TK / 16; h++) part[l][rr][h] = acc[rr][h];
+    }
+    for (int rr = 0; rr < NR; rr++)
+        for (int h = 0; h < TK / 16; h++) {
+#define X(l) part[l][rr][h]
+            const v16 b0 = (X(0) + X(8)) + (X(4) + X(12)), b1 = (X(1) + X(9)) + (X(5) + X(13));
+            const v16 b2 = (X(2) + X(10)) + (X(6) + X(14)), b3 = (X(3) + X(11)) + (X(7) + X(15));
+#undef X
+            const v16 sum = (b0 + b2) + (b1 + b3);
+            memcpy(scores + (r0 + rr) * block + col + 16 * h, &sum, sizeof sum);
+        }
+}
+
 /* scores[r * block + j - j0] = q[r] . k[j] for rows 0..R-1, keys j0..jend-1 (padded to TK):
- * keys in the vector lanes (a tile of K transposed), MR rows x TK keys of accumulators.
- * qp holds the rows padded with zeros to a multiple of MR: bf16 pairs (dot_bf16, through
- * vdpbf16ps: exact bf16 products, pairs added in float32) or float32 (fused multiply-adds
- * in d order). */
+ * keys in the vector lanes (a tile of K transposed), tiles of up to MR rows x TK keys of
+ * accumulators, the last tile holding exactly the rows left. qp holds the rows: bf16 pairs
+ * (dot_bf16, through vdpbf16ps: exact bf16 products, pairs added in float32) or float32
+ * (fused multiply-adds in d order). Every row's dot products are the same instructions in
+ * the same order whatever R is and whichever tile holds it. */
 static inline __attribute__((always_inline)) void scores_by_tile(
         float *restrict scores, const uint32_t *qp, const void *k, int bf16, int dot_bf16,
         int64_t base, int64_t ss, int64_t j0, int64_t jend, int64_t R, int64_t block,
@@ -203,36 +248,13 @@ static inline __attribute__((always_inline)) void scores_by_tile(
     for (int64_t jt = j0; jt < jend; jt += TK) {
         transpose_keys(kt, k, bf16, dot_bf16, base, ss, jt, jend, P);
         for (int64_t r0 = 0; r0 < R; r0 += MR) {
-            v16 acc[MR][TK / 16];
-            for (int rr = 0; rr < MR; rr++)
-                for (int h = 0; h < TK / 16; h++) acc[rr][h] = (v16){0};
             const uint32_t *qr = qp + r0 * P;
-#if defined(__AVX512BF16__)
-            if (dot_bf16) {
-                for (int i = 0; i < P; i++) {
-                    const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + i * TK);
-                    const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kt + i * TK + 16);
-                    for (int rr = 0; rr < MR; rr++) {
-                        const __m512bh a = (__m512bh)_mm512_set1_epi32((int)qr[rr * P + i]);
-                        acc[rr][0] = (v16)_mm512_dpbf16_ps((__m512)acc[rr][0], a, k0);
-                        acc[rr][1] = (v16)_mm512_dpbf16_ps((__m512)acc[rr][1], a, k1);
-                    }
-                }
-            } else
-#endif
-            {
-                for (int i = 0; i < P; i++) {
-                    v16 kv[TK / 16];
-                    memcpy(kv, kt + i * TK, sizeof kv);
-                    for (int rr = 0; rr < MR; rr++) {
-                        float a;
-                        memcpy(&a, qr + rr * P + i, sizeof a);
-                        for (int h = 0; h < TK / 16; h++) acc[rr][h] += a * kv[h];
-                    }
-                }
+            switch (R - r0 < MR ? (int)(R - r0) : MR) {
+#define ROWS_CASE(N) case N: score_rows(scores, qr, kt, r0, jt - j0, block, DV, N); break;
+                ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4)
+                ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
+#undef ROWS_CASE
             }
-            for (int rr = 0; rr < MR && r0 + rr < R; rr++)
-                memcpy(scores + (r0 + rr) * block + (jt - j0), acc[rr], sizeof acc[rr]);
         }
     }
 }
@@ -284,7 +306,7 @@ static inline __attribute__((always_inline)) void block_item(
     }
     if (R < FEW_ROWS) /* decode: one key at a time, each row's dot product and a sum */
         scores_by_key(scores, qh, k, bf16, base, ss, j0, jend, R, block, DV);
-    else /* verification, prefill: a tile of keys in the lanes, a tile of rows */
+    else /* verification, prefill: a tile of keys in the lanes, a tile of rows, the same sums */
         scores_by_tile(scores, qp, k, bf16, dot_bf16, base, ss, j0, jend, R, block, kt, DV);
     /* softmax statistics per row over the keys it sees; unseen keys weigh 0 */
     const int64_t len = (n + 15) / 16 * 16;
@@ -317,13 +339,10 @@ static inline __attribute__((always_inline)) void block_item(
 int triforce_attend(const float *q, const void *k, const void *v, int bf16, int q_bf16, float scale,
                     int64_t H, int64_t R, int64_t D, int64_t S, int64_t hs, int64_t ss,
                     const int64_t *nvis, int64_t block, float *part, float *out, float *lse) {
-#if defined(__AVX512BF16__)
-    /* vdpbf16ps on bf16 pairs: whole 16-lane vectors of pairs per key */
-    const int dot_bf16 = bf16 && q_bf16 && D % 32 == 0;
-#else
+    /* vdpbf16ps on bf16 pairs (the tile path's pairs mode) would round scores differently
+     * from a decode's float32 products: off, so a verification equals its decodes */
     const int dot_bf16 = 0;
     (void)q_bf16;
-#endif
     /* the tiled scores write whole tiles of TK keys into a row of `block` floats */
     if (D % 16 || D / 16 > MAXV || block < TK || block % TK) return -1;
     const int DV = (int)(D / 16);

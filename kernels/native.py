@@ -33,8 +33,8 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPI
 # retried without these when a build fails (no -march=native: clang on some ARM; no OpenMP:
 # Apple clang without libomp, where the kernel then runs on one thread)
 FALLBACK_DROPS = [(), ("-march=native",), ("-march=native", "-fopenmp")]
-BLOCK = 256  # keys per work item (a multiple of it past MAX_BLOCKS * BLOCK keys)
-MAX_BLOCKS = 64  # blocks per head: enough work items for every thread, bounded scratch
+BLOCK = 256  # keys per work item: fixed, so a row's blocks (and their merge order) do not
+# depend on how many keys the other rows of the call see (a verification against decodes)
 SCRATCH_BYTES = 32 << 20  # per-block partial results of one call
 
 _lib = None  # ctypes handle, False once a build failed
@@ -182,7 +182,7 @@ def attend(q, k, v, q_pos0: int, k_pos0: int = 0, scale: float | None = None, ou
     qf = q.float().reshape(H, G * T, D).contiguous()  # rows of a KV head side by side
     nvis = visible_keys(q_pos0, T, G, k_pos0, S)
     R = G * T
-    block = BLOCK * max(1, -(-S // (BLOCK * MAX_BLOCKS)))  # at most MAX_BLOCKS blocks per head
+    block = BLOCK
     nb = max(1, -(-S // block))
     # per-block partial results cost H * nb * (D + 2) floats per row: a prefill chunk of
     # thousands of rows goes through in slices that keep them under SCRATCH_BYTES

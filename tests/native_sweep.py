@@ -67,7 +67,7 @@ def main():
         check(f"keys beyond view {dtype} D={D} G={G}", q, K, V, 140, 40)
         n += 3
     # prefill chunks over prompt lengths (row slicing forced by a small scratch, several blocks)
-    native.SCRATCH_BYTES, native.MAX_BLOCKS = 64 << 10, 4
+    native.SCRATCH_BYTES, native.BLOCK = 64 << 10, 64
     for dtype in (torch.float32, torch.bfloat16):
         for L, chunk in itertools.product((1, 15, 17, 255, 257, 700), (1, 7, 64, 512)):
             q, K, V = tensors(g, 3, 3, L, L, 64, dtype)

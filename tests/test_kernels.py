@@ -139,19 +139,39 @@ def test_native_rows_are_independent():
             torch.testing.assert_close(one[:, :, 0], many[:, :, t], rtol=2e-6, atol=2e-6)
 
 
-def test_native_slices_rows_and_widens_blocks(monkeypatch):
-    """A prefill chunk (many rows) runs in row slices that bound the scratch memory, and a
-    long context gets wider blocks: same results as the plain reference."""
+def test_native_slices_rows_over_many_blocks(monkeypatch):
+    """A prefill chunk (many rows) runs in row slices that bound the scratch memory, over
+    many blocks of keys: same results as the plain reference."""
     g = torch.Generator().manual_seed(5)
     K = torch.randn(1, 2, 1000, 32, generator=g)
     V = torch.randn(1, 2, 1000, 32, generator=g)
     q = torch.randn(1, 4, 40, 32, generator=g)  # 80 rows per KV head
     ref, ref_lse = reference(q, K, V, 960)
     monkeypatch.setattr(native, "SCRATCH_BYTES", 1)  # 16-row slices
-    monkeypatch.setattr(native, "MAX_BLOCKS", 2)  # 1000 keys in 2 blocks of 512
+    monkeypatch.setattr(native, "BLOCK", 64)  # 1000 keys in 16 blocks
     out, lse = native.attend(q, K, V, 960)
     torch.testing.assert_close(out, ref, rtol=2e-6, atol=2e-6)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("G,D", [(1, 64), (3, 64), (4, 128), (2, 32)])
+def test_native_verification_rows_equal_decodes_bit_for_bit(G, D, dtype):
+    """T query rows at once (a verification: the tiled scores from 8 rows on) give each row
+    exactly the bits of that token's decode (one row, the keys up to it): the identity
+    speculative decoding needs, also across block boundaries (BLOCK keys)."""
+    if not native.enabled():
+        pytest.skip(native.reason() or "native kernel off")
+    g = torch.Generator().manual_seed(G * D)
+    n = native.BLOCK * 2 - 5  # the verified tokens straddle a block boundary
+    for T in (1, 2, 3, 6, 9, 12):
+        K = torch.randn(1, 2, n + T, D, generator=g).to(dtype)
+        V = torch.randn(1, 2, n + T, D, generator=g).to(dtype)
+        q = torch.randn(1, 2 * G, T, D, generator=g)
+        out, lse = native.attend(q, K, V, n)
+        for t in range(T):
+            o1, l1 = native.attend(q[:, :, t:t + 1], K[:, :, :n + t + 1], V[:, :, :n + t + 1], n + t)
+            assert torch.equal(out[:, :, t:t + 1], o1) and torch.equal(lse[:, :, t:t + 1], l1), (T, t)
 
 
 def test_native_row_that_sees_nothing():

@@ -140,3 +140,23 @@ def test_bypass_skips_a_probe_whose_best_case_cannot_compete():
     toks = {none: 3, ngram: 3, ret: 1, plain: 1}
     _decode(b, cost, toks, 64)
     assert b.seen[ngram] == 0 and b.rest[ngram][0] > 0  # never run: 0.035 > 1.2 x plain's
+
+
+def test_kv_dtype_auto_follows_the_activations(monkeypatch):
+    """--kv-dtype auto: bf16 caches on a CPU where quantized linears take int8 activations,
+    the compute dtype otherwise; every cache a run builds stores it."""
+    from triforce_offload.runtime.api import kv_dtype
+    from triforce_offload.runtime.offloaded import make_full_cache
+    from triforce_offload.runtime.options import RunOptions
+    cpu = torch.device("cpu")
+    assert kv_dtype("auto", cpu, torch.float32, "int8") == torch.bfloat16
+    assert kv_dtype("auto", cpu, torch.float32, "fp32") == torch.float32
+    assert kv_dtype("auto", cpu, torch.float32, "") == torch.float32  # a dense model stays exact
+    assert kv_dtype("auto", torch.device("cuda"), torch.bfloat16, "fp32") == torch.bfloat16
+    assert kv_dtype("fp16", cpu, torch.float32, "int8") == torch.float16
+    L = quantized_tiny("llama", "int4:int8")
+    for offload in ("off", "on"):
+        cache = make_full_cache(L, 128, RunOptions.of(offload=offload))
+        k = cache.keys(0)[0]  # (K, V)
+        assert k.dtype == torch.bfloat16, offload
+        cache.close()
