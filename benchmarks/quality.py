@@ -18,7 +18,8 @@ For each model and each `--weights` precision W or W:A (the model loaded as `run
 fp32 of a GGUF is its blocks dequantized exactly, so a GGUF's own class (`auto`: Q4_1
 loads as int4) computes the same weights as fp32 and differs only in summation order; int8
 of a 4-bit GGUF requantizes. `:int8` quantizes each row of activations per 32 inputs into the
-quantized linears (what `--activations auto` does on an AVX-512 VNNI CPU). One JSON line per
+quantized linears (what `--activations auto` does on an AVX-512 VNNI CPU), and the KV is then
+bfloat16 (`--kv-dtype auto`). One JSON line per
 (model, precision) to `--out`.
 """
 from __future__ import annotations
@@ -38,7 +39,7 @@ from triforce_offload.runtime.options import ModelOptions, RunOptions
 @torch.inference_mode()
 def window_logits(L, ids: list[int]) -> torch.Tensor:
     """Logits [T, V] (float32) of one window scored from an empty cache."""
-    cache = FullCache(L.cfg, len(ids), dtype=L.dtype, device=L.device)
+    cache = FullCache(L.cfg, len(ids), dtype=L.kv_dtype, device=L.device)
     x = torch.tensor([ids], device=L.device)
     return L.model(x, 0, cache)[0].float()
 
@@ -109,6 +110,7 @@ def main():
             ident = sum(g == r for g, r in zip(gens, ref[1]))
             row = {"bench": "quality", "model": model, "weights": kind, "loaded": L.weights,
                    "activations": L.activations or str(L.dtype).removeprefix("torch."),
+                   "kv_dtype": str(L.kv_dtype).removeprefix("torch."),
                    "mb": round(quantized.weight_bytes(L.model) / 1e6, 1),
                    "perplexity": round(math.exp(nll.mean().item()), 4), "scored": len(nll),
                    "top1_agreement": round(agree, 4), "greedy_same_tokens": same,
