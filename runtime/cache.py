@@ -21,7 +21,9 @@ moves the length. The full interface is `protocols.Cache`; this is what each cal
 Sliding-window layers (`cfg.window(layer)`, Mistral, Qwen2/3, Gemma): a query at position
 p sees only the keys at positions p - window < pos <= p, in every cache and on every path
 (`window_attention`, `write_and_attend`): each query its own band, also in a multi-token
-verification and a prefill chunk. Caches still keep every token of such a layer.
+verification and a prefill chunk. Built with a `ring_depth` (the factories do: the engine's
+`rollback_depth`), a cache keeps such a layer's KV in a `WindowRing` of window + depth slots
+on the device and only the global layers' whole; without one, every token of every layer.
 
 Caches with `static = True` also take `start` as an int64 device tensor [1]: they then
 write and attend with shapes that do not depend on its value and never read it on the
@@ -47,11 +49,15 @@ class KVCache:
     layer_major = False  # prefill layer by layer through `hold` (an offloaded cache)
     capacity: int | None = None  # preallocated tokens; None: no fixed capacity
 
-    def __init__(self, cfg: ModelConfig, batch: int = 1):
+    def __init__(self, cfg: ModelConfig, batch: int = 1, ring: "WindowRing | None" = None, layers=None):
         self.n_layers, self.n_kv_heads, self.head_dim = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
         self.windows = cfg.windows  # per layer: keys a query sees (None: all before it)
         self.batch = batch
         self.length = 0
+        self.ring = ring  # the window layers' rings (None: every layer kept whole)
+        # the layers this cache keeps every token of: `layers` (default all) but the ring's
+        self.full_layers = [i for i in (range(cfg.n_layers) if layers is None else layers)
+                            if ring is None or i not in ring]
 
     def attend(self, layer, q, k, v, start):  # pragma: no cover - interface
         raise NotImplementedError
@@ -68,6 +74,7 @@ class KVCache:
         if n < self.length:
             raise ValueError(f"commit({n}) below the committed length {self.length}: "
                              "use rollback() to shorten a cache")
+        self._settle(n)
         self.length = n
 
     def rollback(self, n: int):
@@ -75,7 +82,23 @@ class KVCache:
         if not 0 <= n <= self.length:
             raise ValueError(f"rollback({n}) outside the committed length 0..{self.length}: "
                              "use commit() to keep pending tokens")
+        self._settle(n)
         self.length = n
+
+    def _settle(self, n: int):
+        if self.ring is not None:
+            self.ring.settle(n)
+
+    def whole(self, layer: int):
+        """Refuse to read all of a layer this cache keeps only a ring of."""
+        if layer not in self.full_layers:
+            raise TriforceError(f"layer {layer} keeps only its last window of tokens (a ring): "
+                                "read it with recent()")
+
+    def resumable(self, n: int) -> bool:
+        """Whether a forward at position n <= length could run on this cache: what its
+        window layers' rings still hold (a cache without rings holds every position)."""
+        return self.ring is None or self.ring.holds(n)
 
     def end_of(self, q, start: int) -> int:
         """Position after the new tokens; refuses to write past a preallocated capacity."""
@@ -86,6 +109,8 @@ class KVCache:
         if self.capacity is not None and end > self.capacity:
             raise TriforceError(f"context of {end} tokens exceeds the cache capacity "
                                 f"{self.capacity}; raise --max-context")
+        if self.ring is not None:
+            self.ring.reach(end)  # a fixed-shape forward writes its rings up to `end`
         return end
 
     def prefetch(self):
@@ -205,8 +230,11 @@ class FullCache(KVCache):
     """Every token's K and V, preallocated to `capacity` tokens (no growth by copying)."""
 
     def __init__(self, cfg: ModelConfig, capacity: int, batch: int = 1,
-                 dtype=torch.float32, device="cpu", static: bool | None = None):
-        super().__init__(cfg, batch)
+                 dtype=torch.float32, device="cpu", static: bool | None = None,
+                 ring_depth: int | None = None, layers=None):
+        # `ring_depth`: window layers in a WindowRing (None: kept whole); `layers`: the
+        # layers it holds (None: all; an offloaded cache's on-chip ones)
+        super().__init__(cfg, batch, WindowRing.of(cfg, ring_depth, batch, dtype, device), layers)
         self.capacity = capacity
         # the static path (default on CUDA; TRIFORCE_OFFLOAD_STATIC=1 anywhere) reads whole
         # buffers through the length-masked reference: slots must then hold finite values
@@ -215,8 +243,10 @@ class FullCache(KVCache):
         self.static = static
         alloc = torch.zeros if self.static else torch.empty
         shape = (batch, cfg.n_kv_heads, capacity, cfg.head_dim)  # [B, Hkv, S, D]
-        self.k = [alloc(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
-        self.v = [alloc(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
+        self.k = [alloc(shape, dtype=dtype, device=device) if i in self.full_layers else None
+                  for i in range(cfg.n_layers)]
+        self.v = [alloc(shape, dtype=dtype, device=device) if i in self.full_layers else None
+                  for i in range(cfg.n_layers)]
         self._slots = PerForward(static_slots)  # slots and length of a fixed-shape forward
         self.leased = False  # handed out to a run that has not closed it (graphs.Kept)
 
@@ -224,7 +254,10 @@ class FullCache(KVCache):
         """Empty, in place: a kept cache starts another run at the addresses its captured
         graphs replay (zeroed: the static path reads whole buffers, slots must be finite)."""
         for t in self.k + self.v:
-            t.zero_()
+            if t is not None:
+                t.zero_()
+        if self.ring is not None:
+            self.ring.reset()
         self.length = 0
 
     def close(self):
@@ -240,6 +273,8 @@ class FullCache(KVCache):
         if isinstance(start, torch.Tensor):
             return self._attend_static(layer, q, k, v, start)
         end = self.end_of(q, start)
+        if self.ring is not None and layer in self.ring:
+            return self.ring.attend(layer, q, k, v, start)
         K, V = self.k[layer], self.v[layer]
         K[:, :, start:end] = k
         V[:, :, start:end] = v
@@ -247,6 +282,8 @@ class FullCache(KVCache):
 
     def _attend_static(self, layer, q, k, v, start: torch.Tensor):
         """The same with `start` on the device (the caller checked the capacity on the host)."""
+        if self.ring is not None and layer in self.ring:
+            return self.ring.attend(layer, q, k, v, start, self._slots.get(start, q.shape[2])[2])
         return write_and_attend(self.k[layer], self.v[layer], q, k, v, self._slots.get(start, q.shape[2]),
                                 self.windows[layer])
 
@@ -254,12 +291,16 @@ class FullCache(KVCache):
         """Write K, V [B, Hkv, T, D] of positions start.. as they are (a kept or saved
         prefix, runtime/prefix_cache.py); the caller commits."""
         end = self.check_end(start + k.shape[2])
+        if self.ring is not None and layer in self.ring:
+            return self.ring.put(layer, start, k, v)
         self.k[layer][:, :, start:end].copy_(k)
         self.v[layer][:, :, start:end].copy_(v)
 
     def keys(self, layer: int, end: int | None = None):
-        """Committed (or up to `end`) K and V of a layer: [B, Hkv, S, D] views."""
+        """Committed (or up to `end`) K and V of a layer: [B, Hkv, S, D] views (a window
+        layer in a ring has only its latest positions: `recent`)."""
         end = self.length if end is None else end
+        self.whole(layer)
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
     def device_keys(self, layer: int, end: int | None = None):
@@ -268,8 +309,147 @@ class FullCache(KVCache):
 
     def recent(self, layer: int, lo: int, hi: int):
         """K, V [B, Hkv, hi-lo, D] of positions lo..hi-1."""
+        if self.ring is not None and layer in self.ring:
+            return self.ring.recent(layer, lo, hi)
         K, V = self.keys(layer, hi)
         return K[:, :, lo:hi], V[:, :, lo:hi]
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        ring = self.ring.nbytes() if self.ring is not None else 0
+        return ring + sum(t.numel() * t.element_size() for t in self.k + self.v if t is not None)
+
+
+def depth_of(cache) -> int | None:
+    """The depth of a cache's window rings (None: it keeps every layer whole, right for any
+    depth)."""
+    return None if cache.ring is None else cache.ring.depth
+
+
+def copy_prefix(src, dst, n: int):
+    """Copy what a forward at n needs of positions [0, n) from one full cache to another
+    (a layer kept whole all of it, a window layer's ring its band) and commit n."""
+    for layer in range(src.n_layers):
+        lo = 0 if layer in src.full_layers else src.ring.first(n)
+        k, v = src.keys(layer, n) if layer in src.full_layers else src.recent(layer, lo, n)
+        dst.put(layer, lo, k, v)  # [B, Hkv, n - lo, D]
+    dst.commit(n)
+
+
+class WindowRing:
+    """The KV of a model's sliding-window layers (sglang's SWAKVPool: a window pool beside
+    the full one): per window layer a ring of `size` = window + depth slots on the device,
+    position p in slot p % size. A forward at p needs the positions from p - window + 1 on;
+    `depth` bounds what may be written above the point a cache is later committed or
+    rolled back to (the engine's `rollback_depth`), so those stay in the ring. `floor`:
+    positions below it may be overwritten; `settle` refuses a length whose band starts
+    below it (a deeper rollback than `depth`), so a wrong bound fails instead of reading
+    stale keys. Holds no length: slots are found from positions (`slot_mask`)."""
+
+    def __init__(self, cfg: ModelConfig, depth: int, batch: int = 1, dtype=torch.float32, device="cpu"):
+        self.window, self.depth = cfg.sliding_window, depth
+        self.size = self.window + depth  # slots per layer
+        shape = (batch, cfg.n_kv_heads, self.size, cfg.head_dim)  # [B, Hkv, size, D]
+        layers = [i for i, w in enumerate(cfg.windows) if w is not None]
+        self.k = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
+        self.v = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
+        self.floor = 0  # positions below it may be overwritten
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, depth: int | None, batch: int = 1, dtype=torch.float32, device="cpu"):
+        """The rings of cfg's window layers (the one place that splits layers by kind);
+        None without a `depth` or a window layer: every layer is kept whole."""
+        if depth is None or all(w is None for w in cfg.windows):
+            return None
+        return cls(cfg, depth, batch, dtype, device)
+
+    def __contains__(self, layer: int) -> bool:
+        return layer in self.k
+
+    def first(self, end: int) -> int:
+        """The first position a query at `end` sees."""
+        return max(end - self.window + 1, 0)
+
+    def holds(self, n: int) -> bool:
+        """Whether a forward at n still finds its band of earlier positions."""
+        return self.floor <= self.first(n)
+
+    def settle(self, n: int):
+        """The owning cache's length moves to n: its band must still be here."""
+        if not self.holds(n):
+            raise TriforceError(f"window ring of {self.size} slots (window {self.window} + depth "
+                                f"{self.depth}) no longer holds positions {self.first(n)}..{n - 1}")
+
+    def reach(self, end: int, start: int | None = None):
+        """Positions start..end-1 are written (start unknown: a fixed-shape forward's): the
+        ring forgets those below end - size; a write from the floor down holds from its start."""
+        if start is not None and start <= self.floor:
+            self.floor = max(start, end - self.size)
+        else:
+            self.floor = max(self.floor, end - self.size)
+
+    def _slots(self, lo: int, hi: int, device) -> torch.Tensor:
+        return torch.arange(lo, hi, device=device) % self.size
+
+    def put(self, layer: int, start: int, k, v):
+        """Write K, V [B, Hkv, T, D] of positions start.. (the ring keeps the last `size`)."""
+        T = k.shape[2]
+        n = min(T, self.size)
+        idx = self._slots(start + T - n, start + T, k.device)
+        K, V = self.k[layer], self.v[layer]
+        K.index_copy_(2, idx.to(K.device), k[:, :, T - n:].to(K.device, K.dtype))
+        V.index_copy_(2, idx.to(V.device), v[:, :, T - n:].to(V.device, V.dtype))
+        self.reach(start + T, start)
+
+    def recent(self, layer: int, lo: int, hi: int):
+        """K, V [B, Hkv, hi-lo, D] of positions lo..hi-1 (still in the ring)."""
+        if lo < self.floor or hi - lo > self.size:
+            raise TriforceError(f"window ring of {self.size} slots does not hold positions {lo}..{hi - 1}")
+        return self._read(layer, lo, hi)
+
+    def _read(self, layer: int, lo: int, hi: int):
+        idx = self._slots(lo, hi, self.k[layer].device)
+        return self.k[layer].index_select(2, idx), self.v[layer].index_select(2, idx)
+
+    def attend(self, layer: int, q, k, v, start, shared: dict | None = None):
+        """Attention of a window layer's q [B, Hq, T, D] (positions start..) with its own k,
+        v [B, Hkv, T, D] written into the ring: over the band read out of the ring and the
+        new keys (any T: a prefill chunk longer than the ring too); a fixed-shape forward
+        (`start` a device tensor, T <= depth + 1) over the whole ring with a band mask."""
+        if isinstance(start, torch.Tensor):
+            return self._attend_static(layer, q, k, v, start, {} if shared is None else shared)
+        lo = self.first(start)
+        K0, V0 = self._read(layer, lo, start)  # in the ring: `settle` checked the band
+        K = torch.cat([K0, k.to(K0.dtype)], 2)
+        V = torch.cat([V0, v.to(V0.dtype)], 2)
+        out = window_attention(q, K, V, start, lo, self.window)
+        self.put(layer, start, k, v)
+        return out
+
+    def _attend_static(self, layer, q, k, v, start: torch.Tensor, shared: dict):
+        B, Hq, T, D = q.shape
+        K, V = self.k[layer], self.v[layer]
+        key = ("ring", T, Hq // K.shape[1])
+        if key not in shared:
+            shared[key] = self.slot_mask(start, T, Hq // K.shape[1])
+        idx, mask = shared[key]
+        K.index_copy_(2, idx, k.to(K.dtype))
+        V.index_copy_(2, idx, v.to(V.dtype))
+        return sdpa(_folded(q, K.shape[1]), K, V, attn_mask=mask).reshape(B, Hq, T, D)
+
+    def slot_mask(self, start: torch.Tensor, T: int, group: int):
+        """The slots T tokens from `start` (int64 device tensor [1]) write [T], and which
+        slots each folded query row sees [1, 1, G*T, size]: slot s holds, for a query at p,
+        position p - ((p - s) mod size), in its band when that distance is below the window
+        and not before position 0. Device ops only (captured in a graph)."""
+        pos = start + torch.arange(T, device=start.device)  # [T]
+        p = pos.repeat(group)[:, None]  # [G*T, 1]: row g*T + t is position start + t
+        d = (p - torch.arange(self.size, device=start.device)) % self.size  # [G*T, size]
+        return pos % self.size, ((d < self.window) & (d <= p))[None, None]
+
+    def reset(self):
+        for t in list(self.k.values()) + list(self.v.values()):
+            t.zero_()
+        self.floor = 0
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in list(self.k.values()) + list(self.v.values()))

@@ -57,6 +57,21 @@ class LevelStats:
         return self.accepted / judged if judged else 0.0
 
 
+GAMMA_MAX = 16  # AutoGamma's largest gamma
+
+
+def rollback_depth(g) -> int:
+    """Positions a level's cache may hold above the length it is later committed or rolled
+    back to (GenerationOptions `g`): what a window layer's ring keeps beyond its window
+    (cache.WindowRing). In a round of `_verify` starting with len(seq) = m, every level is
+    left at m + k >= m; the retrieval level verifies up to γ2 tokens in steps of at most
+    γ1 + 1, so it and the drafter write up to position m + γ2 + γ1 - 2, and the top's
+    forward of those drafts up to m + γ1 + γ2 - 1 (one bypassed level only shortens
+    this). With γ2 'auto' up to GAMMA_MAX; 2 more, as `_after_top`'s room."""
+    g2 = max(g.gamma2_start, GAMMA_MAX) if g.gamma2 == "auto" else int(g.gamma2)
+    return g.gamma1 + g2 + 2
+
+
 class AutoGamma:
     """Pick the top level's gamma from measured acceptance and draft/verify cost.
 
@@ -65,7 +80,7 @@ class AutoGamma:
     ratio (SpecDec++ and HF's dynamic lookahead adapt the same quantity heuristically).
     """
 
-    def __init__(self, gamma: int, hi: int = 16, decay: float = 0.8):
+    def __init__(self, gamma: int, hi: int = GAMMA_MAX, decay: float = 0.8):
         self.gamma, self.hi, self.decay = gamma, hi, decay
         self.acc, self.trials = 4.0, 5.0  # prior: a = 0.8
         self.t_draft, self.t_verify = None, None  # EMA seconds per draft token / per verify

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import torch
 from ..kernels.attention import fallback_notes
 from ..settings import env
-from .cache import FullCache
+from .cache import FullCache, depth_of
 from .retrieval import Recorder
 from .distributed import world_size
 
@@ -294,12 +294,13 @@ class Kept:
             self.steps[key] = Step(model, cache, graphs, compile)
         return self.steps[key].fresh()
 
-    def full_cache(self, capacity: int):
-        """The kept full cache for a run needing `capacity` (a multiple of ROOM) tokens when
-        it has exactly that capacity and no run holds it; else None, and a kept one of
-        another capacity is dropped (its memory goes before a new cache is allocated)."""
+    def full_cache(self, capacity: int, depth: int | None = None):
+        """The kept full cache for a run needing `capacity` (a multiple of ROOM) tokens and
+        window rings of `depth` when it has exactly those and no run holds it; else None,
+        and a kept one of another shape is dropped (its memory goes before a new cache is
+        allocated)."""
         w = self.full
-        if w is not None and w.capacity == capacity and not w.leased:
+        if w is not None and w.capacity == capacity and depth_of(w) in (None, depth) and not w.leased:
             return w
         self.forget(w)
         return None
@@ -327,11 +328,11 @@ class Kept:
             self.recorder = make(cache)
         return self.recorder
 
-    def retrieval_cache(self, slots: int):
-        """The kept retrieval cache if it has `slots` slots, else None (a kept one of
-        another size is dropped)."""
+    def retrieval_cache(self, slots: int, depth: int | None = None):
+        """The kept retrieval cache if it has `slots` slots and rings of `depth`, else None
+        (a kept one of another size is dropped)."""
         r = self.retrieval
-        if r is not None and r.slots == slots:
+        if r is not None and r.slots == slots and depth_of(r) in (None, depth):
             return r
         self.forget(r)
         return None

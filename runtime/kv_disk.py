@@ -133,6 +133,9 @@ class KVDir:
         ids = np.asarray(ids, dtype=np.int64)
         if any(holds(head["ids"], ids) for head in self.index.values()):
             return
+        if getattr(cache, "ring", None) is not None:  # entries hold every layer's whole KV
+            return self._say("ring", "not saving: the window layers keep only their last "
+                             "window of tokens (rings), which entries do not record yet")
         L, B, H, D = self.me["shape"]
         size = 2 * L * len(ids) * B * H * D * self.elem
         if size > self.limit:

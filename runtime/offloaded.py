@@ -32,6 +32,10 @@ prompt KV on the device meanwhile (`hold`), so each chunk attends to its predece
 there and is written back once. Host->device bytes of a prefill are at most one pass over
 the KV committed before it. `layer_major = True` tells `generate.prefill` to take that path.
 
+Window layers (Gemma 3, windowed Mistral/Qwen2), built with a `ring_depth`, keep a ring of
+window + depth tokens on the device (`cache.WindowRing`) and are never streamed: the store
+holds the global layers only, and a verification streams their share of the bytes.
+
 `make_full_cache(loaded, capacity, opts)` picks the full cache for `--offload`; the
 autoregressive mode and the TriForce verifier both build their full cache with it.
 """
@@ -52,7 +56,8 @@ from ..offload import store as S
 from ..offload.store import HostKVStore, StoreSpec, _elem, check_memory
 from ..offload.timeline import Span, Timeline, device_clock
 from ..offload.tune import transfer_chunk_for
-from .cache import FullCache, KVCache, window_attention
+from .cache import FullCache, KVCache, WindowRing, copy_prefix, window_attention
+from .engine import rollback_depth
 from .graphs import graphable, kept, room_for
 from .retrieval import RetrievalCache
 from .errors import TriforceError
@@ -111,16 +116,19 @@ class OffloadedCache(KVCache):
     def __init__(self, cfg, capacity: int, batch: int = 1, dtype=torch.float32, device="cpu",
                  on_chip: int = 0, transfer_chunk: int | None = None, depth: int = STAGE_DEPTH,
                  overlap: bool = True, copier_cls=ChunkCopier, log_order: bool = False,
-                 prefill_chunk: int = PREFILL_CHUNK, profile: bool = False, retrieval_slots: int = 0):
-        super().__init__(cfg, batch)
+                 prefill_chunk: int = PREFILL_CHUNK, profile: bool = False, retrieval_slots: int = 0,
+                 ring_depth: int | None = None):
+        # `ring_depth`: window layers in a WindowRing on the device (None: stored and streamed too)
+        super().__init__(cfg, batch, WindowRing.of(cfg, ring_depth, batch, dtype, device))
         if not 0 <= on_chip <= cfg.n_layers:
             raise TriforceError(f"--on-chip {on_chip}: must be between 0 and {cfg.n_layers} layers")
-        spec = StoreSpec(list(range(on_chip, cfg.n_layers)), cfg.n_kv_heads, cfg.head_dim,
+        chip = [i for i in self.full_layers if i < on_chip]  # global layers kept on the device
+        spec = StoreSpec([i for i in self.full_layers if i >= on_chip], cfg.n_kv_heads, cfg.head_dim,
                          capacity, batch, dtype)
         transfer_chunk = min(transfer_chunk_for(device, spec.bytes_per_token(), transfer_chunk), capacity)
         self.capacity, self.on_chip, self.device = capacity, on_chip, device
         self.transfer_chunk = transfer_chunk  # tokens per host-to-device copy
-        self._check(cfg, spec, depth, prefill_chunk, retrieval_slots)
+        self._check(cfg, spec, depth, prefill_chunk, retrieval_slots, len(chip))
         self.timeline = Timeline(log_order, device_clock(device))  # forwards' edges, always
         self.spans = self.timeline if profile or log_order else None  # per-chunk spans: --profile
         self.store: HostStore = HostKVStore(spec)
@@ -128,7 +136,7 @@ class OffloadedCache(KVCache):
         weakref.finalize(self, self.copier.close)  # stop the copier thread with the cache
         self.sched = PipelineScheduler(self.store, self.copier, transfer_chunk, device, depth,
                                        overlap, self.spans) if spec.layers else None
-        self.chip = FullCache(cfg, capacity, batch, dtype, device) if on_chip else None
+        self.chip = FullCache(cfg, capacity, batch, dtype, device, layers=chip) if chip else None
         self.write_backs = {}  # layer -> Signal of its latest write-back
         self._forwards = []  # per-forward timing summaries (`forwards`)
         self._pending = []  # forwards whose timing events are not resolved yet
@@ -139,13 +147,14 @@ class OffloadedCache(KVCache):
         self._sums0 = None  # copy and wait sums at its start (`_sums`)
         self._tokens = 0  # its tokens
 
-    def _check(self, cfg, spec: StoreSpec, depth: int, prefill_chunk: int, retrieval_slots: int = 0):
-        """On-chip layers, the staging ring, the retrieval cache (`retrieval_slots`: the
+    def _check(self, cfg, spec: StoreSpec, depth: int, prefill_chunk: int, retrieval_slots: int = 0,
+               n_chip: int = 0):
+        """On-chip layers (`n_chip` global ones, and the window layers' rings), the staging ring, the retrieval cache (`retrieval_slots`: the
         middle level's, 0 for none) and the larger of the prefill (the layer it holds, and
         its activations over a prompt as long as the capacity) and a rebuild (a layer's
         prefix in one block, the selection) must fit."""
         per_layer = spec.bytes_per_token() * spec.capacity
-        dev = self.on_chip * per_layer
+        dev = n_chip * per_layer + (self.ring.nbytes() if self.ring is not None else 0)
         ret = RetrievalCache.bytes_for(cfg, retrieval_slots, spec.dtype, spec.batch)
         rebuild = rebuild_device_bytes(cfg, spec.capacity, retrieval_slots, spec.dtype, bool(spec.layers))
         what = f" and the retrieval cache ({ret / 2 ** 30:.1f} GB)" if ret else ""
@@ -175,6 +184,8 @@ class OffloadedCache(KVCache):
 
     def attend(self, layer, q, k, v, start):
         self.end_of(q, start)
+        if self.ring is not None and layer in self.ring:
+            return self.ring.attend(layer, q, k, v, start)
         if layer < self.on_chip:
             return self.chip.attend(layer, q, k, v, start)
         return self._attend_offloaded(layer, q, k, v, start)
@@ -240,7 +251,7 @@ class OffloadedCache(KVCache):
         `hold` (None releases it): a layer-major prefill runs all its chunks through that
         layer. The committed prefix [0, length) is streamed in once; new KV is written
         into the held buffer and back to the host as usual. A no-op for on-chip layers."""
-        if layer is None or layer < self.on_chip:
+        if layer is None or layer < self.on_chip or (self.ring is not None and layer in self.ring):
             self.held = None
             return
         _, K, V = self.held or (None, None, None)
@@ -309,7 +320,9 @@ class OffloadedCache(KVCache):
 
     def put(self, layer: int, start: int, k, v):
         """Write K, V [B, Hkv, T, D] of positions start.. straight into the store (or the
-        on-chip layer); the caller commits. Nothing may be in flight for those positions."""
+        on-chip layer, or its ring); the caller commits. Nothing may be in flight for those positions."""
+        if self.ring is not None and layer in self.ring:
+            return self.ring.put(layer, start, k, v)
         if layer < self.on_chip:
             return self.chip.put(layer, start, k, v)
         self.check_end(start + k.shape[2])
@@ -319,6 +332,7 @@ class OffloadedCache(KVCache):
         """Committed (or up to `end`) K, V of a layer as [B, Hkv, S, D] views: device views
         for on-chip layers, host store views otherwise (after pending write-backs land)."""
         end = self.length if end is None else end
+        self.whole(layer)
         if layer < self.on_chip:
             return self.chip.keys(layer, end)
         if layer in self.write_backs:
@@ -344,7 +358,9 @@ class OffloadedCache(KVCache):
     def recent(self, layer: int, lo: int, hi: int):
         """K, V [B, Hkv, hi-lo, D] of positions lo..hi-1 on the device: from the latest
         forward's own tensors when it wrote all of them (the verified tokens the retrieval
-        cache absorbs), so no host synchronisation; otherwise from `keys`."""
+        cache absorbs), so no host synchronisation; otherwise from `keys` (a window layer: its ring)."""
+        if self.ring is not None and layer in self.ring:
+            return self.ring.recent(layer, lo, hi)
         f = self.fresh.get(layer)
         if f is not None and f[0] <= lo and hi <= f[0] + f[1].shape[2]:
             a, b = lo - f[0], hi - f[0]
@@ -353,7 +369,7 @@ class OffloadedCache(KVCache):
         return K[:, :, lo:hi], V[:, :, lo:hi]
 
     def nbytes(self) -> int:
-        on = self.chip.nbytes() if self.chip else 0
+        on = (self.chip.nbytes() if self.chip else 0) + (self.ring.nbytes() if self.ring is not None else 0)
         return on + self.store.nbytes() + (self.sched.nbytes() if self.sched else 0)
 
     def stats(self) -> dict:
@@ -411,35 +427,37 @@ def use_offload(o, cfg, capacity: int, dtype, device, above: int = 0) -> bool:
 def make_full_cache(loaded, capacity: int, opts, retrieval_slots: int = 0) -> KVCache:
     """The full cache for `--offload`: FullCache on the device (the kept one where it fits,
     graphs.Kept), or an OffloadedCache. `retrieval_slots`: the size of the retrieval cache
-    the run will add on the device (0: none), counted in the memory checks."""
-    o = opts.offload
+    the run will add on the device (0: none), counted in the memory checks. Window layers
+    keep rings as deep as the engine may roll back (`rollback_depth`)."""
+    o, ring = opts.offload, rollback_depth(opts.generation)
     ret = RetrievalCache.bytes_for(loaded.cfg, retrieval_slots, loaded.kv_dtype)
     # tensor-parallel ranks decide together (rank 0's free memory): one offloading and the
     # other not would run different collectives (layer-major prefill against chunked)
     if not agree(int(use_offload(o, loaded.cfg, capacity, loaded.kv_dtype, loaded.device, ret))):
         if o.profile:
             raise TriforceError("--profile times the offload pipeline: add --offload on")
-        return resident_cache(loaded, capacity, opts.prefill_chunk, retrieval_slots)
+        return resident_cache(loaded, capacity, opts.prefill_chunk, retrieval_slots, ring)
     return OffloadedCache(loaded.cfg, capacity, dtype=loaded.kv_dtype, device=loaded.device,
                           on_chip=o.on_chip, transfer_chunk=o.transfer_chunk, depth=o.stage_depth,
                           overlap=o.overlap, prefill_chunk=opts.prefill_chunk, profile=bool(o.profile),
-                          retrieval_slots=retrieval_slots)
+                          retrieval_slots=retrieval_slots, ring_depth=ring)
 
 
-def resident_cache(loaded, capacity: int, prefill_chunk: int = PREFILL_CHUNK, retrieval_slots: int = 0):
+def resident_cache(loaded, capacity: int, prefill_chunk: int = PREFILL_CHUNK, retrieval_slots: int = 0,
+                   ring_depth: int | None = None):
     """A FullCache on the device, checked against its free memory first. Where steps are
     fixed-shape (graphs.graphable) it is the model's kept one (graphs.Kept: capacity
     rounded up to graphs.ROOM), reset in place, when that has this capacity; its kept KV
-    moves out of the prefix store (`loaded.prefix`) first."""
+    moves out of the prefix store (`loaded.prefix`) first. `ring_depth`: window layers' rings."""
     cfg, dtype, device = loaded.cfg, loaded.kv_dtype, loaded.device
-    make = lambda c: FullCache(cfg, c, dtype=dtype, device=device)  # noqa: E731
+    make = lambda c: FullCache(cfg, c, dtype=dtype, device=device, ring_depth=ring_depth)  # noqa: E731
     k = kept(loaded.model) if graphable(device) else None
     if k is None:
         check_resident(cfg, capacity, dtype, device, prefill_chunk, retrieval_slots)
         return make(capacity)
     capacity = room_for(capacity)
-    w = k.full_cache(capacity)  # None: a kept one of another capacity is dropped
-    r = k.retrieval_cache(retrieval_slots) if retrieval_slots else None
+    w = k.full_cache(capacity, ring_depth)  # None: a kept one of another capacity or depth is dropped
+    r = k.retrieval_cache(retrieval_slots, ring_depth) if retrieval_slots else None
     check_resident(cfg, capacity, dtype, device, prefill_chunk, retrieval_slots,
                    held=(w.nbytes() if w else 0) + (r.nbytes() if r else 0))
     if w is None:
@@ -477,9 +495,7 @@ def move_out(store, cache, make):
         if not entries and not queued:
             return
         copy = make(cache.capacity)
-        for layer in range(cache.n_layers):
-            copy.put(layer, 0, *cache.keys(layer))
-        copy.commit(cache.length)
+        copy_prefix(cache, copy, cache.length)
         for e in entries:
             e.cache = copy
         store.unsaved[:] = [(copy if c is cache else c, ids) for c, ids in store.unsaved]

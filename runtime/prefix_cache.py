@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .cache import copy_prefix
 from .kv_disk import KVDir, holds, longest_prefix
 from .options import parse_size
 
@@ -72,6 +73,8 @@ class PrefixCache:
         new = lambda: make(-(-capacity // ROOM) * ROOM)
         with self.lock:
             e, n = self.match(prompt)
+        if e is not None and not e.cache.resumable(n):
+            e, n = None, 0  # its window layers' rings moved past the shared prefix: a cold start
         name, n_disk = self.disk.match(prompt) if self.disk else (None, 0)
         if n_disk > n:
             cache = new()
@@ -126,14 +129,6 @@ class PrefixCache:
             gone, self.entries = self.entries, []
         for e in gone:
             e.cache.close()
-
-
-def copy_prefix(src, dst, n: int):
-    """Copy the KV of positions [0, n) from one full cache to another and commit n."""
-    for layer in range(src.n_layers):
-        k, v = src.keys(layer, n)  # [B, Hkv, n, D]
-        dst.put(layer, 0, k, v)
-    dst.commit(n)
 
 
 class Lease:

@@ -51,7 +51,9 @@ class Cache(Protocol):
 @runtime_checkable
 class FullKV(Cache, Protocol):
     """A cache holding every token's exact KV (FullCache, OffloadedCache, a Recorder over
-    either): what a retrieval cache is built and absorbs from, a streaming cache loaded from."""
+    either): what a retrieval cache is built and absorbs from, a streaming cache loaded from.
+    A window layer it keeps in a ring (cache.WindowRing) has only its latest positions:
+    `recent` reads them, `keys` refuses."""
 
     capacity: int
 

@@ -15,14 +15,16 @@ update never waits for a write-back to the host.
 
 A sliding-window layer (Gemma, Mistral) keeps the last tokens instead of scored chunks: the
 same number of slots, consecutive positions, so its band of the last `window` keys is
-exact whenever the budget covers the window.
+exact whenever the budget covers the window. Built with a `ring_depth`, window layers keep just
+a ring (`cache.WindowRing`, exact at any budget): built and absorbed from the full cache's
+latest positions (`recent`).
 """
 from __future__ import annotations
 
 import torch
 
 from ..kernels.retrieval import chunk_means, chunk_scores, gather_chunks, top_chunks
-from .cache import KVCache, PerForward, static_slots, window_attention, write_and_attend
+from .cache import KVCache, PerForward, WindowRing, static_slots, window_attention, write_and_attend
 from .errors import TriforceError
 
 
@@ -110,15 +112,18 @@ class RetrievalCache(KVCache):
     static = True
 
     def __init__(self, cfg, budget: int, retrieval_chunk: int, extra: int, batch: int = 1,
-                 dtype=torch.float32, device="cpu", slots: int = 0):
-        super().__init__(cfg, batch)
+                 dtype=torch.float32, device="cpu", slots: int = 0, ring_depth: int | None = None):
+        # `ring_depth`: window layers in a WindowRing (None: selected like the others)
+        super().__init__(cfg, batch, WindowRing.of(cfg, ring_depth, batch, dtype, device))
         self.retrieval_chunk = retrieval_chunk  # tokens per scored and selected chunk
         self.n_chunks = budget // retrieval_chunk
         # selected + tail + appended, or `slots` if more (a size class kept across runs)
         self.slots = max(self.slots_for(budget, retrieval_chunk, extra), slots)
         shape = (batch, cfg.n_kv_heads, self.slots, cfg.head_dim)  # [B, Hkv, slots, D]
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) if i in self.full_layers else None
+                  for i in range(cfg.n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) if i in self.full_layers else None
+                  for i in range(cfg.n_layers)]
         self.base = 0  # absolute position of the first appended token
         self.n_retrieved = 0  # slots holding retrieved tokens (all before `base`)
         self.holds_all = False  # the context fitted the budget: nothing was dropped
@@ -141,7 +146,10 @@ class RetrievalCache(KVCache):
         the offset keep their addresses, so graphs captured over them replay."""
         self.retrieval_chunk, self.n_chunks = retrieval_chunk, budget // retrieval_chunk
         for t in self.k + self.v:
-            t.zero_()
+            if t is not None:
+                t.zero_()
+        if self.ring is not None:
+            self.ring.reset()
         self.offset.zero_()
         self.base = self.n_retrieved = self.length = 0
         self.holds_all = False
@@ -164,6 +172,10 @@ class RetrievalCache(KVCache):
         n_full = length // c
         self.holds_all = self.fits(length, self.n_chunks * c, c)
         for layer in range(self.n_layers):
+            if self.ring is not None and layer in self.ring:  # the band a forward at `length` sees
+                lo = self.ring.first(length)
+                self.ring.put(layer, lo, *full.recent(layer, lo, length))
+                continue
             K, V = full.device_keys(layer, length)  # [B, Hkv, S, D]; offloaded: scored on the device
             if self.holds_all:
                 k, v = K, V
@@ -196,9 +208,14 @@ class RetrievalCache(KVCache):
         if self._slot(end) > self.slots:
             raise TriforceError(f"retrieval cache: position {end - 1} is past its last slot "
                                 f"({self.base + self.slots - self.n_retrieved - 1})")
+        if self.ring is not None:
+            self.ring.reach(end)
         return end
 
     def attend(self, layer, q, k, v, start):
+        if self.ring is not None and layer in self.ring:
+            shared = self._slots.get(start, q.shape[2])[2] if isinstance(start, torch.Tensor) else None
+            return self.ring.attend(layer, q, k, v, start, shared)
         if isinstance(start, torch.Tensor):  # slots as positions: the same causal order
             return write_and_attend(self.k[layer], self.v[layer], q, k, v, self._slots.get(start, q.shape[2]),
                                     self.windows[layer])
@@ -220,6 +237,9 @@ class RetrievalCache(KVCache):
             s = self._slot(lo)
             for layer in range(self.n_layers):
                 k, v = full.recent(layer, lo, hi)  # offloaded: from the device, not the host store
+                if self.ring is not None and layer in self.ring:
+                    self.ring.put(layer, lo, k, v)
+                    continue
                 self.k[layer][:, :, s: s + hi - lo].copy_(k)
                 self.v[layer][:, :, s: s + hi - lo].copy_(v)
 
@@ -229,5 +249,6 @@ class RetrievalCache(KVCache):
         super().rollback(n)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        ring = self.ring.nbytes() if self.ring is not None else 0
+        return ring + sum(t.numel() * t.element_size() for t in self.k + self.v if t is not None)
 

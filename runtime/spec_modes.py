@@ -13,7 +13,7 @@ import time
 import torch
 
 from .drafters import ModelLevel, NgramDrafter, check_vocab
-from .engine import AutoGamma, Bypass, Engine, Rebuild
+from .engine import AutoGamma, Bypass, Engine, Rebuild, rollback_depth
 from .errors import TriforceError
 from .generate import Stats, capacity, peak_memory_gb, prefill, stop_ids
 from .graphs import combined, graphable, kept, room_for
@@ -35,7 +35,7 @@ def make_drafter(o: GenerationOptions, loaded, prompt, full):
         dr.sync(prompt)  # index the prompt while building, not in the first draft
         return dr
     mk = lambda cfg: StreamingCache(cfg, o.draft_sink, o.draft_window, max(64, o.gamma1 + 16),
-                                    dtype=loaded.kv_dtype, device=loaded.device)
+                                    dtype=loaded.kv_dtype, device=loaded.device, ring_depth=rollback_depth(o))
     if o.draft == "self":
         cache = mk(loaded.cfg)
         cache.load_from(full, len(prompt))  # the target's own KV of sink + window
@@ -69,14 +69,16 @@ def retrieval_slots(kind, loaded, n: int, opts) -> int:
     return room_for(slots) if graphable(loaded.device) else slots
 
 
-def retrieval_cache(loaded, budget: int, chunk: int, slots: int):
-    """The model's kept retrieval cache of `slots` slots, reset (graphs.Kept), or a new one."""
+def retrieval_cache(loaded, budget: int, chunk: int, slots: int, depth: int | None = None):
+    """The model's kept retrieval cache of `slots` slots (and window rings of `depth`),
+    reset (graphs.Kept), or a new one."""
     k = kept(loaded.model) if graphable(loaded.device) else None
-    ret = k.retrieval_cache(slots) if k else None
+    ret = k.retrieval_cache(slots, depth) if k else None
     if ret is not None:
         ret.reset(budget, chunk)
         return ret
-    ret = RetrievalCache(loaded.cfg, budget, chunk, 0, dtype=loaded.kv_dtype, device=loaded.device, slots=slots)
+    ret = RetrievalCache(loaded.cfg, budget, chunk, 0, dtype=loaded.kv_dtype, device=loaded.device, slots=slots,
+                         ring_depth=depth)
     return k.keep_retrieval(ret) if k else ret
 
 
@@ -97,7 +99,8 @@ def build_levels(kind, opts, loaded, prompt, full, notes: list):
             notes.append(f"prompt of {n} tokens fits the budget {budget}: no retrieval level, "
                          f"the drafter drafts for the full cache directly (lower --budget to keep it)")
         else:
-            ret = retrieval_cache(loaded, budget, chunk, retrieval_slots(kind, loaded, n, opts))
+            ret = retrieval_cache(loaded, budget, chunk, retrieval_slots(kind, loaded, n, opts),
+                                  rollback_depth(g))
             ret.build(full, full.q, n)
             if ret.holds_all:
                 notes.append(f"prompt of {n} tokens fits the budget: the retrieval cache holds all of it")

@@ -6,25 +6,28 @@ hold positions [0, sink_slots) (the sink; sink_slots = min(sink, run_start)), th
 after them hold the contiguous run of positions run_start .. followed by pending tokens.
 Evicting shifts the run left once per commit; rolling back only shortens the run (evicted
 tokens stay evicted, which costs draft quality, never correctness). A sliding-window
-layer's band counts the sink slots as the positions just before the run, like the rest.
+layer's band counts the sink slots as the positions just before the run, like the rest;
+built with a `ring_depth`, such a layer keeps just a ring (`cache.WindowRing`: exact).
 """
 from __future__ import annotations
 
 import torch
 
-from .cache import KVCache, window_attention
+from .cache import KVCache, WindowRing, window_attention
 from .errors import TriforceError
 
 
 class StreamingCache(KVCache):
     def __init__(self, cfg, sink: int = 16, window: int = 240, pending: int = 64,
-                 batch: int = 1, dtype=torch.float32, device="cpu"):
-        super().__init__(cfg, batch)
+                 batch: int = 1, dtype=torch.float32, device="cpu", ring_depth: int | None = None):
+        super().__init__(cfg, batch, WindowRing.of(cfg, ring_depth, batch, dtype, device))
         self.sink, self.window, self.pending = sink, window, pending
         self.cap = sink + window + pending  # slots; `pending` bounds tokens per uncommitted run
         shape = (batch, cfg.n_kv_heads, self.cap, cfg.head_dim)  # [B, Hkv, cap, D]
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) if i in self.full_layers else None
+                  for i in range(cfg.n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) if i in self.full_layers else None
+                  for i in range(cfg.n_layers)]
         self.run_start = 0  # first position of the contiguous run
 
     @property
@@ -36,6 +39,8 @@ class StreamingCache(KVCache):
         return self.sink_slots + pos - self.run_start
 
     def attend(self, layer, q, k, v, start):
+        if self.ring is not None and layer in self.ring:
+            return self.ring.attend(layer, q, k, v, start)
         s, T = self._slot(start), q.shape[2]
         if start < self.run_start or s + T > self.cap:
             raise TriforceError(f"streaming cache: {T} tokens at position {start} do not fit "
@@ -59,6 +64,8 @@ class StreamingCache(KVCache):
     def _evict(self, run_start: int):
         src, n = self._slot(run_start), self.length - run_start
         for t in self.k + self.v:
+            if t is None:
+                continue
             t[:, :, self.sink: self.sink + n] = t[:, :, src: src + n].clone()
         self.run_start = run_start
 
@@ -68,6 +75,10 @@ class StreamingCache(KVCache):
         run_start = max(length - self.window, self.sink) if length > self.sink + self.window else 0
         sink = min(self.sink, run_start)
         for layer in range(self.n_layers):
+            if self.ring is not None and layer in self.ring:
+                lo = self.ring.first(length)
+                self.ring.put(layer, lo, *full.recent(layer, lo, length))
+                continue
             K, V = full.keys(layer, length)
             for dst, src in ((self.k[layer], K), (self.v[layer], V)):
                 dst[:, :, :sink] = src[:, :, :sink]
@@ -75,4 +86,5 @@ class StreamingCache(KVCache):
         self.run_start, self.length = run_start, length
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        ring = self.ring.nbytes() if self.ring is not None else 0
+        return ring + sum(t.numel() * t.element_size() for t in self.k + self.v if t is not None)
