@@ -165,9 +165,11 @@ class Step:
         with torch.cuda.device(device):  # capture streams belong to the model's device
             side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):  # warm-up: kernels compile, workspaces allocate
-                settle(run, compiled)  # (writes the same KV at the same positions as the replay will)
-            torch.cuda.current_stream(device).wait_stream(side)
+            try:
+                with torch.cuda.stream(side):  # warm-up: kernels compile, workspaces allocate
+                    settle(run, compiled)  # (writes the same KV at the same positions as the replay will)
+            finally:  # a warm-up that raised still has kernels queued: the eager fallback waits
+                torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with no_recompile(compiled), torch.cuda.graph(graph, pool=self.pool):
                 out = run()

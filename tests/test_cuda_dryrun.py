@@ -284,9 +284,6 @@ def test_two_reads_in_one_verification(model, prompt, monkeypatch):
     assert kinds == {"read"} and "blocking reads in one verification of the top level" in text
 
 
-@pytest.mark.xfail(strict=True, reason="runtime/graphs.py Step._capture_on: when the warm-up raises, the "
-                                       "current stream never waits for the side stream (wait_stream is not "
-                                       "in a finally); the eager fallback then races the warm-up's kernels")
 def test_a_failed_warm_up_is_joined_before_the_eager_fallback(model, prompt, monkeypatch):
     def refuse(*a, **kw):
         raise RuntimeError("no tile fits")  # e.g. a kernel that refuses the shape at its first launch
