@@ -189,7 +189,7 @@ LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=1
 
 class Card:
     """A Loaded on a 'cuda' device: an 8B model's geometry, nothing allocated on a device."""
-    cfg, dtype, device, prefix = LLAMA3_8B, torch.bfloat16, torch.device("cuda"), None
+    cfg, dtype, kv_dtype, device, prefix = LLAMA3_8B, torch.bfloat16, torch.bfloat16, torch.device("cuda"), None
     model = torch.nn.Linear(1, 1)
 
 

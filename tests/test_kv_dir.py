@@ -49,7 +49,7 @@ def test_another_dtype_rope_or_model_is_not_used(tmp_path):
     notes.clear()
     half = tiny(vocab=64)
     half.model.to(dtype=torch.bfloat16)
-    half.dtype = torch.bfloat16
+    half.dtype = half.kv_dtype = torch.bfloat16  # the entry records the KV dtype
     with_dir(half, tmp_path, notes)
     assert any("dtype float32 (this run: bfloat16)" in n for n in notes), notes
     notes.clear()

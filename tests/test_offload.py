@@ -240,7 +240,7 @@ def test_bad_options():
 
 
 class FakeLoaded:
-    cfg, dtype, device = CFG, torch.float32, torch.device("cpu")
+    cfg, dtype, kv_dtype, device = CFG, torch.float32, torch.float32, torch.device("cpu")
 
 
 def test_make_full_cache_choices(tmp_path, monkeypatch):
