@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ..bench.runner import (DEFAULT_MODES, EXTRA_BASELINES, BenchOptions, check_baselines,
+from ..bench.runner import (DEFAULT_MODES, EXTRA_BASELINES, BenchOptions, check_baselines, copy_bandwidth, floors,
                             run_bench, summarize)
 from ..runtime import api
 from ..runtime.data import check_builtin_prompt
@@ -77,9 +77,14 @@ def bench(
         torch.set_num_threads(threads)  # the same CPU share for our modes and the peers
     loaded = api.load(model, progress=lambda m: err.print(m))
     meta = run_meta(loaded, o, model.model)
+    meta["copy_gbps"] = round(copy_bandwidth() / 1e9, 2)  # measured in this run, for the floors
     with runs_bar() as progress:
         rows = run_bench(loaded, o, model.model, progress, row_writer(out_dir / "bench.jsonl", meta))
     summary = summarize(rows)
+    floor = floors(loaded, o.contexts, meta["copy_gbps"] * 1e9)
+    for s in summary:
+        if "context" in s:
+            s["floor_ms"] = floor[s["context"]]
     pngs = write_plots(summary, out_dir) if plots else []
     for s in summary:
         if "skipped" in s:
@@ -87,7 +92,7 @@ def bench(
     if as_json:
         print(json.dumps({"meta": meta, "summary": summary, "plots": [str(p) for p in pngs]}))
         return
-    show_summary(summary, o)
+    show_summary(summary, o, meta["copy_gbps"])
     err.print(f"appended {len(rows)} rows to {out_dir / 'bench.jsonl'}"
               + "".join(f"; wrote {p}" for p in pngs), highlight=False)
 
@@ -126,15 +131,17 @@ def write_plots(summary: list[dict], folder: Path) -> list[Path]:
             plot_acceptance(summary, folder / "bench_acceptance.png")]
 
 
-def show_summary(summary: list[dict], o: BenchOptions):
-    notes = "\n".join(skip_line(s) for s in summary if "skipped" in s)
+def show_summary(summary: list[dict], o: BenchOptions, gbps: float):
+    notes = "\n".join([f"floor: the weights and the KV of the context (at our KV dtype) a decode step "
+                       f"reads, over the copy bandwidth measured in this run ({gbps:.1f} GB/s)"]
+                      + [skip_line(s) for s in summary if "skipped" in s])
     t = Table(title=f"bench: {o.new_tokens} new tokens per run, median of {o.repeats}",
-              caption=Text(notes) if notes else None)  # Text: "[bench]" is not markup
-    for c in ("mode", "context", "T", "ms/token", "tok/s", "speedup", "vs AR+offload", "acceptance",
-              "mean acc.", "peak GB", "lossless"):
+              caption=Text(notes))  # Text: "[bench]" is not markup
+    for c in ("mode", "context", "T", "ms/token", "floor ms", "tok/s", "speedup", "vs AR+offload",
+              "acceptance", "mean acc.", "peak GB", "lossless"):
         t.add_column(c, justify="left" if c in ("mode", "acceptance") else "right")
     for s in summary:  # skipped contenders last, their reasons in the caption
-        t.add_row(*([s["mode"], "-", "-", "skipped"] + ["-"] * 7 if "skipped" in s
+        t.add_row(*([s["mode"], "-", "-", "skipped"] + ["-"] * 8 if "skipped" in s
                     else summary_cells(s)))
     con = out if out.is_terminal else Console(width=160)  # files and pipes: no squeezed columns
     con.print(t)
@@ -150,7 +157,7 @@ def summary_cells(s: dict) -> list[str]:
     if s.get("peer") and s["lossless"] is not None:  # a reference, not a lossless claim
         lossless = "same" if s["lossless"] else "differs"
     return [s["mode"], str(s["context"]), f"{s['temperature']:g}", f"{s['ms_per_token']:.1f}",
-            f"{s['tokens_per_s']:.1f}", f"{s['speedup']:.2f}x" if s["speedup"] else "-",
+            f"{s['floor_ms']:.1f}" if "floor_ms" in s else "-", f"{s['tokens_per_s']:.1f}", f"{s['speedup']:.2f}x" if s["speedup"] else "-",
             f"{s['offload_speedup']:.2f}x" if "offload_speedup" in s else "-", acc or "-",
             f"{s['mean_accepted']:.2f}" if "mean_accepted" in s else "-", f"{s['peak_gb']:.2f}",
             lossless]

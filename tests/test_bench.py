@@ -46,6 +46,10 @@ def test_bench_rows_for_every_mode(bench_run):
         assert cells == {(160, 0.0), (160, 0.8), (256, 0.0), (256, 0.8)}, mode
     for s in rows:
         assert s["ms_per_token"] > 0 and s["tokens_per_s"] > 0 and s["peak_gb"] >= 0
+    # the physical floor beside each row: weights + the context's KV over the measured bandwidth
+    assert d["meta"]["copy_gbps"] > 0
+    f = {s["context"]: s["floor_ms"] for s in rows}
+    assert 0 < f[160] < f[256] and all(s["floor_ms"] == f[s["context"]] for s in rows)
 
 
 def test_bench_greedy_modes_are_lossless(bench_run):
