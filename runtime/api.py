@@ -37,6 +37,7 @@ class Loaded:
     weights: str = ""  # what the projections are stored as: int4, int8, int4+int8, float32, ...
     load_info: str = ""  # weight bytes, load seconds and the peak host memory while loading
     activations: str = ""  # what quantized linears multiply: int8 (per row and 32 inputs) or fp32
+    activations_asked: str = "auto"  # --activations as given (auto yields to --offload on)
     kv_dtype: torch.dtype | None = None  # what every KV cache stores (None: dtype)
 
     def __post_init__(self):
@@ -99,6 +100,7 @@ def load(model: ModelOptions | str | None = None, dtype: str | None = None, devi
         model.to(dev)
     act = quantized.set_activations(model, o.activations, dev)
     loaded = Loaded(model, cfg, tok, dev, dt, weights=quantized.weights_name(model), activations=act,
+                    activations_asked=o.activations,
                     kv_dtype=kv_dtype(o.kv_dtype, dev, dt, act))
     loaded.load_info = (f"{quantized.weight_bytes(model) / 1e6:.0f} MB, loaded in "
                         f"{time.perf_counter() - started:.1f} s, peak host memory {peak_rss_gb():.2f} GB")
@@ -165,11 +167,24 @@ def generate(loaded: Loaded, prompt: list[int], opts: RunOptions, on_token=None,
     if not prompt:
         raise TriforceError("the prompt is empty")
     opts = opts.but(seed=sync_sampling(opts.sampling).seed)  # tensor-parallel ranks in lockstep
-    toks, st = MODES[opts.mode](loaded, prompt, opts, on_token, progress)
+    act = run_activations(loaded, opts)
+    with quantized.activations_set(loaded.model, act):
+        toks, st = MODES[opts.mode](loaded, prompt, opts, on_token, progress)
     if world_size() > 1:
         st.extra.setdefault("tp", world_size())
     st.extra.setdefault("mode", opts.mode)
     st.extra.setdefault("weights", loaded.weights)
-    if loaded.activations:
-        st.extra.setdefault("activations", loaded.activations)
+    if act:
+        st.extra.setdefault("activations", act)
     return toks, st
+
+
+def run_activations(loaded: Loaded, opts: RunOptions) -> str:
+    """What this run's quantized linears multiply: the model's own, except that `auto` keeps
+    float activations with --offload on. Streamed attention merges chunks by log-sum-exp in
+    another order than a verification's causal block, so offloaded rows agree with their
+    decodes to float rounding, not bit for bit; int8 activations would turn that into
+    different tokens between modes."""
+    if loaded.activations == "int8" and loaded.activations_asked == "auto" and opts.offload.offload == "on":
+        return "fp32"
+    return loaded.activations

@@ -61,7 +61,8 @@ class ModelOptions(Options):
     activations: str = opt("auto", "auto|fp32|int8: what int8/int4 weights multiply. int8: each "
                            "row of activations quantized to int8 per 32 inputs (as llama.cpp does), "
                            "integer dot products. auto: int8 on a CPU whose native kernel has "
-                           "AVX-512 VNNI, else fp32. Dense weights always take float activations.",
+                           "AVX-512 VNNI (fp32 for runs with --offload on), else fp32. Dense weights "
+                           "always take float activations.",
                            check=one_of("auto", "fp32", "int8"))
     kv_dtype: str = opt("auto", "auto|fp32|bf16|fp16: what the KV caches store. auto: bf16 on a CPU "
                         "where quantized linears take int8 activations (--activations), else the "

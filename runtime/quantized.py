@@ -7,6 +7,7 @@ it is read), so loading never holds a float copy of the whole model.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Iterable
 
 import torch
@@ -110,6 +111,22 @@ def set_activations(model: torch.nn.Module, mode: str, device) -> str:
     for m in lins:
         m.act = act
     return act
+
+
+@contextmanager
+def activations_set(model: torch.nn.Module, act: str):
+    """Every quantized linear multiplies `act` inside the block, then what it did before."""
+    lins = [m for m in model.modules() if isinstance(m, QLinear)] if act else []
+    before = [m.act for m in lins]
+    for m in lins:
+        if m.act != act:
+            m.act = act
+    try:
+        yield
+    finally:
+        for m, a in zip(lins, before):
+            if m.act != a:
+                m.act = a
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
