@@ -257,7 +257,7 @@ class Engine:
     reads0: dict = field(default_factory=dict)  # hostread.READS counts when the engine was made
     bypass: Bypass | None = None  # skip levels that do not pay (None: every level always runs)
     skip: frozenset = frozenset()  # levels the current round skips
-    forward_s: dict = field(default_factory=dict)  # level index -> seconds of its latest forward
+    forward_s: dict = field(default_factory=dict)  # (level index, tokens) -> seconds of its latest forward
     _since_build: int = 0
     _acc_ema: float = 1.0
 
@@ -309,7 +309,7 @@ class Engine:
         t1 = time.perf_counter()
         draft = seq[m:]
         p = probs(lv.forward(seq, len(draft) + 1), self.sp)  # [g+1, V]
-        self.forward_s[i] = time.perf_counter() - t1
+        self.forward_s[(i, len(draft) + 1)] = time.perf_counter() - t1
         k, x = (self.accept_fn or (accept_greedy if self.sp.greedy else accept))(draft, q, p, self.gen)
         del seq[m + k:]
         seq.append(x)
@@ -356,18 +356,19 @@ class Engine:
     def best_case(self, skip: frozenset) -> float | None:
         """Seconds per token a round with `skip` costs at best: every draft accepted, so a
         model level proposing g tokens runs g / (its drafter's γ + 1) forwards, each costing
-        its latest measured forward (of whatever width: an estimate). None until the levels
-        that run have been timed."""
+        its latest measured forward of that width (a forward of γ+1 tokens costs several of
+        one: a decode's cost is not a verification's). None until each level that runs has
+        been timed at the width it would run."""
         run = [i for i in range(len(self.levels)) if i not in skip]
         secs = 0.0
         for n, i in enumerate(run):
             if i == 0:
                 continue  # a drafter's own cost: n-gram lookups, next to nothing
-            if i not in self.forward_s:
-                return None
             below = self.gammas[run[n - 1]] + 1 if n else 1  # tokens one forward yields at best
+            if (i, below) not in self.forward_s:
+                return None
             calls = 1 if i == run[-1] else math.ceil(self.gammas[i] / below)
-            secs += calls * self.forward_s[i]
+            secs += calls * self.forward_s[(i, below)]
         return secs / (self.gammas[run[-2]] + 1 if len(run) > 1 else 1)
 
     def run(self, seq: list[int], max_new: int, eos: set[int], on_token=None) -> list[int]:
