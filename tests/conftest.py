@@ -25,3 +25,12 @@ def tiny_model_dir(tmp_path_factory, smol_dir):
     LlamaForCausalLM(cfg).save_pretrained(d)
     tok.save_pretrained(d)
     return d
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test (bit-identity checks; fewer threads to share)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -19,14 +19,8 @@ from helpers_spec import repetitive_prompt, run, tiny
 
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one thread (thread hand-offs cost more than the math, and far more
-    on a busy machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# tiny models: one thread (thread hand-offs cost more than the math, and far more on a busy machine)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 MODES = [

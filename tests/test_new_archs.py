@@ -16,12 +16,7 @@ VOCAB = 257  # byte-level tokenizer of the GGUF files: 256 bytes + one end token
 WINDOW = 10
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _sharpen(m):

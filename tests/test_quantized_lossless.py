@@ -13,12 +13,7 @@ from triforce_offload.runtime.quantized import quantize_model, set_activations, 
 from helpers_spec import repetitive_prompt, run, tiny
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def quantized_tiny(arch: str, kind: str):

@@ -16,12 +16,7 @@ from triforce_offload.runtime.streaming import StreamingCache
 WINDOW = 12
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def tiny_mistral(window=WINDOW, seed=0, layers=2):
