@@ -191,6 +191,7 @@ class Card:
     """A Loaded on a 'cuda' device: an 8B model's geometry, nothing allocated on a device."""
     cfg, dtype, kv_dtype, device, prefix = LLAMA3_8B, torch.bfloat16, torch.bfloat16, torch.device("cuda"), None
     model = torch.nn.Linear(1, 1)
+    activations, activations_asked = "", "auto"  # dense: no quantized linears
 
 
 class Passed(Exception):
