@@ -165,11 +165,10 @@ static inline void transpose16(u32x16 *x) {
     SWAP_STAGE(8, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
 }
 
-/* kt[e * TK + u] = element e of key j0 + u as 32 bits, for P elements per key: bf16 pairs
- * as they are (pairs = 1) or each element as float32 (pairs = 0). Keys past jend repeat
- * the last one (their scores are never used). */
+/* kt[e * TK + u] = element e of key j0 + u as float32 bits, for P elements per key (a
+ * bfloat16 key widened). Keys past jend repeat the last one (their scores are never used). */
 static inline __attribute__((always_inline)) void transpose_keys(
-        uint32_t *restrict kt, const void *k, int bf16, int pairs, int64_t base, int64_t ss,
+        uint32_t *restrict kt, const void *k, int bf16, int64_t base, int64_t ss,
         int64_t j0, int64_t jend, const int P) {
     for (int h = 0; h < TK / 16; h++)
         for (int c = 0; c < P / 16; c++) {
@@ -177,7 +176,7 @@ static inline __attribute__((always_inline)) void transpose_keys(
             for (int u = 0; u < 16; u++) {
                 int64_t j = j0 + 16 * h + u;
                 j = j < jend ? j : jend - 1;
-                if (bf16 && !pairs) {
+                if (bf16) {
 #if defined(__AVX512F__)
                     const __m512i w = _mm512_slli_epi32(
                         _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)k + base + j * ss + 16 * c))), 16);
@@ -187,9 +186,7 @@ static inline __attribute__((always_inline)) void transpose_keys(
                     memcpy(&w, (const uint16_t *)k + base + j * ss + 16 * c, sizeof w);
                     x[u] = __builtin_convertvector(w, u32x16) << 16;
 #endif
-                } else if (bf16)
-                    memcpy(x + u, (const uint16_t *)k + base + j * ss + 32 * c, sizeof x[u]);
-                else
+                } else
                     memcpy(x + u, (const float *)k + base + j * ss + 16 * c, sizeof x[u]);
             }
             transpose16(x);
@@ -236,17 +233,16 @@ static inline __attribute__((always_inline)) void score_rows(
 
 /* scores[r * block + j - j0] = q[r] . k[j] for rows 0..R-1, keys j0..jend-1 (padded to TK):
  * keys in the vector lanes (a tile of K transposed), tiles of up to MR rows x TK keys of
- * accumulators, the last tile holding exactly the rows left. qp holds the rows: bf16 pairs
- * (dot_bf16, through vdpbf16ps: exact bf16 products, pairs added in float32) or float32
- * (fused multiply-adds in d order). Every row's dot products are the same instructions in
- * the same order whatever R is and whichever tile holds it. */
+ * accumulators, the last tile holding exactly the rows left. qp holds the rows as float32
+ * bits. Every row's dot products are the same instructions in the same order whatever R is
+ * and whichever tile holds it. */
 static inline __attribute__((always_inline)) void scores_by_tile(
-        float *restrict scores, const uint32_t *qp, const void *k, int bf16, int dot_bf16,
+        float *restrict scores, const uint32_t *qp, const void *k, int bf16,
         int64_t base, int64_t ss, int64_t j0, int64_t jend, int64_t R, int64_t block,
         uint32_t *restrict kt, const int DV) {
-    const int P = dot_bf16 ? 8 * DV : 16 * DV; /* 32-bit elements per key */
+    const int P = 16 * DV; /* elements per key */
     for (int64_t jt = j0; jt < jend; jt += TK) {
-        transpose_keys(kt, k, bf16, dot_bf16, base, ss, jt, jend, P);
+        transpose_keys(kt, k, bf16, base, ss, jt, jend, P);
         for (int64_t r0 = 0; r0 < R; r0 += MR) {
             const uint32_t *qr = qp + r0 * P;
             switch (R - r0 < MR ? (int)(R - r0) : MR) {
@@ -259,17 +255,11 @@ static inline __attribute__((always_inline)) void scores_by_tile(
     }
 }
 
-/* the rows of qh [R][D] (float32; bfloat16-exact when dot_bf16) as qp, padded with zero
- * rows to a multiple of MR: bf16 pairs (D / 2 per row) or float32 bits (D per row) */
-static inline void pack_rows(uint32_t *restrict qp, const float *qh, int64_t R, int64_t D, int dot_bf16) {
-    const int64_t Rp = (R + MR - 1) / MR * MR, P = dot_bf16 ? D / 2 : D;
-    for (int64_t r = 0; r < Rp; r++)
-        for (int64_t i = 0; i < P; i++) {
-            uint32_t lo = 0, hi = 0;
-            if (r < R) memcpy(&lo, qh + r * D + (dot_bf16 ? 2 * i : i), 4);
-            if (r < R && dot_bf16) memcpy(&hi, qh + r * D + 2 * i + 1, 4);
-            qp[r * P + i] = dot_bf16 ? (lo >> 16) | (hi & 0xffff0000u) : lo;
-        }
+/* the rows of qh [R][D] as float32 bits in qp, padded with zero rows to a multiple of MR */
+static inline void pack_rows(uint32_t *restrict qp, const float *qh, int64_t R, int64_t D) {
+    const int64_t Rp = (R + MR - 1) / MR * MR;
+    memcpy(qp, qh, sizeof(float) * R * D);
+    memset(qp + R * D, 0, sizeof(uint32_t) * (Rp - R) * D);
 }
 
 /* acc rows r0 .. r0+NR-1 = sum_j p[r][j] v[j], kept in registers across the keys */
@@ -291,7 +281,7 @@ static inline __attribute__((always_inline)) void pv_rows(
 }
 
 static inline __attribute__((always_inline)) void block_item(
-        const float *qh, const uint32_t *qp, const void *k, const void *v, int bf16, int dot_bf16,
+        const float *qh, const uint32_t *qp, const void *k, const void *v, int bf16,
         float scale, int64_t base, int64_t ss, const int64_t *nvis, int64_t R, int64_t j0,
         int64_t jend, int64_t block, float *restrict scores, uint32_t *restrict kt,
         float *restrict ph, const int DV) {
@@ -307,7 +297,7 @@ static inline __attribute__((always_inline)) void block_item(
     if (R < FEW_ROWS) /* decode: one key at a time, each row's dot product and a sum */
         scores_by_key(scores, qh, k, bf16, base, ss, j0, jend, R, block, DV);
     else /* verification, prefill: a tile of keys in the lanes, a tile of rows, the same sums */
-        scores_by_tile(scores, qp, k, bf16, dot_bf16, base, ss, j0, jend, R, block, kt, DV);
+        scores_by_tile(scores, qp, k, bf16, base, ss, j0, jend, R, block, kt, DV);
     /* softmax statistics per row over the keys it sees; unseen keys weigh 0 */
     const int64_t len = (n + 15) / 16 * 16;
     for (int64_t r = 0; r < R; r++) {
@@ -327,7 +317,7 @@ static inline __attribute__((always_inline)) void block_item(
 }
 
 /*
- * q     [H, R, D] float32, contiguous (q_bf16: its values are bfloat16-exact)
+ * q     [H, R, D] float32, contiguous
  * scale softmax scale, applied to the dot products
  * k, v  head h, key j, dim d at  h*hs + j*ss + d  (float32 or bfloat16)
  * nvis  [R] keys each row sees (a prefix 0 .. nvis[r]-1 of the S keys)
@@ -336,13 +326,9 @@ static inline __attribute__((always_inline)) void block_item(
  * Returns 0; -1 when D is not a multiple of 16 up to 256 or `block` not a multiple of TK;
  * -2 when scratch memory could not be allocated.
  */
-int triforce_attend(const float *q, const void *k, const void *v, int bf16, int q_bf16, float scale,
+int triforce_attend(const float *q, const void *k, const void *v, int bf16, float scale,
                     int64_t H, int64_t R, int64_t D, int64_t S, int64_t hs, int64_t ss,
                     const int64_t *nvis, int64_t block, float *part, float *out, float *lse) {
-    /* vdpbf16ps on bf16 pairs (the tile path's pairs mode) would round scores differently
-     * from a decode's float32 products: off, so a verification equals its decodes */
-    const int dot_bf16 = 0;
-    (void)q_bf16;
     /* the tiled scores write whole tiles of TK keys into a row of `block` floats */
     if (D % 16 || D / 16 > MAXV || block < TK || block % TK) return -1;
     const int DV = (int)(D / 16);
@@ -351,12 +337,12 @@ int triforce_attend(const float *q, const void *k, const void *v, int bf16, int 
     int64_t maxvis = 0;
     for (int64_t r = 0; r < R; r++) maxvis = nvis[r] > maxvis ? nvis[r] : maxvis;
     /* the rows packed for the tiled scores, once per call (not per block) */
-    const int64_t Rp = (R + MR - 1) / MR * MR, P = dot_bf16 ? D / 2 : D;
+    const int64_t Rp = (R + MR - 1) / MR * MR, P = D;
     uint32_t *qp = NULL;
     if (R >= FEW_ROWS) {
         qp = (uint32_t *)malloc(sizeof(uint32_t) * H * Rp * P);
         if (!qp) return -2;
-        for (int64_t h = 0; h < H; h++) pack_rows(qp + h * Rp * P, q + h * R * D, R, D, dot_bf16);
+        for (int64_t h = 0; h < H; h++) pack_rows(qp + h * Rp * P, q + h * R * D, R, D);
     }
 
     int failed = 0; /* a thread's scratch allocation failed: the call returns -2 */
@@ -379,13 +365,13 @@ int triforce_attend(const float *q, const void *k, const void *v, int bf16, int 
             float *ph = part + (h * NB + b) * R * W;
             /* the common head sizes get fully unrolled code */
             if (DV == 4)
-                block_item(qh, qph, k, v, bf16, dot_bf16, scale, h * hs, ss, nvis, R,
+                block_item(qh, qph, k, v, bf16, scale, h * hs, ss, nvis, R,
                            j0, jend, block, scores, kt, ph, 4);
             else if (DV == 8)
-                block_item(qh, qph, k, v, bf16, dot_bf16, scale, h * hs, ss, nvis, R,
+                block_item(qh, qph, k, v, bf16, scale, h * hs, ss, nvis, R,
                            j0, jend, block, scores, kt, ph, 8);
             else
-                block_item(qh, qph, k, v, bf16, dot_bf16, scale, h * hs, ss, nvis, R,
+                block_item(qh, qph, k, v, bf16, scale, h * hs, ss, nvis, R,
                            j0, jend, block, scores, kt, ph, DV);
         }
         free(scores);

@@ -108,7 +108,7 @@ def load():
                 lib = ctypes.CDLL(str(build()))
                 f = lib.triforce_attend
                 f.restype = ctypes.c_int
-                f.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_int, ctypes.c_float]
+                f.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_float]
                               + [ctypes.c_int64] * 6
                               + [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3)
                 lib.triforce_vector_bits.restype = ctypes.c_int
@@ -197,7 +197,7 @@ def attend(q, k, v, q_pos0: int, k_pos0: int = 0, scale: float | None = None, ou
         o = out[:, r0:r1].contiguous() if (r0, r1) != (0, R) else out
         ls = lse[:, r0:r1].contiguous() if (r0, r1) != (0, R) else lse
         rc = lib.triforce_attend(qs.data_ptr(), k.data_ptr(), v.data_ptr(), int(k.dtype == torch.bfloat16),
-                                 int(q.dtype == torch.bfloat16), scale, H, r1 - r0, D, S, k.stride(1),
+                                 scale, H, r1 - r0, D, S, k.stride(1),
                                  k.stride(2), nvis[r0:r1].data_ptr(), block, part.data_ptr(),
                                  o.data_ptr(), ls.data_ptr())
         if rc == -2:
