@@ -150,17 +150,20 @@ static void dequant_row(float *restrict dst, const uint8_t *restrict q, int bits
     }
 }
 
-/* Per-thread scratch for one dequantized tile, grown as needed and kept between calls
- * (a fresh allocation per call would page-fault on every projection of every token). */
-static float *scratch(int64_t floats) {
-    static __thread float *buf;
-    static __thread int64_t cap;
-    if (floats > cap) {
-        free(buf);
-        buf = aligned_alloc(64, (size_t)floats * sizeof(float));
-        cap = buf ? floats : 0;
+/* Per-thread scratch, grown as needed and kept between calls (a fresh allocation per call
+ * would page-fault on every projection of every token). Two slots: TILE for work inside a
+ * parallel region (a dequantized tile, a tile's scales), ROWS for the calling thread's
+ * quantized rows of x, which the region's threads read. */
+enum { TILE, ROWS };
+static void *scratch(int slot, size_t bytes) {
+    static __thread void *buf[2];
+    static __thread size_t cap[2];
+    if (bytes > cap[slot]) {
+        free(buf[slot]);
+        buf[slot] = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        cap[slot] = buf[slot] ? bytes : 0;
     }
-    return buf;
+    return buf[slot];
 }
 
 int triforce_linear_vector_bits(void) {
@@ -185,7 +188,7 @@ int triforce_qlinear(const float *x, int64_t M, int64_t K, int64_t ldx, const ui
     int failed = 0;
 #pragma omp parallel
     {
-        float *w = scratch(NT * K);
+        float *w = scratch(TILE, (size_t)NT * K * sizeof(float));
         if (!w) {
 #pragma omp atomic write
             failed = 1;
@@ -339,37 +342,11 @@ static void row_params(const void *scale, const void *minv, int f16, int64_t n, 
 #endif
 }
 
+#if !TRIFORCE_VNNI
 /* sum over lanes of float(idot) * sx * sw, accumulated chunk by chunk in increasing k, for one
- * x row and one weight row: the one definition both paths compute. */
+ * x row and one weight row: the portable definition of what dot_tile computes with VNNI. */
 static float dot_row(const uint8_t *restrict xq, const float *restrict sxl, const uint8_t *restrict wrow,
                      const float *restrict sw, int bits, int64_t G, int64_t C, const int *gl) {
-#if TRIFORCE_VNNI
-    const __m512i idx = _mm512_loadu_si512(gl);
-    const __m256i lo4 = _mm256_set1_epi8(0xf);
-    const __m512i bias8 = _mm512_set1_epi8((char)0x80);
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t c = 0; c < C; c++) {
-        const __m512i xv = _mm512_loadu_si512(xq + c * QC);
-        __m512i idot;
-        if (bits == 4) {
-            const __m256i b = _mm256_loadu_si256((const __m256i *)(wrow + c * (QC / 2)));
-            const __m512i wv = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, lo4)),
-                                                  _mm256_and_si256(_mm256_srli_epi16(b, 4), lo4), 1);
-            idot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, xv);
-        } else {
-            const __m512i wv = _mm512_loadu_si512(wrow + c * QC);
-            idot = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), xv, wv),
-                                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias8, wv));
-        }
-        const __m512 s = G <= 32 ? _mm512_permutexvar_ps(idx, _mm512_loadu_ps(sw + c * QC / G))
-                                 : _mm512_set1_ps(sw[c * QC / G]);
-        const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(idot), _mm512_loadu_ps(sxl + c * 16));
-        acc = _mm512_fmadd_ps(t, s, acc);
-    }
-    v16 r;
-    memcpy(&r, &acc, sizeof r);
-    return hsum(r);
-#else
     v16 acc = (v16){};
     for (int64_t c = 0; c < C; c++) {
         for (int i = 0; i < 16; i++) {
@@ -388,13 +365,13 @@ static float dot_row(const uint8_t *restrict xq, const float *restrict sxl, cons
         }
     }
     return hsum(acc);
-#endif
 }
+#endif
 
 #if TRIFORCE_VNNI
 /* Rows r < RBN of x (row_bytes apart from xq) against weight rows j < NTN, every chunk: res[r][j]
  * as dot_row computes it, lane for lane and chunk for chunk (so a row's result does not
- * depend on RB or NT); each weight chunk is unpacked and its lane scales gathered once for
+ * depend on RBN or NTN); each weight chunk is unpacked and its lane scales gathered once for
  * the RBN rows. RBN, NTN and bits are constants in each specialization (tile_q8 below). */
 static inline __attribute__((always_inline)) void dot_tile(const uint8_t *xq, size_t row_bytes, int64_t K,
                                                            const uint8_t *const *w, const float *const *sw,
@@ -470,18 +447,6 @@ static float dot_offsets(const float *mf, const float *xsg, int64_t ngp) {
     return hsum(acc);
 }
 
-/* Thread-local byte scratch, grown as needed (as scratch() above). */
-static void *scratch_bytes(int slot, size_t bytes) {
-    static __thread void *buf[2];
-    static __thread size_t cap[2];
-    if (bytes > cap[slot]) {
-        free(buf[slot]);
-        buf[slot] = aligned_alloc(64, (bytes + 63) / 64 * 64);
-        cap[slot] = buf[slot] ? bytes : 0;
-    }
-    return buf[slot];
-}
-
 /* As triforce_qlinear, with x quantized per row to int8 (above). Returns 0, -1 for a layout
  * it does not take, -2 when scratch memory is short. */
 int triforce_qlinear_q8(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *q, int bits,
@@ -494,7 +459,7 @@ int triforce_qlinear_q8(const float *x, int64_t M, int64_t K, int64_t ldx, const
     const int64_t C = K / QC, groups = K / G, ngp = (groups + 15) / 16 * 16;
     const int64_t wbytes = bits == 4 ? K / 2 : K;
     const size_t row_bytes = (size_t)K + (size_t)C * 16 * sizeof(float) + (size_t)ngp * sizeof(float);
-    uint8_t *xbuf = scratch_bytes(0, (size_t)M * row_bytes);
+    uint8_t *xbuf = scratch(ROWS, (size_t)M * row_bytes);
     if (!xbuf) return -2;
     for (int64_t r = 0; r < M; r++) {
         uint8_t *xr = xbuf + r * row_bytes;
@@ -509,7 +474,7 @@ int triforce_qlinear_q8(const float *x, int64_t M, int64_t K, int64_t ldx, const
     int failed = 0;
 #pragma omp parallel
     {
-        float *sw = scratch_bytes(1, (size_t)NTQ * (2 * ngp + 32) * sizeof(float));
+        float *sw = scratch(TILE, (size_t)NTQ * (2 * ngp + 32) * sizeof(float));
         if (!sw) {
 #pragma omp atomic write
             failed = 1;

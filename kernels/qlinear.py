@@ -153,11 +153,6 @@ class QPart(nn.Module):
                 None if self.minv is None else self.minv.data_ptr(), int(self.scale.dtype == torch.float16))
 
 
-def _native_ok(x: torch.Tensor, part: QPart) -> bool:
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and part.q.device.type == "cpu"
-            and not torch.compiler.is_compiling() and load() is not None)
-
-
 class QLinear(nn.Module):
     """Drop-in for a Linear whose weight is `parts` stacked along the output (a module swap
     after load, as gpt-fast's WeightOnlyInt8Linear): same forward(x) -> x @ W^T + bias."""
