@@ -61,6 +61,7 @@ from types import SimpleNamespace
 
 import torch
 
+from triforce_offload.bench.bandwidth import copy_bandwidth
 from triforce_offload.bench.geometries import GEOMETRIES, geometry_config, p_bytes, random_model
 from triforce_offload.runtime import opcount, quantized
 
@@ -169,28 +170,6 @@ def device_free(device: torch.device) -> int | None:
         return None
 
 
-def copy_bandwidth(device: torch.device, mib: int, reps: int = 10) -> float:
-    """Bytes/s of a large copy_ on the device, read + write counted (best of `reps`)."""
-    n = mib * 2**20
-    src = torch.ones(n, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # warm-up: pages touched, kernel loaded
-    best = float("inf")
-    for _ in range(reps):
-        if device.type == "cuda":
-            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize(device)
-            t0.record()
-            dst.copy_(src)
-            t1.record()
-            torch.cuda.synchronize(device)
-            best = min(best, t0.elapsed_time(t1) / 1000)
-        else:
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            best = min(best, time.perf_counter() - t0)
-    del src, dst
-    return 2 * n / best
 
 
 def device_name(device: torch.device) -> str:

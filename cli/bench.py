@@ -15,8 +15,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ..bench.runner import (DEFAULT_MODES, EXTRA_BASELINES, BenchOptions, check_baselines, copy_bandwidth, floors,
+from ..bench.runner import (DEFAULT_MODES, EXTRA_BASELINES, BenchOptions, check_baselines, floors,
                             run_bench, summarize)
+from ..bench.bandwidth import copy_bandwidth
 from ..runtime import api
 from ..runtime.data import check_builtin_prompt
 from ..runtime.errors import TriforceError
@@ -77,7 +78,7 @@ def bench(
         torch.set_num_threads(threads)  # the same CPU share for our modes and the peers
     loaded = api.load(model, progress=lambda m: err.print(m))
     meta = run_meta(loaded, o, model.model)
-    meta["copy_gbps"] = round(copy_bandwidth() / 1e9, 2)  # measured in this run, for the floors
+    meta["copy_gbps"] = round(copy_bandwidth("cpu", 256, reps=5) / 1e9, 2)  # measured in this run, for the floors
     with runs_bar() as progress:
         rows = run_bench(loaded, o, model.model, progress, row_writer(out_dir / "bench.jsonl", meta))
     summary = summarize(rows)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import statistics
 import threading
-import time
 from dataclasses import dataclass, field
 
 import psutil
@@ -255,20 +254,6 @@ def warm_up(loaded: api.Loaded):
     """One short generation, so the first timed run does not pay for lazy initialisation."""
     ids = loaded.tokenizer("Warm up.").input_ids
     api.generate(loaded, ids, api.RunOptions.of(max_new_tokens=4, ignore_eos=True))
-
-
-def copy_bandwidth(mib: int = 256, reps: int = 5) -> float:
-    """Bytes/s of a large copy_ in host memory on this process's threads, read and write
-    counted (best of `reps`): what a decode's reads can stream at most."""
-    src = torch.ones(mib << 20, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # pages touched
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - t)
-    return 2 * src.numel() / best
 
 
 def floors(loaded, contexts: list[int], bps: float) -> dict[int, float]:
