@@ -2,7 +2,7 @@
 Gemma 3 and Gemma 2, as one dataclass whose fields name what differs between them.
 
 Anything in an HF config that would change the output and is not implemented here (an
-unknown RoPE kind, attention logit soft-capping, experts, ...) is refused in one line that
+unknown RoPE kind, experts, ...) is refused in one line that
 names it (`refusals`), never ignored.
 """
 from __future__ import annotations
@@ -58,6 +58,7 @@ class ModelConfig:
     hidden_act: str = "silu"  # gated MLP activation: silu or gelu_pytorch_tanh
     query_pre_attn_scalar: float | None = None  # attention scale is its ** -0.5 (Gemma); None: head_dim
     final_logit_softcapping: float | None = None  # logits -> c * tanh(logits / c) (Gemma 2)
+    attn_logit_softcapping: float | None = None  # scaled scores -> c * tanh(scores / c) before the mask and softmax (Gemma 2)
 
     def __post_init__(self):
         self.n_kv_heads = self.n_kv_heads or self.n_heads
@@ -79,6 +80,10 @@ class ModelConfig:
             raise TriforceError(f"unsupported activation {self.hidden_act!r}; allowed: {', '.join(ACTIVATIONS)}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise TriforceError(f"sliding_window {self.sliding_window}: must be >= 1")
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            cap = getattr(self, name)
+            if cap is not None and not cap > 0:
+                raise TriforceError(f"{name} {cap}: must be > 0 (or absent)")
 
     @property
     def group(self) -> int:
@@ -159,6 +164,7 @@ class ModelConfig:
             hidden_act=activation(hf, arch),
             query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256) if gemma else None,
             final_logit_softcapping=hf.get("final_logit_softcapping") if gemma else None,
+            attn_logit_softcapping=(hf.get("attn_logit_softcapping") or None) if gemma else None,
         )
 
 
@@ -208,7 +214,7 @@ def refusals(hf: dict, arch: str) -> list[str]:
     experts = [k for k in ("num_experts", "num_local_experts", "n_routed_experts") if hf.get(k)]
     if experts:
         out.append(f"mixture of experts ({experts[0]}={hf[experts[0]]})")
-    if hf.get("attn_logit_softcapping"):
+    if hf.get("attn_logit_softcapping") and arch not in GEMMA:  # Gemma's attention has it
         out.append(f"attention logit soft-capping (attn_logit_softcapping={hf['attn_logit_softcapping']})")
     if hf.get("use_bidirectional_attention"):
         out.append("bidirectional attention (use_bidirectional_attention)")
