@@ -3,6 +3,12 @@
 Queries are grouped by KV head (grouped-query attention) by folding the group into the
 query-length axis, so K and V are never repeated in memory. Causality is by absolute
 position: a query at position p sees keys at positions <= p.
+
+`softcap` (Gemma 2's attention logit soft-capping; None or 0: off) turns the scaled scores
+into softcap * tanh(scores / softcap) before the mask and the softmax, as transformers'
+eager attention does. Every path takes it: the native C kernel, flash-attn's kvcache
+kernel (its `softcap`), the Triton kernel, and `softcapped` (explicit fp32 scores) where
+SDPA or torch's flash kernels would run, since they cannot.
 """
 from __future__ import annotations
 
@@ -72,10 +78,12 @@ def _sdpa_backends():
     return _NO_CUDNN
 
 
-def sdpa(q, k, v, **kw):
+def sdpa(q, k, v, softcap: float | None = None, **kw):
     """F.scaled_dot_product_attention; on CUDA never the cuDNN backend (re-plans per shape).
-    K and V in q's dtype (`like_q`)."""
+    K and V in q's dtype (`like_q`). With a `softcap` (SDPA has none): `softcapped`."""
     k, v = like_q(q, k, v)
+    if softcap:
+        return softcapped(q, k, v, kw.get("scale"), softcap, kw.get("attn_mask"))
     if q.device.type != "cuda":
         return F.scaled_dot_product_attention(q, k, v, **kw)
     from torch.nn.attention import sdpa_kernel
@@ -123,13 +131,16 @@ def _static_path(forced: str, device_type: str) -> tuple[str, str]:
 
 
 def status(device) -> str:
-    """One phrase for `info`: what attention runs on `device` and why."""
+    """One phrase for `info`: what attention runs on `device` and why (and for models with
+    attention soft-capping, which SDPA cannot do)."""
     if torch.device(device).type != "cuda":
         return native.status()
     path, why = static_path(device)
     if path == "triton":
         why += _triton_gaps(torch.device(device))
-    return f"decode/verify (graphs): {path}: {why}; other shapes: SDPA without cuDNN"
+    capped = {"flash-attn": "flash-attn's softcap", "triton": "the Triton kernel"}.get(path, "explicit fp32 scores")
+    return (f"decode/verify (graphs): {path}: {why}; other shapes: SDPA without cuDNN; "
+            f"soft-capped attention (Gemma 2): {capped} on the graph path, explicit fp32 scores elsewhere")
 
 
 def _triton_gaps(device) -> str:
@@ -140,7 +151,8 @@ def _triton_gaps(device) -> str:
     return "".join(f"; {g}: length-masked SDPA there" for g in gaps)
 
 
-def static_attention(q, k, v, length: torch.Tensor, shared: dict | None = None):
+def static_attention(q, k, v, length: torch.Tensor, shared: dict | None = None,
+                     softcap: float | None = None):
     """Causal attention of the last T of `length` tokens over whole fixed-capacity buffers.
 
     q [B, Hq, T, D] at positions length-T .. length-1; k, v [B, Hkv, cap, D] hold keys at
@@ -148,8 +160,10 @@ def static_attention(q, k, v, length: torch.Tensor, shared: dict | None = None):
     depend on the length, so a step replays as a CUDA graph; nothing reads `length` on the
     host. Returns [B, Hq, T, D]. `shared`: a dict that lives for one forward (a static
     cache's per-forward state): what every layer derives from `length` alone (flash-attn's
-    int32 lengths, the SDPA path's mask) the first layer makes and the others reuse."""
+    int32 lengths, the SDPA path's mask) the first layer makes and the others reuse.
+    `softcap`: soft-capped scores (flash-attn's softcap, the Triton kernel, else `softcapped`)."""
     shared = {} if shared is None else shared
+    softcap = float(softcap or 0.0)
     k, v = like_q(q, k, v)
     path = static_path(q.device)[0]
     B = q.shape[0]
@@ -158,24 +172,28 @@ def static_attention(q, k, v, length: torch.Tensor, shared: dict | None = None):
         path = "triton" if triton_attention.available() else "sdpa"
     if path == "flash-attn":
         lens = _once(shared, ("lens", B), lambda: length.to(torch.int32).expand(B).contiguous())  # [B]
-        return (flash_decode if torch.compiler.is_compiling() else _flash_decode)(q, k, v, lens)
+        return (flash_decode if torch.compiler.is_compiling() else _flash_decode)(q, k, v, lens, softcap)
     if path == "triton" and not _triton_fits(q, k):
         path = "sdpa"
     if path == "triton":
-        return (triton_decode if torch.compiler.is_compiling() else _triton_decode)(q, k, v, length)
-    return _masked_attention(q, k, v, length, shared)
+        return (triton_decode if torch.compiler.is_compiling() else _triton_decode)(q, k, v, length, softcap)
+    if softcap:
+        FALLBACKS.setdefault("attention soft-capping: explicit fp32 scores where SDPA would run")
+    return _masked_attention(q, k, v, length, shared, softcap)
 
 
-def _flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+def _flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor,
+                  softcap: float = 0.0) -> torch.Tensor:
     from flash_attn import flash_attn_with_kvcache
     o = flash_attn_with_kvcache(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                cache_seqlens=lens, causal=True)  # [B, T, Hq, D]
+                                cache_seqlens=lens, causal=True, softcap=softcap)  # [B, T, Hq, D]
     return o.transpose(1, 2)
 
 
-def _triton_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+def _triton_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: torch.Tensor,
+                   softcap: float = 0.0) -> torch.Tensor:
     from .triton_attention import decode_attention
-    return decode_attention(q, k, v, length)  # [B, Hq, T, D] contiguous
+    return decode_attention(q, k, v, length, softcap=softcap)  # [B, Hq, T, D] contiguous
 
 
 # The two kernels as custom ops for a compiled step (--compile, runtime/graphs.py): opaque
@@ -186,12 +204,12 @@ triton_decode = torch.library.custom_op("triforce_offload::triton_decode", _trit
 
 
 @flash_decode.register_fake
-def _(q, k, v, lens):  # flash-attn allocates its output like the q it is given ([B, T, Hq, D])
+def _(q, k, v, lens, softcap=0.0):  # flash-attn allocates its output like the q it is given ([B, T, Hq, D])
     return torch.empty_like(q.transpose(1, 2)).transpose(1, 2)
 
 
 @triton_decode.register_fake
-def _(q, k, v, length):
+def _(q, k, v, length, softcap=0.0):
     return q.new_empty(q.shape)
 
 
@@ -234,16 +252,16 @@ def sm80(index: int | None) -> bool:
     return torch.cuda.get_device_capability(index) >= (8, 0)
 
 
-def _masked_attention(q, k, v, length, shared: dict | None = None):
+def _masked_attention(q, k, v, length, shared: dict | None = None, softcap: float | None = None):
     """The reference of `static_attention`: SDPA over every slot with a [B, 1, G*T, cap]
     mask built on the device from `length` (slots past it must hold finite values: zeros);
-    with `shared`, once per forward."""
+    with `shared`, once per forward. With a `softcap`: `softcapped` (SDPA has none)."""
     B, Hq, T, D = q.shape
     n_kv, cap = k.shape[1], k.shape[2]
     make = lambda: static_mask(length, T, Hq // n_kv, cap)  # noqa: E731
     # keyed without `cap`: hashing it would specialize a compiled step on the capacity
     mask = make() if shared is None else _once(shared, ("mask", T, Hq // n_kv), make)
-    return _unfold(sdpa(_fold(q, n_kv), k, v, attn_mask=mask), Hq)
+    return _unfold(sdpa(_fold(q, n_kv), k, v, attn_mask=mask, softcap=softcap), Hq)
 
 
 def static_mask(length: torch.Tensor, T: int, group: int, cap: int) -> torch.Tensor:
@@ -264,16 +282,20 @@ def like_q(q, k, v):
     return k.to(q.dtype), v.to(q.dtype)
 
 
-def attention(q, k, v, q_pos0: int, k_pos0: int = 0, scale: float | None = None):
+def attention(q, k, v, q_pos0: int, k_pos0: int = 0, scale: float | None = None,
+              softcap: float | None = None):
     """Softmax attention of q [B, Hq, T, D] over k, v [B, Hkv, S, D] -> [B, Hq, T, D].
 
     `q_pos0` is the absolute position of the first query, `k_pos0` that of the first key.
+    `softcap`: the scaled scores soft-capped (module docstring).
     """
     B, Hq, T, D = q.shape
     n_kv = k.shape[1]
     if native.supports(q, k):
-        return native.attend(q, k, v, q_pos0, k_pos0, scale)[0]
+        return native.attend(q, k, v, q_pos0, k_pos0, scale, softcap=softcap)[0]
     k, v = like_q(q, k, v)
+    if softcap:  # SDPA and torch's flash kernels cannot soft-cap
+        return _unfold(softcapped(_fold(q, n_kv), k, v, scale, softcap, causal=(q_pos0, T, k_pos0)), Hq)
     if q.device.type == "cpu" and B == 1:
         free = max(0, min(q_pos0 - k_pos0, k.shape[2]))  # keys every query sees
         splits = cpu_splits(n_kv, free)
@@ -329,19 +351,23 @@ def _split_attention(q, k, v, q_pos0, k_pos0, scale, splits, free):
     return _unfold(o.to(q.dtype), Hq)
 
 
-def attention_lse(q, k, v, q_pos0: int, k_pos0: int = 0, scale: float | None = None):
+def attention_lse(q, k, v, q_pos0: int, k_pos0: int = 0, scale: float | None = None,
+                  softcap: float | None = None):
     """Attention over one block of keys, returning (out [B,Hq,T,D] fp32, lse [B,Hq,T] fp32).
 
-    Partial results over disjoint key blocks combine exactly with `merge`. A query that
-    sees no key of the block gets out 0 and lse -inf.
+    Partial results over disjoint key blocks combine exactly with `merge` (soft-capping is
+    per score, so capped blocks merge alike). A query that sees no key of the block gets
+    out 0 and lse -inf.
     """
     B, Hq, T, D = q.shape
     n_kv = k.shape[1]
     if native.supports(q, k):
-        return native.attend(q, k, v, q_pos0, k_pos0, scale, out_dtype=torch.float32)
+        return native.attend(q, k, v, q_pos0, k_pos0, scale, out_dtype=torch.float32, softcap=softcap)
     k, v = like_q(q, k, v)
     scale = D ** -0.5 if scale is None else scale
     s = (_fold(q, n_kv).float() @ k.float().transpose(-1, -2)) * scale  # [B, Hkv, G*T, S]
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
     mask = causal_mask(q_pos0, T, k_pos0, k.shape[2], Hq // n_kv, q.device)
     if mask is not None:
         s = s.masked_fill(~mask, float("-inf"))
@@ -349,6 +375,51 @@ def attention_lse(q, k, v, q_pos0: int, k_pos0: int = 0, scale: float | None = N
     p = torch.exp(s - torch.nan_to_num(lse, neginf=0.0))
     o = p @ v.float()
     return _unfold(o, Hq), lse.reshape(B, Hq, T)
+
+
+# `softcapped` materialises fp32 scores; rows go through in slices that keep them under this
+SCORE_BYTES = 64 << 20
+
+
+def softcapped(q, k, v, scale: float | None, softcap: float, mask: torch.Tensor | None = None,
+               causal: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """Attention with soft-capped scores, which SDPA cannot do: q [B, H, R, D] (folded rows)
+    over k, v [B, H, S, D] (same head count, q's dtype) -> [B, H, R, D] in q's dtype.
+
+    As transformers' eager attention: scores = q k^T * scale (fp32), then softcap *
+    tanh(scores / softcap), then the mask (bool, True = may attend, broadcast to
+    [B, H, R, S]; or `causal` = (q_pos0, T, k_pos0): folded row r is the query at position
+    q_pos0 + r % T), then the softmax. A row that sees no key gets 0. Rows run in slices
+    that keep the scores under SCORE_BYTES (a prefill chunk over a long cache)."""
+    B, H, R, D = q.shape
+    S = k.shape[2]
+    scale = D ** -0.5 if scale is None else scale
+    kt, vf = k.float().transpose(-1, -2), v.float()
+    out = q.new_empty(q.shape)
+    step = max(1, SCORE_BYTES // max(1, B * H * S * 4))
+    for r0 in range(0, R, step):
+        r1 = min(R, r0 + step)
+        s = (q[:, :, r0:r1].float() @ kt) * scale  # [B, H, r, S]
+        s = torch.tanh(s / softcap) * softcap
+        m = _rows_mask(mask, causal, r0, r1, S, q.device)
+        if m is not None:
+            s = s.masked_fill(~m, float("-inf"))
+        p = torch.softmax(s, dim=-1).nan_to_num_(0.0)  # a row that sees nothing: 0, not NaN
+        out[:, :, r0:r1] = (p @ vf).to(q.dtype)
+    return out
+
+
+def _rows_mask(mask, causal, r0: int, r1: int, S: int, device):
+    """Rows r0..r1 of a [.., R or 1, S] mask, or of the causal mask `causal` describes."""
+    if causal is not None:
+        q_pos0, T, k_pos0 = causal
+        if k_pos0 + S - 1 <= q_pos0:
+            return None  # every key precedes every query
+        qp = q_pos0 + torch.arange(r0, r1, device=device) % T
+        return torch.arange(k_pos0, k_pos0 + S, device=device)[None, :] <= qp[:, None]
+    if mask is None or mask.shape[-2] == 1:
+        return mask
+    return mask[..., r0:r1, :]
 
 
 def merge(outs: list[torch.Tensor], lses: list[torch.Tensor]):

@@ -10,7 +10,9 @@ layer). The kernel by path:
   compute_log_sumexp (LSE padded to a multiple of 32 rows: sliced, a view).
 - "cpu": `aten._scaled_dot_product_flash_attention_for_cpu` (takes strided K/V, so the
   token-major staging slots need no copy; ~1.7x the reference for a 4K-token block).
-- "reference": `attention.attention_lse` (fp32 scores), for anything else.
+- "reference": `attention.attention_lse` (fp32 scores, or the native CPU kernel), for
+  anything else, and for soft-capped scores (`softcap`, Gemma 2), which torch's fused
+  kernels cannot do. Capping is per score, so the log-sum-exp merge is unchanged.
 `path` defaults to the tensors' device; tests force "cuda" on CPU tensors (with a
 dispatch mode that stands in for the CUDA kernels) to count its ops.
 
@@ -64,11 +66,12 @@ class StreamedAttention:
     the output over all of them [B, Hq, T, D]."""
 
     def __init__(self, q, n_kv: int, scale: float | None = None, path: str | None = None,
-                 group: int = GROUP):
+                 group: int = GROUP, softcap: float | None = None):
         self.q, self.n_kv, self.group = q, n_kv, group
         self.scale = q.shape[-1] ** -0.5 if scale is None else scale
+        self.softcap = softcap or None  # scores -> softcap * tanh(score / softcap)
         self.path = path or default_path(q.device)
-        if self.path == "cuda" and not (flash_attn_fits(q) or _efficient_ok(q)):
+        if self.softcap or (self.path == "cuda" and not (flash_attn_fits(q) or _efficient_ok(q))):
             self.path = "reference"
         self.qf = _fold(q, n_kv).contiguous()  # [B, Hkv, G*T, D], folded once for all blocks
         self.outs, self.lses = [], []  # pending block results, folded layout
@@ -77,7 +80,7 @@ class StreamedAttention:
     def add(self, k, v):
         """A block k, v [B, Hkv, S, D] that every query sees whole (keys before the first query)."""
         if self.path == "reference":
-            o, lse = attention_lse(self.q, k, v, k.shape[2], 0, self.scale)  # all visible
+            o, lse = attention_lse(self.q, k, v, k.shape[2], 0, self.scale, self.softcap)  # all visible
             self._push(_fold(o, self.n_kv), lse.reshape(self.qf.shape[:3]))
         else:
             self._push(*fused_lse(self.qf, k, v, self.scale, self.path))
@@ -90,7 +93,7 @@ class StreamedAttention:
             kr, vr = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
             o, lse = fused_lse(self.q, kr, vr, self.scale, "cuda", causal=True)
         else:
-            o, lse = attention_lse(self.q, k, v, q_pos0, k_pos0, self.scale)
+            o, lse = attention_lse(self.q, k, v, q_pos0, k_pos0, self.scale, self.softcap)
         self._push(_fold(o, self.n_kv), lse.reshape(self.qf.shape[:3]))
 
     def _push(self, o, lse):

@@ -19,7 +19,9 @@
  * the activations feeding the next layer are quantized (a last-bit difference there can
  * flip a rounding). Blocks of keys have a fixed size (kernels/native.py BLOCK), so every
  * row's blocks and their merge order are the same too.
- * Probabilities and sums are float32 throughout.
+ * Probabilities and sums are float32 throughout. Soft-capped scores (Gemma 2: softcap > 0)
+ * become softcap * tanh(score * scale / softcap), element by element after the dot
+ * products, so that identity holds for them too; softcap 0 takes the plain scaling loop.
  * Vectors are GCC/Clang vector extensions of 16 floats: the compiler maps them onto
  * whatever the CPU has (one AVX-512 register, two AVX2 ones, four NEON ones).
  */
@@ -86,6 +88,38 @@ static inline v16 exp_neg16(v16 x) {
     p = p * r + 5.0000001201e-1f;
     const v16 y = p * r * r + r + 1.0f;
     return y * (v16)((ni + 127) << 23);
+}
+
+/* tanh of 16 values, Cephes' tanhf in vector extensions: x + x^3 P(x^2) below |x| 0.625,
+ * else (1 - e) / (1 + e) with e = exp(-2|x|); the sign copied back. Relative error about
+ * 3e-7; each lane on its own (a value's result does not depend on its neighbours). */
+static inline v16 tanh16(v16 x) {
+    const u32x16 sign = (u32x16)x & 0x80000000u;
+    const v16 a = (v16)((u32x16)x & 0x7fffffffu);
+    const v16 e = exp_neg16(a * -2.0f);
+    const v16 big = (1.0f - e) / (1.0f + e);
+    const v16 z = a * a;
+    v16 p = z * -5.70498872745e-3f + 2.06390887954e-2f;
+    p = p * z - 5.37397155531e-2f;
+    p = p * z + 1.33314422036e-1f;
+    p = p * z - 3.33332819422e-1f;
+    const v16 small = p * z * a + a;
+    v16 edge = {0};
+    edge += 0.625f;
+    const i16x16 lo = a < edge;
+    const v16 t = (v16)(((i16x16)small & lo) | ((i16x16)big & ~lo));
+    return (v16)((u32x16)t | sign);
+}
+
+/* s[0 .. n-1] = cap * tanh(s * scale / cap): soft-capped scores (Gemma 2) */
+static inline void softcap_row(float *restrict s, int64_t n, float scale, float cap) {
+    for (int64_t j = 0; j < n; j += 16) {
+        const int64_t w = n - j < 16 ? n - j : 16;
+        v16 x = {0};
+        memcpy(&x, s + j, sizeof(float) * w);
+        x = tanh16(x * scale / cap) * cap;
+        memcpy(s + j, &x, sizeof(float) * w);
+    }
 }
 
 /* softmax statistics of s[0 .. n-1] in place: s becomes exp(s - m) (0 from n on, up to
@@ -282,7 +316,7 @@ static inline __attribute__((always_inline)) void pv_rows(
 
 static inline __attribute__((always_inline)) void block_item(
         const float *qh, const uint32_t *qp, const void *k, const void *v, int bf16,
-        float scale, int64_t base, int64_t ss, const int64_t *nvis, int64_t R, int64_t j0,
+        float scale, float softcap, int64_t base, int64_t ss, const int64_t *nvis, int64_t R, int64_t j0,
         int64_t jend, int64_t block, float *restrict scores, uint32_t *restrict kt,
         float *restrict ph, const int DV) {
     const int64_t D = 16 * DV, W = D + 2, n = jend - j0;
@@ -303,7 +337,10 @@ static inline __attribute__((always_inline)) void block_item(
     for (int64_t r = 0; r < R; r++) {
         float *pr = ph + r * W, *s = scores + r * block, l = 0.f;
         const int64_t nr = (nvis[r] < jend ? nvis[r] : jend) - j0;
-        for (int64_t jj = 0; jj < nr; jj++) s[jj] *= scale;
+        if (softcap > 0.f)
+            softcap_row(s, nr, scale, softcap);
+        else
+            for (int64_t jj = 0; jj < nr; jj++) s[jj] *= scale;
         pr[D] = nr > 0 ? softmax_row(s, nr, len, &l) : -INFINITY;
         if (nr <= 0) memset(s, 0, sizeof(float) * len);
         pr[D + 1] = l;
@@ -319,6 +356,7 @@ static inline __attribute__((always_inline)) void block_item(
 /*
  * q     [H, R, D] float32, contiguous
  * scale softmax scale, applied to the dot products
+ * softcap  > 0: scores -> softcap * tanh(score * scale / softcap) (Gemma 2); 0: off
  * k, v  head h, key j, dim d at  h*hs + j*ss + d  (float32 or bfloat16)
  * nvis  [R] keys each row sees (a prefix 0 .. nvis[r]-1 of the S keys)
  * part  [H, NB, R, D + 2] float32 scratch, NB = ceil(S / block)
@@ -326,7 +364,7 @@ static inline __attribute__((always_inline)) void block_item(
  * Returns 0; -1 when D is not a multiple of 16 up to 256 or `block` not a multiple of TK;
  * -2 when scratch memory could not be allocated.
  */
-int triforce_attend(const float *q, const void *k, const void *v, int bf16, float scale,
+int triforce_attend(const float *q, const void *k, const void *v, int bf16, float scale, float softcap,
                     int64_t H, int64_t R, int64_t D, int64_t S, int64_t hs, int64_t ss,
                     const int64_t *nvis, int64_t block, float *part, float *out, float *lse) {
     /* the tiled scores write whole tiles of TK keys into a row of `block` floats */
@@ -365,13 +403,13 @@ int triforce_attend(const float *q, const void *k, const void *v, int bf16, floa
             float *ph = part + (h * NB + b) * R * W;
             /* the common head sizes get fully unrolled code */
             if (DV == 4)
-                block_item(qh, qph, k, v, bf16, scale, h * hs, ss, nvis, R,
+                block_item(qh, qph, k, v, bf16, scale, softcap, h * hs, ss, nvis, R,
                            j0, jend, block, scores, kt, ph, 4);
             else if (DV == 8)
-                block_item(qh, qph, k, v, bf16, scale, h * hs, ss, nvis, R,
+                block_item(qh, qph, k, v, bf16, scale, softcap, h * hs, ss, nvis, R,
                            j0, jend, block, scores, kt, ph, 8);
             else
-                block_item(qh, qph, k, v, bf16, scale, h * hs, ss, nvis, R,
+                block_item(qh, qph, k, v, bf16, scale, softcap, h * hs, ss, nvis, R,
                            j0, jend, block, scores, kt, ph, DV);
         }
         free(scores);

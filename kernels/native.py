@@ -108,7 +108,7 @@ def load():
                 lib = ctypes.CDLL(str(build()))
                 f = lib.triforce_attend
                 f.restype = ctypes.c_int
-                f.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_float]
+                f.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_float, ctypes.c_float]
                               + [ctypes.c_int64] * 6
                               + [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3)
                 lib.triforce_vector_bits.restype = ctypes.c_int
@@ -140,13 +140,15 @@ def enabled() -> bool:
 
 
 def status() -> str:
-    """One phrase for `triforce-offload info`: which attention kernel runs and why."""
+    """One phrase for `triforce-offload info`: which attention kernel runs and why (also
+    for soft-capped scores, Gemma 2's, which torch's SDPA cannot do)."""
+    capped = "; soft-capped attention: explicit fp32 scores"
     if not available():
-        return f"torch ({reason()})"
+        return f"torch ({reason()}){capped}"
     if enabled():
-        return f"native ({vector_bits()}-bit vectors)"
+        return f"native ({vector_bits()}-bit vectors; soft-capping in the kernel)"
     return (f"torch (native kernel built for {vector_bits()}-bit vectors, slower than torch "
-            "there; TRIFORCE_OFFLOAD_NATIVE=1 forces it)")
+            f"there; TRIFORCE_OFFLOAD_NATIVE=1 forces it){capped}")
 
 
 def supports(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -167,11 +169,13 @@ def visible_keys(q_pos0: int, T: int, G: int, k_pos0: int, S: int) -> torch.Tens
     return torch.tensor(row * G, dtype=torch.int64)
 
 
-def attend(q, k, v, q_pos0: int, k_pos0: int = 0, scale: float | None = None, out_dtype=None):
+def attend(q, k, v, q_pos0: int, k_pos0: int = 0, scale: float | None = None, out_dtype=None,
+           softcap: float | None = None):
     """Causal attention of q [1, Hq, T, D] over k, v [1, Hkv, S, D] -> (out [1, Hq, T, D]
     in `out_dtype` (default q's), lse [1, Hq, T] float32); a query that sees no key gets
     out 0 and lse -inf. Query t sits at position q_pos0 + t and sees
-    the keys at positions <= its own (keys start at k_pos0)."""
+    the keys at positions <= its own (keys start at k_pos0). `softcap` (None or 0: off):
+    the scaled scores become softcap * tanh(score / softcap) before the softmax (Gemma 2)."""
     _, Hq, T, D = q.shape
     H, S = k.shape[1], k.shape[2]
     if v.stride() != k.stride():
@@ -197,7 +201,7 @@ def attend(q, k, v, q_pos0: int, k_pos0: int = 0, scale: float | None = None, ou
         o = out[:, r0:r1].contiguous() if (r0, r1) != (0, R) else out
         ls = lse[:, r0:r1].contiguous() if (r0, r1) != (0, R) else lse
         rc = lib.triforce_attend(qs.data_ptr(), k.data_ptr(), v.data_ptr(), int(k.dtype == torch.bfloat16),
-                                 scale, H, r1 - r0, D, S, k.stride(1),
+                                 scale, float(softcap or 0.0), H, r1 - r0, D, S, k.stride(1),
                                  k.stride(2), nvis[r0:r1].data_ptr(), block, part.data_ptr(),
                                  o.data_ptr(), ls.data_ptr())
         if rc == -2:

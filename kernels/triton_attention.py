@@ -16,7 +16,9 @@ kernel. Two launches per call:
 Keys past the length are never loaded (masked loads), so the buffer's tail may hold
 anything. The number of splits is a static function of the buffer capacity, the batch and
 head counts and the device. Scores run in base 2 (scale * log2 e folded in); the returned
-lse is natural-log.
+lse is natural-log. A `softcap` (Gemma 2) turns the scaled scores into
+softcap * tanh(score / softcap) before the mask, tanh by exp2 (a constexpr: no cost
+without it).
 
 The module imports without triton; `available()` and `reason()` say whether it can run.
 Kernels are built on first use, so `TRITON_INTERPRET=1` (CPU tensors, tests) takes effect
@@ -70,8 +72,8 @@ def reason() -> str:
 
 def _split_body(Q, K, V, Lens, QPos, qpos_val, Acc, Mx, Sm,
                 sqb, sqh, sqt, skb, skh, skn, svb, svh, svn, sl, sqp,
-                n_kv, G, T, R, D, splits, qk_scale,
-                QPOS_MODE: tl.constexpr, CAUSAL: tl.constexpr, DOT_F32: tl.constexpr,
+                n_kv, G, T, R, D, splits, qk_scale, softcap,
+                QPOS_MODE: tl.constexpr, CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr,
                 PRECISION: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     bh = tl.program_id(0)
@@ -122,6 +124,10 @@ def _split_body(Q, K, V, Lens, QPos, qpos_val, Acc, Mx, Sm,
         if DOT_F32:
             k = k.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [M, N], log2 units
+        if SOFTCAP:  # qk_scale is the plain scale here: softcap * tanh(qk / softcap), then log2 units
+            e = tl.exp2(tl.abs(qk / softcap) * -2.8853900817779268)  # exp(-2|y|), in (0, 1]
+            th = (1.0 - e) / (1.0 + e)
+            qk = tl.where(qk < 0, -th, th) * (softcap * 1.4426950408889634)
         vis = n_ok[None, :]
         if CAUSAL:
             vis = vis & (n[None, :] <= last[:, None])
@@ -338,26 +344,29 @@ def _qpos_args(q_pos0, lens, B: int):
 
 
 def decode_attention_lse(q, k, v, length, q_pos0=None, scale=None, block_n=None, splits=None,
-                         causal: bool = True, out_dtype=None):
+                         causal: bool = True, out_dtype=None, softcap: float | None = None):
     """Attention of the last T query tokens over a fixed-capacity KV buffer.
 
     q [B, Hq, T, D]; k, v [B, Hkv, S_cap, D] (any strides, head_dim contiguous);
     `length` [B] or [1] int device tensor: keys [0, length) are valid. Causal: query t sits
     at position q_pos0 + t (q_pos0 defaults to length - T, a tensor, an int or omitted) and
     sees keys j <= q_pos0 + t. Non-causal (`causal=False`): every query sees [0, length).
+    `softcap` (None or 0: off): scaled scores soft-capped, softcap * tanh(score / softcap).
     Returns out [B, Hq, T, D] (q's dtype, or `out_dtype`) and lse [B, Hq, T] fp32 (natural
     log of the sum of exp of the scaled scores; -inf with out 0 for a row that sees no key).
     """
     if not available():
         raise RuntimeError(f"triton decode attention unavailable: {reason()}")
-    launches, out, lse = plan(q, k, v, length, q_pos0, scale, block_n, splits, causal, out_dtype)
+    launches, out, lse = plan(q, k, v, length, q_pos0, scale, block_n, splits, causal, out_dtype,
+                              softcap=softcap)
     for kernel, grid, args, kwargs in launches:
         kernel[grid](*args, **kwargs)
     return out, lse
 
 
 def plan(q, k, v, length, q_pos0=None, scale=None, block_n=None, splits=None,
-         causal: bool = True, out_dtype=None, capability: int | None = None):
+         causal: bool = True, out_dtype=None, capability: int | None = None,
+         softcap: float | None = None):
     """The two launches of `decode_attention_lse` as (kernel, grid, args, kwargs), with the
     outputs they write: what runs, and what tests/test_triton_compile.py binds and compiles
     for each GPU target through Triton's own launcher (same constexprs, same divisibility
@@ -395,8 +404,8 @@ def plan(q, k, v, length, q_pos0=None, scale=None, block_n=None, splits=None,
         q, k, v, lens, qpos, qpos_val, acc, mx, sm,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), sl, sqp,
-        n_kv, G, T, R, D, splits, scale * LOG2E),
-        dict(QPOS_MODE=qpos_mode, CAUSAL=bool(causal), **cfg.constexprs(block_n),
+        n_kv, G, T, R, D, splits, scale if softcap else scale * LOG2E, float(softcap or 1.0)),
+        dict(QPOS_MODE=qpos_mode, CAUSAL=bool(causal), SOFTCAP=bool(softcap), **cfg.constexprs(block_n),
              num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     merge = (merge_k, (B * n_kv * R,), (
         acc, mx, sm, out, lse, out.stride(0), out.stride(1), out.stride(2),
@@ -406,6 +415,7 @@ def plan(q, k, v, length, q_pos0=None, scale=None, block_n=None, splits=None,
 
 
 def decode_attention(q, k, v, length, q_pos0=None, scale=None, block_n=None, splits=None,
-                     causal: bool = True):
+                     causal: bool = True, softcap: float | None = None):
     """`decode_attention_lse` without the lse: out [B, Hq, T, D] in q's dtype."""
-    return decode_attention_lse(q, k, v, length, q_pos0, scale, block_n, splits, causal)[0]
+    return decode_attention_lse(q, k, v, length, q_pos0, scale, block_n, splits, causal,
+                                softcap=softcap)[0]
