@@ -332,7 +332,22 @@ def copy_prefix(src, dst, n: int):
         lo = 0 if layer in src.full_layers else src.ring.first(n)
         k, v = src.keys(layer, n) if layer in src.full_layers else src.recent(layer, lo, n)
         dst.put(layer, lo, k, v)  # [B, Hkv, n - lo, D]
+    if src.ring is not None and dst.ring is not None:
+        dst.ring.hold_from(src.ring.first(n))
     dst.commit(n)
+
+
+def held_from(cache, n: int) -> int:
+    """The first position of [0, n) whose KV every layer of `cache` (of length >= n) still
+    holds: 0 without rings, else where its window layers' rings start (`WindowRing.span`)."""
+    return 0 if cache.ring is None else cache.ring.span(n)
+
+
+def band_held(lo: int, window: int | None, n: int) -> bool:
+    """Whether window layers holding the positions from `lo` on (to n) have the band a
+    forward at n reads: [n - window + 1, n), or from 0. The one rule for resuming a ring,
+    reusing a kept cache and loading a --kv-dir entry at n."""
+    return window is None or max(n - window + 1, 0) >= lo
 
 
 class WindowRing:
@@ -371,7 +386,16 @@ class WindowRing:
 
     def holds(self, n: int) -> bool:
         """Whether a forward at n still finds its band of earlier positions."""
-        return self.floor <= self.first(n)
+        return band_held(self.floor, self.window, n)
+
+    def span(self, n: int) -> int:
+        """The first position of [0, n) the ring holds, its owner's length being >= n."""
+        return max(self.floor, n - self.size, 0)
+
+    def hold_from(self, lo: int):
+        """Only positions from `lo` on were written (a prefix's band put into a new ring,
+        `copy_prefix`, a --kv-dir entry): the ring holds nothing below."""
+        self.floor = max(self.floor, lo)
 
     def settle(self, n: int):
         """The owning cache's length moves to n: its band must still be here."""

@@ -1,15 +1,24 @@
 """KV on disk (`--kv-dir`): a run's KV saved with the token ids it belongs to, loaded by a
 later run or server of the same model instead of prefilling that prefix.
 
-One file per entry: a magic line, a JSON header line, each layer's K and V of the entry's
-N tokens, token-major ([N, B, Hkv, D]) in the KV dtype, and a JSON trailer line with the
-CRC-32 of every block (checked on loading: wrong KV would silently change the output). The header names the model (a hash of its weights and of its
-config without RoPE), the dtype, the RoPE settings, the cache shape and the token ids; an
-entry that differs in any of them is not used (one line says why, once). Files are written
-to a temporary name and renamed, so a reader never sees half an entry; a file that does not
-parse or is shorter than its header says is skipped with a warning. Loading streams one
-layer at a time into the cache (never a second copy of the whole KV in memory). The folder
-is kept within `limit` bytes, least recently used entries first.
+One file per entry: a magic line, a JSON header line, each layer's K and V, token-major
+([N, B, Hkv, D]) in the KV dtype, and a JSON trailer line with the CRC-32 of every block
+(checked on loading: wrong KV would silently change the output). The header names the model
+(a hash of its weights and of its config without RoPE), the dtype, the RoPE settings, the
+cache shape, the token ids, and each layer's kind (`layers`: full_attention or
+sliding_attention) with the `window`; an entry that differs in any of them is not used (one
+line says why, once). A global layer's blocks hold all N tokens; a window layer's hold the
+positions `window_held` [lo, N) only: what its ring held (lo = 0 for a cache that keeps
+window layers whole). An entry serves a prompt sharing n of its tokens when every window
+layer has the band a forward at n reads (`cache.band_held`: n >= lo + window - 1, or lo =
+0): a follow-up extending the saved conversation, not a prompt that leaves it earlier (that
+one prefills cold, said once). Entries written before layer kinds were recorded (no
+`layers`) load for all-global models and are refused for windowed ones.
+
+Files are written to a temporary name and renamed, so a reader never sees half an entry; a
+file that does not parse or is shorter than its header says is skipped with a warning.
+Loading streams one layer at a time into the cache (never a second copy of the whole KV in
+memory). The folder is kept within `limit` bytes, least recently used entries first.
 """
 from __future__ import annotations
 
@@ -24,33 +33,49 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .cache import band_held, held_from
 
-MAGIC = b"TRIFORCE-KV 1\n"
+
+MAGIC = b"TRIFORCE-KV 1\n"  # unchanged by `layers`: entries written before it still load
 HEADER_MAX = 64 << 20  # a header line longer than this is a damaged file
+KINDS = ("full_attention", "sliding_attention")
 
 
-def longest_prefix(items, prompt: list[int]) -> tuple[object, int]:
+def longest_prefix(items, prompt: list[int], usable=None) -> tuple[object, int]:
     """(key, n) of the (key, ids) item whose int64 `ids` share the longest prefix with
-    `prompt`, n at most len(prompt) - 1 (the last prompt token is always prefilled);
-    (None, 0) when none shares a token. Kept caches and --kv-dir entries alike."""
+    `prompt`, n at most len(prompt) - 1 (the last prompt token is always prefilled), of
+    those `usable(key, n)` at that n (None: every one); (None, 0) when none shares a token.
+    Kept caches and --kv-dir entries alike."""
     p = np.asarray(prompt, dtype=np.int64)
     best, n_best = None, 0
     for key, ids in items:
         m = min(len(ids), len(p) - 1)
         diff = np.flatnonzero(ids[:m] != p[:m])
         n = int(diff[0]) if diff.size else m
-        if n > n_best:
+        if n > n_best and (usable is None or usable(key, n)):
             best, n_best = key, n
     return best, n_best
 
 
 def holds(ids: np.ndarray, prefix: np.ndarray) -> bool:
-    """`prefix` (token ids) is a prefix of `ids`: an entry of `ids` makes one of `prefix` redundant."""
+    """`prefix` (token ids) is a prefix of `ids`."""
     return len(prefix) <= len(ids) and np.array_equal(ids[:len(prefix)], prefix)
 
 
+def covers(ids: np.ndarray, lo: int, other: np.ndarray, other_lo: int) -> bool:
+    """An entry of `ids` whose window layers hold the positions from `lo` on serves every
+    prompt an entry of `other` (from `other_lo`) serves: the second one is redundant."""
+    return lo <= other_lo and holds(ids, other)
+
+
+def layer_kinds(cfg) -> list[str]:
+    """Each layer's attention kind as it runs (a sliding layer without a window is global)."""
+    return [KINDS[w is not None] for w in cfg.windows]
+
+
 def model_identity(loaded) -> dict:
-    """What an entry must match: the model (weights and config), dtype, RoPE and KV shape."""
+    """What an entry must match: the model (weights and config), dtype, RoPE, KV shape and
+    layer kinds."""
     cfg = asdict(loaded.cfg)
     theta, scaling = cfg.pop("rope_theta"), cfg.pop("rope_scaling") or {}
     cfg.pop("max_position_embeddings")  # follows the RoPE scaling
@@ -61,9 +86,18 @@ def model_identity(loaded) -> dict:
             flat = p.reshape(-1)
             ends = torch.cat([flat[:256], flat[-256:]]).float().cpu().numpy()
             h.update(f"{name}{tuple(p.shape)}".encode() + ends.tobytes())
+    kinds = layer_kinds(loaded.cfg)
     return {"model": h.hexdigest()[:32], "dtype": str(loaded.kv_dtype).removeprefix("torch."),
             "rope": rope,
-            "shape": [loaded.cfg.n_layers, 1, loaded.cfg.n_kv_heads, loaded.cfg.head_dim]}
+            "shape": [loaded.cfg.n_layers, 1, loaded.cfg.n_kv_heads, loaded.cfg.head_dim],
+            "layers": kinds, "window": loaded.cfg.sliding_window if KINDS[1] in kinds else None}
+
+
+def spans(head: dict) -> list[tuple[int, int]]:
+    """The positions [lo, N) each layer's blocks hold: all N tokens of a global layer, a
+    window layer's from `window_held`."""
+    lo, n = head["window_held"]
+    return [(0 if kind == KINDS[0] else lo, n) for kind in head["layers"]]
 
 
 class KVDir:
@@ -87,38 +121,76 @@ class KVDir:
     def _add(self, f: Path):
         try:
             head = read_header(f)
-        except (OSError, ValueError, KeyError) as e:
+        except (OSError, ValueError, KeyError, TypeError) as e:
             return self._say(f.name, f"skipping {f.name}: unreadable or corrupt ({e})")
         why = next((f"{k} {head[k]} (this run: {self.me[k]})" if k != "model"
                     else "another model (weights or config differ)"
                     for k in ("dtype", "rope", "shape", "model") if head[k] != self.me[k]), None)
+        if why is None and "layers" not in head:  # written before entries recorded layer kinds
+            if KINDS[1] in self.me["layers"]:
+                why = ("written without layer kinds (an older version), and this model has "
+                       "window layers")
+            head.update(layers=self.me["layers"], window=None, window_held=[0, len(head["ids"])])
+        why = why or next((f"{k} {head[k]} (this run: {self.me[k]})"
+                           for k in ("layers", "window") if head[k] != self.me[k]), None)
         if why:
             return self._say(f.name, f"not using {f.name}: {why}")
         head["ids"] = np.asarray(head["ids"], dtype=np.int64)
         self.index[f.name] = head
 
+    def usable(self, name: str, n: int) -> bool:
+        """Entry `name` serves a prompt sharing n of its tokens: its window layers hold the
+        band a forward at n reads (`cache.band_held`, the rule of kept caches too)."""
+        head = self.index[name]
+        return band_held(head["window_held"][0], head["window"], n)
+
     def match(self, prompt: list[int]) -> tuple[str | None, int]:
-        """The entry sharing the longest prefix with prompt and its length (< len(prompt))."""
-        return longest_prefix(((name, head["ids"]) for name, head in self.index.items()), prompt)
+        """The usable entry sharing the longest prefix with prompt and its length (<
+        len(prompt)). An entry sharing more whose window layers do not hold that prefix's
+        band is said once: the prompt leaves the saved tokens too early."""
+        items = [(name, head["ids"]) for name, head in self.index.items()]
+        name, n = longest_prefix(items, prompt, self.usable)
+        other, m = longest_prefix(items, prompt)
+        if m > n:
+            head = self.index[other]
+            lo = head["window_held"][0]
+            self._say(f"{other} band", f"not using {other}: the prompt shares {m} of its "
+                      f"{len(head['ids'])} tokens, but its window layers hold positions {lo}.. only "
+                      f"(it serves a prompt sharing at least {lo + head['window'] - 1})")
+        return name, n
 
     def load(self, name: str, cache, n: int) -> bool:
-        """Stream the first n tokens' KV of entry `name` into `cache` (commits n), one
-        layer at a time, each checked against its CRC; False, with a warning, when the file
-        is gone, short or damaged."""
+        """Stream the KV of entry `name` a forward at n needs into `cache` (commits n):
+        positions [0, n) of global layers, a window layer's band, one layer at a time, each
+        checked against its CRC; False, with a warning, when the file is gone, short or
+        damaged, or when the cache keeps window layers whole and the entry holds their
+        latest positions only."""
         f, head = self.path / name, self.index[name]
         L, B, H, D = head["shape"]
-        block = len(head["ids"]) * B * H * D * self.elem  # one layer's K (or V)
+        held, N = spans(head), len(head["ids"])
+        if cache.ring is None and any(lo for lo, _ in held):
+            self.note(f"kv-dir: not loading {name}: this cache keeps window layers whole, "
+                      f"the entry their positions from {head['window_held'][0]} on only")
+            return False
         try:
-            crcs = read_trailer(f, head["offset"] + 2 * L * block)
-            buf = torch.empty((2, len(head["ids"]), B, H, D), dtype=self.dtype)  # K, V [N, B, Hkv, D]
-            raw = [memoryview(b.view(torch.uint8).numpy()).cast("B") for b in buf]
+            crcs = read_trailer(f, head["offset"] + 2 * sum(N - lo for lo, _ in held) * B * H * D * self.elem)
+            buf = torch.empty((2, N, B, H, D), dtype=self.dtype)  # K, V [N, B, Hkv, D]
+            band = None  # the first position window layers were given
             with open(f, "rb") as fh:
                 fh.seek(head["offset"])
-                for layer in range(L):
+                for layer, (lo, _) in enumerate(held):
+                    kv = buf[:, :N - lo]  # positions lo..N-1
                     for i in range(2):
-                        if fh.readinto(raw[i]) != block or zlib.crc32(raw[i]) != crcs[layer][i]:
+                        raw = memoryview(kv[i].view(torch.uint8).numpy()).cast("B")
+                        if fh.readinto(raw) != len(raw) or zlib.crc32(raw) != crcs[layer][i]:
                             raise ValueError(f"layer {layer} is damaged")
-                    cache.put(layer, 0, *(b[:n].permute(1, 2, 0, 3) for b in buf))
+                    a = lo if cache.ring is None or layer not in cache.ring else max(n - head["window"] + 1, 0)
+                    if a < lo:
+                        raise ValueError(f"its window layers lack positions {a}..{lo - 1}")
+                    band = a if lo else band
+                    cache.put(layer, a, *(b[a - lo:n - lo].permute(1, 2, 0, 3) for b in kv))
+            if cache.ring is not None and band is not None:
+                cache.ring.hold_from(band)
             cache.commit(n)
         except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
             self.index.pop(name, None)
@@ -128,29 +200,35 @@ class KVDir:
         return True
 
     def save(self, cache, ids: list[int]):
-        """Write the cache's KV of ids (all committed) as a new entry, unless an entry holds
-        them already; entries it contains are removed; then keep within the limit."""
+        """Write the cache's KV of ids (all committed) as a new entry, the window layers'
+        rings as the positions they hold, unless an entry serves every prompt it would
+        (`covers`); entries it covers are removed; then keep within the limit."""
         ids = np.asarray(ids, dtype=np.int64)
-        if any(holds(head["ids"], ids) for head in self.index.values()):
+        N, window = len(ids), self.me["window"]
+        lo = held_from(cache, N) if window else 0
+        if not band_held(lo, window, N):
+            return self._say("ring", f"not saving {N} tokens' KV: its window layers' rings "
+                             f"no longer hold positions {N - window + 1}..{N - 1}")
+        if any(covers(head["ids"], head["window_held"][0], ids, lo) for head in self.index.values()):
             return
-        if getattr(cache, "ring", None) is not None:  # entries hold every layer's whole KV
-            return self._say("ring", "not saving: the window layers keep only their last "
-                             "window of tokens (rings), which entries do not record yet")
+        head = {**self.me, "ids": ids.tolist(), "window_held": [lo, N]}
         L, B, H, D = self.me["shape"]
-        size = 2 * L * len(ids) * B * H * D * self.elem
+        held = spans(head)
+        size = 2 * sum(N - a for a, _ in held) * B * H * D * self.elem
         if size > self.limit:
-            return self._say("limit", f"not saving {len(ids)} tokens' KV ({size / 2**20:.0f} MiB): "
+            return self._say("limit", f"not saving {N} tokens' KV ({size / 2**20:.0f} MiB): "
                              "over --kv-dir-limit")
         key = json.dumps(self.me, sort_keys=True).encode() + ids.tobytes()  # model and tokens
-        name = hashlib.sha256(key).hexdigest()[:24] + ".kv"
+        name = hashlib.sha256(key + str(lo).encode()).hexdigest()[:24] + ".kv"
         tmp = self.path / f".{name}.{os.getpid()}.tmp"
         try:
             with open(tmp, "wb") as fh:
-                fh.write(MAGIC + json.dumps({**self.me, "ids": ids.tolist()}).encode() + b"\n")
+                fh.write(MAGIC + json.dumps(head).encode() + b"\n")
                 crcs = []
-                for layer in range(L):
+                for layer, (a, _) in enumerate(held):
                     crcs.append([])
-                    for t in cache.keys(layer, len(ids)):  # [B, Hkv, n, D] -> [n, B, Hkv, D]
+                    kv = cache.recent(layer, a, N) if a else cache.keys(layer, N)
+                    for t in kv:  # [B, Hkv, n, D] -> [n, B, Hkv, D]
                         raw = memoryview(t.permute(2, 0, 1, 3).contiguous().cpu().view(torch.uint8).numpy()).cast("B")
                         fh.write(raw)
                         crcs[-1].append(zlib.crc32(raw))
@@ -159,7 +237,7 @@ class KVDir:
         except OSError as e:
             tmp.unlink(missing_ok=True)
             return self._say("save", f"could not save an entry: {e}")
-        for old in [k for k, h in self.index.items() if holds(ids, h["ids"])]:
+        for old in [k for k, h in self.index.items() if covers(ids, lo, h["ids"], h["window_held"][0])]:
             self._remove(old)
         self._add(self.path / name)
         self._evict()
@@ -191,7 +269,24 @@ def read_header(f: Path) -> dict:
     for k in ("model", "dtype", "rope", "shape", "ids"):
         if k not in head:
             raise ValueError(f"the header lacks {k!r}")
+    if "layers" in head:
+        check_kinds(head)
     return head
+
+
+def check_kinds(head: dict):
+    """The layer kinds of a header agree with its shape, and `window_held` with its tokens."""
+    kinds, n = head["layers"], len(head["ids"])
+    if not isinstance(kinds, list) or len(kinds) != head["shape"][0] or not set(kinds) <= set(KINDS):
+        raise ValueError(f"the header's layers are not {head['shape'][0]} of {', '.join(KINDS)}")
+    held = head.get("window_held", [0, n])
+    if not (isinstance(held, list) and len(held) == 2 and all(type(x) is int for x in held)
+            and 0 <= held[0] <= held[1] == n):
+        raise ValueError(f"the header's window_held {held} is not [lo, {n}] with 0 <= lo <= {n}")
+    window = head.get("window")
+    if KINDS[1] in kinds and not (type(window) is int and window >= 1):
+        raise ValueError(f"the header's window {window} is not a positive integer")
+    head["window_held"] = held
 
 
 def read_trailer(f: Path, at: int) -> list:

@@ -11,7 +11,10 @@ An entry is taken over when the prompt reuses most of it (this run's entry super
 and it has room; otherwise the shared prefix is copied into a new cache and the entry
 stays for other prompts. Entries are evicted least recently used first to stay within
 `max_bytes`. With a KVDir (`--kv-dir`) every kept cache is also saved to disk, and a
-prefix that is longer on disk than in memory is loaded from there. A kept cache was
+prefix that is longer on disk than in memory is loaded from there. Models with window
+layers keep their rings: an entry serves a prompt sharing n of its tokens only when its
+rings hold the band a forward at n reads (`cache.band_held`, the rule of --kv-dir entries
+too), and a prompt that leaves the kept tokens earlier prefills cold. A kept cache was
 closed after its run (finish_stats): an offloaded one's copier thread starts again on
 its next use.
 """
@@ -24,8 +27,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .cache import copy_prefix
-from .kv_disk import KVDir, holds, longest_prefix
+from .cache import copy_prefix, held_from
+from .kv_disk import KVDir, covers, longest_prefix
 from .options import parse_size
 
 ROOM = 1024  # kept caches' capacity is a multiple of this many tokens
@@ -45,6 +48,7 @@ def prefix_store(o, loaded, memory: bool, note=print, save_later: bool = False):
 class Entry:
     ids: np.ndarray  # token ids whose KV the cache holds, [n] int64
     cache: object  # a full cache committed to len(ids)
+    lo: int = 0  # window layers' rings hold the positions from lo on (cache.held_from)
 
 
 class PrefixCache:
@@ -62,8 +66,10 @@ class PrefixCache:
 
     def match(self, prompt: list[int]) -> tuple[Entry | None, int]:
         """The entry sharing the longest prefix with `prompt` and that length, at most
-        len(prompt) - 1 (the last prompt token is always prefilled)."""
-        return longest_prefix(((e, e.ids) for e in self.entries), prompt)
+        len(prompt) - 1 (the last prompt token is always prefilled), of those whose window
+        layers' rings hold that prefix's band (`resumable`)."""
+        return longest_prefix(((e, e.ids) for e in self.entries), prompt,
+                              lambda e, n: e.cache.resumable(n))
 
     def take(self, prompt: list[int], capacity: int, make) -> tuple[object, int, str | None]:
         """(a full cache of at least `capacity` tokens holding the KV of prompt[:n], n, where
@@ -73,8 +79,6 @@ class PrefixCache:
         new = lambda: make(-(-capacity // ROOM) * ROOM)
         with self.lock:
             e, n = self.match(prompt)
-        if e is not None and not e.cache.resumable(n):
-            e, n = None, 0  # its window layers' rings moved past the shared prefix: a cold start
         name, n_disk = self.disk.match(prompt) if self.disk else (None, 0)
         if n_disk > n:
             cache = new()
@@ -100,7 +104,8 @@ class PrefixCache:
 
     def keep(self, cache, ids: list[int]):
         """Keep `cache` holding the KV of ids[:cache.length] (and save it to disk); drops
-        entries it contains and evicts the least recently used ones beyond max_bytes."""
+        entries it covers (`kv_disk.covers`) and evicts the least recently used ones beyond
+        max_bytes."""
         cache.hold(None)  # a layer-major prefill may have been cancelled
         n = min(cache.length, len(ids))
         if self.disk is not None and n:
@@ -109,9 +114,9 @@ class PrefixCache:
                 self.save()
         if n == 0 or cache.nbytes() > self.max_bytes:
             return cache.close()
-        new = Entry(np.asarray(ids[:n], dtype=np.int64), cache)
+        new = Entry(np.asarray(ids[:n], dtype=np.int64), cache, held_from(cache, n))
         with self.lock:
-            gone = [e for e in self.entries if holds(new.ids, e.ids)]
+            gone = [e for e in self.entries if covers(new.ids, new.lo, e.ids, e.lo)]
             self.entries = [e for e in self.entries if e not in gone] + [new]
             while sum(e.cache.nbytes() for e in self.entries) > self.max_bytes:
                 gone.append(self.entries.pop(0))
