@@ -52,6 +52,7 @@ class KVCache:
     def __init__(self, cfg: ModelConfig, batch: int = 1, ring: "WindowRing | None" = None, layers=None):
         self.n_layers, self.n_kv_heads, self.head_dim = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
         self.windows = cfg.windows  # per layer: keys a query sees (None: all before it)
+        self.softcap = cfg.attn_logit_softcapping  # scores soft-capped (Gemma 2); None: not
         self.batch = batch
         self.length = 0
         self.ring = ring  # the window layers' rings (None: every layer kept whole)
@@ -144,17 +145,18 @@ def static_slots(slot: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor
     return pos, slot + T, {}
 
 
-def write_and_attend(K, V, q, k, v, slots: tuple, window: int | None = None):
+def write_and_attend(K, V, q, k, v, slots: tuple, window: int | None = None,
+                     softcap: float | None = None):
     """The fixed-shape step of a preallocated cache: write k, v [B, Hkv, T, D] into the
     buffers K, V [B, Hkv, cap, D] at `slots` (from `static_slots`) and attend causally over
     the whole buffers up to its length (a sliding layer: over the last `window` slots of
-    each query, slots being consecutive positions)."""
+    each query, slots being consecutive positions); `softcap`: soft-capped scores."""
     pos, length, shared = slots
     K.index_copy_(2, pos, k)
     V.index_copy_(2, pos, v)
     if window is not None:
-        return static_window_attention(q, K, V, length, window, shared)
-    return static_attention(q, K, V, length, shared)
+        return static_window_attention(q, K, V, length, window, shared, softcap)
+    return static_attention(q, K, V, length, shared, softcap)
 
 
 def _folded(q, n_kv: int):
@@ -163,27 +165,30 @@ def _folded(q, n_kv: int):
     return q.reshape(B, n_kv, (Hq // n_kv) * T, D)
 
 
-def window_attention(q, k, v, q_pos0: int, k_pos0: int, window: int | None):
+def window_attention(q, k, v, q_pos0: int, k_pos0: int, window: int | None,
+                     softcap: float | None = None):
     """`attention` of q [B, Hq, T, D] (positions q_pos0..) over k, v [B, Hkv, S, D]
     (positions k_pos0..) where a query at p sees only keys at p - window < pos <= p (None:
     every key up to p). Keys before the first query's band are cut off: a decode step is
     plain attention over its last `window` keys; where the queries' bands still differ (a
-    verification, a prefill chunk), SDPA with a band mask."""
+    verification, a prefill chunk), SDPA with a band mask. `softcap`: soft-capped scores
+    (Gemma 2), on every path (kernels/attention.py)."""
     if window is None:
-        return attention(q, k, v, q_pos0, k_pos0)
+        return attention(q, k, v, q_pos0, k_pos0, softcap=softcap)
     lo = max(q_pos0 + 1 - window - k_pos0, 0)
     k, v, k_pos0 = k[:, :, lo:], v[:, :, lo:], k_pos0 + lo
     B, Hq, T, D = q.shape
     if k_pos0 > q_pos0 + T - 1 - window:  # the last query's band still holds the first key
-        return attention(q, k, v, q_pos0, k_pos0)
+        return attention(q, k, v, q_pos0, k_pos0, softcap=softcap)
     qp = torch.arange(q_pos0, q_pos0 + T, device=q.device)[:, None]
     kp = torch.arange(k_pos0, k_pos0 + k.shape[2], device=q.device)[None, :]
     mask = ((kp <= qp) & (kp > qp - window)).repeat(Hq // k.shape[1], 1)  # [G*T, S]
-    o = sdpa(_folded(q, k.shape[1]), k, v, attn_mask=mask)
+    o = sdpa(_folded(q, k.shape[1]), k, v, attn_mask=mask, softcap=softcap)
     return o.reshape(B, Hq, T, D)
 
 
-def static_window_attention(q, K, V, length: torch.Tensor, window: int, shared: dict | None = None):
+def static_window_attention(q, K, V, length: torch.Tensor, window: int, shared: dict | None = None,
+                            softcap: float | None = None):
     """`static_attention` of a sliding layer: the folded query row of position
     length - T + t sees the slots in [length - T + t + 1 - window, length - T + t]; SDPA over
     the whole buffers with a band mask built on the device (once per forward in `shared`)."""
@@ -200,7 +205,7 @@ def static_window_attention(q, K, V, length: torch.Tensor, window: int, shared: 
         mask = make()
     else:
         mask = shared[key] = shared[key] if key in shared else make()
-    return sdpa(_folded(q, n_kv), K, V, attn_mask=mask).reshape(B, Hq, T, D)
+    return sdpa(_folded(q, n_kv), K, V, attn_mask=mask, softcap=softcap).reshape(B, Hq, T, D)
 
 
 class PerForward:
@@ -278,14 +283,14 @@ class FullCache(KVCache):
         K, V = self.k[layer], self.v[layer]
         K[:, :, start:end] = k
         V[:, :, start:end] = v
-        return window_attention(q, K[:, :, :end], V[:, :, :end], start, 0, self.windows[layer])
+        return window_attention(q, K[:, :, :end], V[:, :, :end], start, 0, self.windows[layer], self.softcap)
 
     def _attend_static(self, layer, q, k, v, start: torch.Tensor):
         """The same with `start` on the device (the caller checked the capacity on the host)."""
         if self.ring is not None and layer in self.ring:
             return self.ring.attend(layer, q, k, v, start, self._slots.get(start, q.shape[2])[2])
         return write_and_attend(self.k[layer], self.v[layer], q, k, v, self._slots.get(start, q.shape[2]),
-                                self.windows[layer])
+                                self.windows[layer], self.softcap)
 
     def put(self, layer: int, start: int, k, v):
         """Write K, V [B, Hkv, T, D] of positions start.. as they are (a kept or saved
@@ -362,6 +367,7 @@ class WindowRing:
 
     def __init__(self, cfg: ModelConfig, depth: int, batch: int = 1, dtype=torch.float32, device="cpu"):
         self.window, self.depth = cfg.sliding_window, depth
+        self.softcap = cfg.attn_logit_softcapping  # scores soft-capped (Gemma 2); None: not
         self.size = self.window + depth  # slots per layer
         shape = (batch, cfg.n_kv_heads, self.size, cfg.head_dim)  # [B, Hkv, size, D]
         layers = [i for i, w in enumerate(cfg.windows) if w is not None]
@@ -445,7 +451,7 @@ class WindowRing:
         K0, V0 = self._read(layer, lo, start)  # in the ring: `settle` checked the band
         K = torch.cat([K0, k.to(K0.dtype)], 2)
         V = torch.cat([V0, v.to(V0.dtype)], 2)
-        out = window_attention(q, K, V, start, lo, self.window)
+        out = window_attention(q, K, V, start, lo, self.window, self.softcap)
         self.put(layer, start, k, v)
         return out
 
@@ -458,7 +464,7 @@ class WindowRing:
         idx, mask = shared[key]
         K.index_copy_(2, idx, k.to(K.dtype))
         V.index_copy_(2, idx, v.to(V.dtype))
-        return sdpa(_folded(q, K.shape[1]), K, V, attn_mask=mask).reshape(B, Hq, T, D)
+        return sdpa(_folded(q, K.shape[1]), K, V, attn_mask=mask, softcap=self.softcap).reshape(B, Hq, T, D)
 
     def slot_mask(self, start: torch.Tensor, T: int, group: int):
         """The slots T tokens from `start` (int64 device tensor [1]) write [T], and which

@@ -199,7 +199,7 @@ class OffloadedCache(KVCache):
             return self._attend_held(layer, q, k, v, start)
         if self.windows[layer] is not None:
             return self._attend_window(layer, q, k, v, start)
-        acc = StreamedAttention(q, k.shape[1])
+        acc = StreamedAttention(q, k.shape[1], softcap=self.softcap)
         with Span(self.spans, "compute", f"attention L{layer}", tokens=q.shape[2]):
             for _, kc, vc in self.sched.stream(layer, start):
                 acc.add(kc, vc)  # all keys < start: no mask
@@ -221,7 +221,7 @@ class OffloadedCache(KVCache):
                     ks.append(kc[:, :, a:].clone())
                     vs.append(vc[:, :, a:].clone())
             K, V = torch.cat(ks + [k], 2), torch.cat(vs + [v], 2)
-            out = window_attention(q, K, V, start, lo, self.windows[layer])
+            out = window_attention(q, K, V, start, lo, self.windows[layer], self.softcap)
         self._write_back(layer, k, v, start)
         return out
 
@@ -234,7 +234,7 @@ class OffloadedCache(KVCache):
         K[:, :, start:end] = k
         V[:, :, start:end] = v
         with Span(self.spans, "compute", f"attention L{layer}", tokens=q.shape[2]):
-            out = window_attention(q, K[:, :, :end], V[:, :, :end], start, 0, self.windows[layer])
+            out = window_attention(q, K[:, :, :end], V[:, :, :end], start, 0, self.windows[layer], self.softcap)
         self._write_back(layer, k, v, start)
         return out
 

@@ -218,7 +218,7 @@ class RetrievalCache(KVCache):
             return self.ring.attend(layer, q, k, v, start, shared)
         if isinstance(start, torch.Tensor):  # slots as positions: the same causal order
             return write_and_attend(self.k[layer], self.v[layer], q, k, v, self._slots.get(start, q.shape[2]),
-                                    self.windows[layer])
+                                    self.windows[layer], self.softcap)
         s, T = self._slot(start), q.shape[2]
         if start < self.base or s + T > self.slots:
             raise TriforceError(f"retrieval cache: positions {start}..{start + T - 1} are outside "
@@ -227,7 +227,8 @@ class RetrievalCache(KVCache):
         K[:, :, s: s + T] = k
         V[:, :, s: s + T] = v
         k0 = self.base - self.n_retrieved  # slots as consecutive positions (exact for a sliding layer)
-        return window_attention(q, K[:, :, : s + T], V[:, :, : s + T], start, k0, self.windows[layer])
+        return window_attention(q, K[:, :, : s + T], V[:, :, : s + T], start, k0, self.windows[layer],
+                                self.softcap)
 
     @torch.inference_mode()
     def absorb(self, full, lo: int, hi: int):

@@ -50,7 +50,7 @@ class StreamingCache(KVCache):
         V[:, :, s: s + T] = v
         # sink slots pretend to sit just before r0: they stay visible to every query
         return window_attention(q, K[:, :, : s + T], V[:, :, : s + T], start, self.run_start - self.sink_slots,
-                                self.windows[layer])
+                                self.windows[layer], self.softcap)
 
     def commit(self, n: int):
         super().commit(n)
