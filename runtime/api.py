@@ -14,6 +14,7 @@ import torch
 
 from . import quantized
 from .config import ModelConfig
+from .data import use_chat_template
 from .errors import TriforceError
 from .generate import autoregressive, capacity, stop_ids
 from .loader import load_model, parse_dtype
@@ -95,6 +96,7 @@ def load(model: ModelOptions | str | None = None, dtype: str | None = None, devi
     started = time.perf_counter()
     model, cfg, tok = load_model(o.model, dt, dev if shard is None else "cpu", o.rope_scaling, progress,
                                  weights)
+    use_chat_template(tok, o.chat_template, progress and (lambda m: progress(f"warning: {m}")))
     if shard is not None:
         cfg = shard(model, cfg)
         model.to(dev)

@@ -2,7 +2,7 @@
 
 | type | concern |
 |---|---|
-| `ModelOptions` | which model, dtype, device, RoPE stretch |
+| `ModelOptions` | which model, dtype, device, RoPE stretch, chat template |
 | `SamplingParams` | temperature, top-p, top-k, seed |
 | `GenerationOptions` | mode, length, prefill, drafter and gammas (+ the sampling fields) |
 | `RetrievalOptions` | the retrieval level: budget, retrieval chunk, rebuilds |
@@ -45,6 +45,11 @@ def _device(v: str):
     return None if ok else "allowed are auto, cpu, cuda, cuda:N"
 
 
+def _chat_template(v: str):
+    from .data import chat_template_source
+    chat_template_source(v)  # refuses a missing file or bad Jinja in its own words, before loading
+
+
 @dataclass
 class ModelOptions(Options):
     model: str | None = opt(None, "HF model directory or .gguf file "
@@ -67,6 +72,9 @@ class ModelOptions(Options):
     kv_dtype: str = opt("auto", "auto|fp32|bf16|fp16: what the KV caches store. auto: bf16 on a CPU "
                         "where quantized linears take int8 activations (--activations), else the "
                         "compute dtype.", check=lambda v: None if v == "auto" else _dtype(v))
+    chat_template: str | None = opt(None, "chatml|gemma|llama3|none|FILE: the chat template "
+                                    "instead of the model's own (none: plain text; FILE: a Jinja file). "
+                                    "Default: the model's; plain text if it has none.", check=_chat_template)
 
 
 @dataclass

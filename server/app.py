@@ -25,7 +25,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
 from ..runtime import api
-from ..runtime.data import encode_chat
+from ..runtime.data import PLAIN, encode_chat
 from ..runtime.errors import TriforceError
 from .metrics import Metrics
 from .schema import ApiError, ChatRequest, CompletionRequest, Request
@@ -139,8 +139,11 @@ def build(s: Served) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: HttpRequest):
-        if not getattr(s.loaded.tokenizer, "chat_template", None):
-            raise ApiError(400, "this model has no chat template: use /v1/completions", "messages")
+        template = getattr(s.loaded.tokenizer, "chat_template", None)
+        if not template:
+            raise ApiError(400, "the server runs with --chat-template none: use /v1/completions"
+                           if template == PLAIN else "this model has no chat template: use "
+                           "/v1/completions, or start the server with --chat-template", "messages")
         msgs = [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
                 for m in req.messages]
         # (stripped: templates may trim the content)
