@@ -184,15 +184,21 @@ def _write_meta(gguf: Path, out: Path) -> None:
 
 
 def gguf_config(gguf: Path):
-    """transformers' config of a GGUF, with the head size the file states (transformers
-    leaves Qwen3's at its default of 128 whatever `attention.key_length` says)."""
+    """transformers' config of a GGUF, with the head size and Gemma 2's soft-caps the file
+    states (transformers leaves Qwen3's head size at its default of 128 whatever
+    `attention.key_length` says, and Gemma 2's caps at 50 and 30 whatever the file says)."""
     from transformers import AutoConfig
     conf = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     from .gguf_weights import _arch, reader
     r = reader(gguf)
-    f = r.fields.get(f"{_arch(r)}.attention.key_length")
+    arch = _arch(r)
+    f = r.fields.get(f"{arch}.attention.key_length")
     if f is not None and hasattr(conf, "head_dim"):
         conf.head_dim = int(f.parts[f.data[0]][0])
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        f = r.fields.get(f"{arch}.{key}")
+        if f is not None and hasattr(conf, key):
+            setattr(conf, key, float(f.parts[f.data[0]][0]))
     return conf
 
 

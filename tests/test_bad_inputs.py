@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+from helpers_gguf import add_byte_tokenizer
 from test_cli import assert_user_error, cli
 from triforce_offload.runtime import loader
 from triforce_offload.runtime.errors import TriforceError
@@ -34,17 +35,9 @@ def assert_one_line(r, *needles):
     assert len(stderr_lines(r)) == 1, r.stderr
 
 
-def _byte_tokens() -> list[str]:
-    """GPT-2's byte-level alphabet: a 256-token vocabulary unlike SmolLM2's."""
-    bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
-    rest = [b for b in range(256) if b not in bs]
-    return [chr(b) for b in bs] + [chr(256 + i) for i in range(len(rest))]
-
-
 def write_tiny_gguf(path, hidden=16, ffn=32, heads=2):
     """A 1-layer random Llama GGUF (fp32) with a byte-level tokenizer: 32 KB."""
     import gguf
-    tokens = _byte_tokens() + ["<|endoftext|>"]
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_context_length(256)
     w.add_embedding_length(hidden)
@@ -54,13 +47,7 @@ def write_tiny_gguf(path, hidden=16, ffn=32, heads=2):
     w.add_head_count_kv(heads)
     w.add_rope_dimension_count(hidden // heads)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * 256 + [3])
-    w.add_token_scores([0.0] * len(tokens))
-    w.add_token_merges([])
-    w.add_bos_token_id(256)
-    w.add_eos_token_id(256)
+    tokens = add_byte_tokenizer(w)
     rng = np.random.default_rng(0)
     mats = {"attn_q": (hidden, hidden), "attn_k": (hidden, hidden), "attn_v": (hidden, hidden),
             "attn_output": (hidden, hidden), "ffn_gate": (ffn, hidden), "ffn_up": (ffn, hidden),

@@ -1,15 +1,17 @@
-"""Qwen3 and Gemma 3 (issue 28): tiny random models made with transformers, from HF folders
-and from GGUF files written with `gguf`, against transformers' forward and greedy output,
-and every speculative mode against autoregressive decoding, prompts longer than the window."""
+"""Qwen3, Gemma 3 and Gemma 2 (issue 28): tiny random models made with transformers, from HF
+folders and from GGUF files written with `gguf`, against transformers' forward and greedy
+output, and every speculative mode against autoregressive decoding, prompts longer than the
+window. Gemma 2 with attention logit soft-capping too, on every attention path."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen3Config, Qwen3ForCausalLM
 
+from triforce_offload.kernels import native
 from triforce_offload.runtime.cache import FullCache
 
+from helpers_gguf import write_hf_gguf
 from test_windows import hf_greedy, loaded_from, ours
 
 VOCAB = 257  # byte-level tokenizer of the GGUF files: 256 bytes + one end token
@@ -52,24 +54,45 @@ def tiny_gemma3(seed=0, qpas=16, softcap=None, gguf=False):
     return _sharpen(Gemma3ForCausalLM(conf).eval())
 
 
-def tiny_gemma2(seed=0):
-    """Gemma 2 is Gemma 3's machinery without q/k norms and with one RoPE base; attention
-    soft-capping is refused, so this one has none (final logit soft-capping it does have)."""
+SOFTCAP = 5.0  # Gemma 2's is 50: scores of the tiny model (q and k scaled up) reach past this one
+
+
+def tiny_gemma2(seed=0, softcap=None, gguf=False):
+    """Gemma 2 is Gemma 3's machinery without q/k norms and with one RoPE base, plus
+    attention logit soft-capping (`softcap`: q and k projections scaled up so that scores
+    reach the cap, the embedding so that logits are apart; transformers' eager attention,
+    which soft-caps). `gguf`: transformers' default query_pre_attn_scalar of 256, what a
+    GGUF file implies."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
     torch.manual_seed(seed)
     conf = Gemma2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=WINDOW,
-                        attn_logit_softcapping=None, final_logit_softcapping=5.0, query_pre_attn_scalar=32,
-                        max_position_embeddings=512)
-    return _sharpen(Gemma2ForCausalLM(conf).eval())
+                        attn_logit_softcapping=softcap, final_logit_softcapping=30.0 if softcap else 5.0,
+                        query_pre_attn_scalar=256 if gguf else 32, max_position_embeddings=512,
+                        attn_implementation="eager")
+    m = _sharpen(Gemma2ForCausalLM(conf).eval())
+    if softcap:
+        with torch.no_grad():
+            m.model.embed_tokens.weight.mul_(3.0)
+            for layer in m.model.layers:
+                layer.self_attn.q_proj.weight.mul_(24.0 if gguf else 12.0)
+                layer.self_attn.k_proj.weight.mul_(12.0)
+    return m
 
 
 MAKERS = {"qwen3": tiny_qwen3, "gemma2": tiny_gemma2, "qwen3-window": lambda: tiny_qwen3(window=True),
-          "gemma3": tiny_gemma3, "gemma3-scalar": lambda: tiny_gemma3(qpas=32, softcap=5.0)}
+          "gemma3": tiny_gemma3, "gemma3-scalar": lambda: tiny_gemma3(qpas=32, softcap=5.0),
+          "gemma2-softcap": lambda: tiny_gemma2(softcap=SOFTCAP)}
 
 
-@pytest.mark.parametrize("make", list(MAKERS))
-def test_forward_equals_transformers(make, tmp_path):
+@pytest.mark.parametrize("make", list(MAKERS) + ["gemma2-softcap-torch"])
+def test_forward_equals_transformers(make, tmp_path, monkeypatch):
+    """Prefill chunks, decodes and verifications, on the dynamic and the fixed-shape path
+    (band masks, the length-masked reference); "-torch": the native kernel off, so the
+    soft-capped scores run explicitly where SDPA would."""
+    if make.endswith("-torch"):
+        make = make.removesuffix("-torch")
+        monkeypatch.setattr(native, "supports", lambda q, k: False)
     hf = MAKERS[make]()
     model, cfg = ours(hf, tmp_path)
     ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(1))
@@ -95,7 +118,21 @@ MODES = [
 ]
 
 
-@pytest.fixture(scope="module", params=["qwen3-window", "gemma3"])
+def test_attention_softcap_is_read_and_matters(tmp_path):
+    """The config carries the cap, and dropping it changes the logits well beyond float
+    rounding (so the tests above could fail)."""
+    hf = MAKERS["gemma2-softcap"]()
+    model, cfg = ours(hf, tmp_path)
+    assert cfg.attn_logit_softcapping == SOFTCAP and cfg.final_logit_softcapping == 30.0
+    ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        capped = model(ids, 0, FullCache(cfg, 48))
+        cfg.attn_logit_softcapping = None
+        plain = model(ids, 0, FullCache(cfg, 48))
+    assert (capped - plain).abs().max() > 0.05
+
+
+@pytest.fixture(scope="module", params=["qwen3-window", "gemma3", "gemma2-softcap"])
 def arch_run(request, tmp_path_factory):
     from helpers_spec import repetitive_prompt
     hf = MAKERS[request.param]()
@@ -114,90 +151,26 @@ def test_greedy_of_every_mode_equals_transformers(arch_run, mode, extra):
 
 # ---- GGUF -----------------------------------------------------------------------------------
 
-def _byte_tokens():
-    """GPT-2's byte-to-unicode table: a byte-level BPE vocabulary with no merges."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    rest = [b for b in range(256) if b not in bs]
-    return [chr(b) for b in bs] + [chr(256 + i) for i in range(len(rest))]
+GGUF_MAKERS = {"qwen3": tiny_qwen3, "gemma3": lambda: tiny_gemma3(gguf=True),
+               "gemma2-softcap": lambda: tiny_gemma2(softcap=SOFTCAP, gguf=True)}
 
 
-GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-              "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-              "input_layernorm": "attn_norm"}
-
-
-def write_gguf(hf, path):
-    """The HF model as llama.cpp's converter writes it (fp32 tensors; Gemma's norms with
-    the 1 added), with a byte-level tokenizer."""
-    import gguf
-    c = hf.config
-    arch = "gemma3" if c.model_type == "gemma3_text" else c.model_type
-    gemma = arch == "gemma3"
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_rope_freq_base(1e6 if gemma else c.rope_parameters["rope_theta"])
-    if gemma:
-        w.add_sliding_window(c.sliding_window)
-    tokens = _byte_tokens() + ["<|endoftext|>"]
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * 256 + [3])
-    w.add_token_scores([0.0] * len(tokens))
-    w.add_token_merges([])
-    w.add_bos_token_id(256)
-    w.add_eos_token_id(256)
-    names = dict(GGUF_NAMES)
-    if gemma:
-        names.update({"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
-                      "post_feedforward_layernorm": "post_ffw_norm"})
-    else:
-        names["post_attention_layernorm"] = "ffn_norm"
-    for name, t in hf.state_dict().items():
-        a = t.detach().float().numpy()
-        if gemma and name.endswith("norm.weight"):
-            a = a + 1
-        if name == "model.embed_tokens.weight":
-            out = "token_embd.weight"
-        elif name == "lm_head.weight":
-            if c.tie_word_embeddings:
-                continue
-            out = "output.weight"
-        elif name == "model.norm.weight":
-            out = "output_norm.weight"
-        else:
-            _, _, i, rest = name.split(".", 3)
-            mod = rest.rsplit(".", 1)[0]
-            out = f"blk.{i}.{names[mod]}.weight"
-        w.add_tensor(out, np.ascontiguousarray(a))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
-@pytest.mark.parametrize("make", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("make", list(GGUF_MAKERS))
 def test_gguf_equals_the_hf_folder(make, tmp_path, monkeypatch):
     """The same weights from a GGUF: dequantized (fp32) through transformers, and read as
     blocks (--weights int8) by our own reader; greedy output equal to transformers' for
-    the first, every mode equal to autoregressive for the second."""
+    the first, every mode equal to autoregressive for the second. Gemma 2's soft-caps come
+    from the file's metadata (not transformers' defaults of 50 and 30)."""
     from triforce_offload.runtime.api import load
     from helpers_spec import repetitive_prompt, run
     monkeypatch.setenv("TRIFORCE_OFFLOAD_CACHE", str(tmp_path / "cache"))
-    hf = tiny_gemma3(gguf=True) if make == "gemma3" else MAKERS[make]()
+    hf = GGUF_MAKERS[make]()
     path = tmp_path / f"{make}.gguf"
-    write_gguf(hf, path)
+    write_hf_gguf(hf, path)
     prompt = repetitive_prompt(40, 256, seed=2)
     ref = hf_greedy(hf, prompt, 12)
     dense = load(str(path), "fp32", "cpu", weights="fp32")
+    assert dense.cfg.attn_logit_softcapping == hf.config.to_dict().get("attn_logit_softcapping")
     dense.cfg.eos_token_ids = []
     assert run(dense, prompt, "autoregressive", 12, ignore_eos=True)[0] == ref
     q = load(str(path), "fp32", "cpu", weights="int8")
