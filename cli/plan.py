@@ -18,7 +18,7 @@ from rich.table import Table
 
 from ..offload import costmodel as cm
 from ..offload import plan as pl
-from ..runtime.config import parse_rope_scaling
+from ..runtime.config import ARCHITECTURES, MODEL_TYPES, layer_kinds, parse_rope_scaling
 from ..runtime.errors import TriforceError
 from ..runtime.options import ModelOptions
 from .app import app
@@ -130,14 +130,19 @@ def run_command(p: pl.Plan, model_path: str, draft_path: str | None,
 
 def plan_dict(p: pl.Plan) -> dict:
     s = p.settings
-    return {"gpus": p.hardware.gpus, "hardware": p.hardware.name, "model": p.model.name,
+    m = p.model
+    return {"gpus": p.hardware.gpus, "hardware": p.hardware.name, "model": m.name,
+            "layers": m.layers, "global_layers": m.n_global, "window_layers": m.n_window,
+            "window": m.window or None, "ring_depth": s.ring_depth if m.n_window else None,
+            "on_chip_global": m.chip_globals(s.on_chip),
             "weights": p.model.weights or f"{8 * p.model.dtype_bytes}-bit",
             "weights_gb": p.model.weight_bytes / cm.GIB, "draft": s.draft.name if s.draft else None,
             "context": s.context, "tp": p.tp, "on_chip": s.on_chip, "budget": s.budget,
             "chunk": s.retrieval_chunk, "gamma1": s.gamma1 if s.draft is not None else 0,
             "gamma2": s.gamma2, "transfer_chunk": s.transfer_chunk, "alpha1": s.alpha1,
             "ms_per_token": p.ms_per_token, "baseline_ms": p.baseline_ms,
-            "gpu_gb": p.gpu_gb, "host_gb": p.host_gb}
+            "gpu_gb": p.gpu_gb, "host_gb": p.host_gb,
+            "on_chip_kv_gb": p.gpu_parts.get("on_chip_kv", 0.0), "rings_gb": p.gpu_parts.get("rings", 0.0)}
 
 
 def plan_table(p: pl.Plan) -> Table:
@@ -147,13 +152,20 @@ def plan_table(p: pl.Plan) -> Table:
               show_header=False)
     t.add_column(style="bold")
     t.add_column(justify="right")
+    t.add_row("layers", p.model.kinds)
     t.add_row("weights", f"{d['weights']}, {d['weights_gb']:.1f} GiB")
     t.add_row("L0 draft", d["draft"] or "none (L1 drafts)")
-    for k in ("tp", "on_chip", "budget", "chunk", "gamma1", "gamma2", "transfer_chunk"):
+    t.add_row("tp", str(d["tp"]))
+    t.add_row("on chip", f"{d['on_chip']} ({d['on_chip_global']} of {d['global_layers']} global layers' KV)")
+    for k in ("budget", "chunk", "gamma1", "gamma2", "transfer_chunk"):
         t.add_row(k.replace("_", " "), str(d[k]))
     t.add_row("L1 acceptance at budget", f"{d['alpha1']:.3f}")
     t.add_row("GPU memory", f"{d['gpu_gb']:.1f} GiB per GPU")
-    t.add_row("host memory", f"{d['host_gb']:.1f} GiB")
+    kv = f"{d['on_chip_kv_gb']:.1f} GiB global layers"
+    if d["window_layers"]:
+        kv += f" + {d['rings_gb']:.2f} GiB window rings ({d['window']} + {d['ring_depth']} tokens)"
+    t.add_row("  of which KV", kv)
+    t.add_row("host memory", f"{d['host_gb']:.1f} GiB (offloaded global layers' KV)")
     t.add_row("predicted TriForce", f"{d['ms_per_token']:.0f} ms/token")
     t.add_row("predicted autoregressive offload", f"{d['baseline_ms']:.0f} ms/token")
     t.add_row("predicted speedup", f"{d['baseline_ms'] / d['ms_per_token']:.1f}x")
@@ -187,7 +199,8 @@ def auto_plan(cfg, context: int, device: torch.device, weights: str | None = Non
                         kv_heads=cfg.n_kv_heads, hidden=cfg.hidden_size,
                         intermediate=cfg.intermediate_size, vocab=cfg.vocab_size,
                         head_dim=cfg.head_dim, tied=cfg.tie_word_embeddings,
-                        weights=plan_weights(weights))
+                        weights=plan_weights(weights), window=cfg.sliding_window or 0,
+                        layer_types=tuple(cfg.layer_types))
     try:
         p = pl.search_plan(hw, spec, context, alpha0=0.6, alpha1=0.9, draft=None)
     except ValueError as e:
@@ -253,8 +266,21 @@ def parse_model(text: str) -> cm.ModelSpec:
     cfg = p / "config.json" if p.is_dir() else p
     if cfg.is_file():
         try:
-            return cm.ModelSpec.from_hf_config(json.loads(cfg.read_text()), name=p.name)
+            hf = json.loads(cfg.read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"{cfg} is not valid JSON: {e.msg}") from None
+        return cm.ModelSpec.from_hf_config(hf, p.name, *hf_layer_kinds(hf))
     raise ValueError(f"unknown model {text!r}: expected one of {', '.join(cm.MODELS)} "
                      f"or a folder with config.json")
+
+
+def hf_layer_kinds(hf: dict) -> tuple[list[str], int | None]:
+    """A config.json's per-layer attention kinds and window, as the runtime reads them
+    (`runtime.config.layer_kinds`; a family it does not know reads as Llama: all global)."""
+    archs = hf.get("architectures") or []
+    arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None) \
+        or MODEL_TYPES.get(hf.get("model_type"), "llama")
+    try:
+        return layer_kinds(hf, arch)
+    except KeyError as e:
+        raise ValueError(f"config.json lacks {e.args[0]!r}") from None

@@ -42,6 +42,13 @@ Assumptions (all stated, none fitted to the paper table):
    memory they free goes to on-chip KV. On the GPU the runtime's quantized linear today
    dequantizes to bf16 per call (docs/weights.md), so a step reads the packed weights and
    writes and reads a bf16 copy: `step_read_bytes` counts that, not an ideal kernel's read.
+11. Layer kinds (``ModelSpec.layer_types``, HF's names): a sliding-window layer keeps a ring of
+   window + ``Settings.ring_depth`` tokens on the device (the runtime's ``cache.WindowRing``,
+   one in the full cache and one in the retrieval cache) and is never offloaded or
+   streamed; only global layers hold the context, on chip (the first ``on_chip`` layers'
+   global ones, as ``--on-chip`` counts) or in host memory, streamed. Attention of a
+   window layer reads min(keys, window) keys. Its compute between two offloaded global
+   layers hides up to one staging ring of the next layer's transfer.
 
 Memory sizes are GiB (2**30, as nvidia-smi reports); bandwidths are decimal GB/s.
 Hardware sources are next to each preset value below.
@@ -60,6 +67,8 @@ HOST_RESERVE_FRAC = 0.1  # OS, page cache, the process itself (assumption)
 MODES = ("autoregressive", "deepspeed", "triforce")
 STAGE_DEPTH = 2  # staging ring slots of one transfer chunk each (2: double-buffered)
 MIN_COPY_BYTES = 4 * 2 ** 20  # pinned copies reach the link's speed from ~4 MB (docs/gpu.md)
+LAYER_KINDS = ("full_attention", "sliding_attention")  # HF's `layer_types` names
+RUN_GAMMA1 = 4  # `run --gamma1`'s default (GenerationOptions.gamma1): the rings' depth without an L0 draft
 
 
 def staging_bytes(transfer_chunk: int, kv_layer_bytes: float, depth: int = STAGE_DEPTH) -> float:
@@ -164,11 +173,20 @@ class ModelSpec:
     max_context: int = 0  # tokens the model attends over (max_position_embeddings); 0: unknown
     weights: str = ""  # weight precision (WEIGHT_BITS); "": dtype_bytes like the KV
     tokenizer: str = ""  # tokenizer family of a preset ("" unknown): drafts must share it
+    window: int = 0  # keys a sliding layer's query sees, its own included (0: no window)
+    layer_types: tuple = ()  # per layer: "full_attention" or "sliding_attention"; (): all full
 
     def __post_init__(self):
         for f in ("layers", "heads", "kv_heads", "hidden", "intermediate", "vocab"):
             if getattr(self, f) <= 0:
                 raise ValueError(f"model {self.name!r}: {f} must be positive")
+        kinds = tuple(self.layer_types) or ("full_attention",) * self.layers
+        if len(kinds) != self.layers or set(kinds) - set(LAYER_KINDS):
+            raise ValueError(f"model {self.name!r}: layer_types must give one of "
+                             f"{', '.join(LAYER_KINDS)} for each of its {self.layers} layers")
+        if "sliding_attention" in kinds and self.window <= 0:
+            raise ValueError(f"model {self.name!r}: sliding layers need a window > 0")
+        object.__setattr__(self, "layer_types", kinds)
         if self.heads % self.kv_heads:
             raise ValueError(f"model {self.name!r}: heads must be a multiple of kv_heads")
         if not self.head_dim:  # frozen: set the derived default in place
@@ -177,8 +195,9 @@ class ModelSpec:
             raise ValueError(f"weights {self.weights!r}: expected one of {', '.join(WEIGHT_BITS)}")
 
     @classmethod
-    def from_hf_config(cls, cfg: dict, name: str = "") -> ModelSpec:
-        """From a HF config.json dict (llama / qwen2 / mistral keys)."""
+    def from_hf_config(cls, cfg: dict, name: str = "", layer_types=(), window: int | None = None) -> ModelSpec:
+        """From a HF config.json dict (llama / qwen2 / mistral keys); `layer_types` and
+        `window` as the runtime reads them (`runtime.config.layer_kinds`; (): all global)."""
         try:
             heads = int(cfg["num_attention_heads"])
             return cls(
@@ -189,7 +208,8 @@ class ModelSpec:
                 vocab=int(cfg["vocab_size"]), head_dim=int(cfg.get("head_dim") or 0),
                 dtype_bytes=4 if cfg.get("torch_dtype") == "float32" else 2,
                 tied=bool(cfg.get("tie_word_embeddings", False)),
-                max_context=int(cfg.get("max_position_embeddings") or 0))
+                max_context=int(cfg.get("max_position_embeddings") or 0),
+                window=int(window or 0), layer_types=tuple(layer_types))
         except KeyError as e:
             raise ValueError(f"config.json lacks {e.args[0]!r}") from None
 
@@ -247,6 +267,60 @@ class ModelSpec:
         """K + V bytes of one token over all layers."""
         return self.layers * self.kv_layer_bytes
 
+    @property
+    def global_layers(self) -> tuple[int, ...]:
+        """Indices of the layers that attend over the whole context."""
+        return tuple(i for i, k in enumerate(self.layer_types) if k == "full_attention")
+
+    @property
+    def n_global(self) -> int:
+        return len(self.global_layers)
+
+    @property
+    def n_window(self) -> int:
+        """Sliding-window layers (a ring each on the device)."""
+        return self.layers - self.n_global
+
+    def ring_tokens(self, depth: int) -> int:
+        """Slots of one window layer's ring (cache.WindowRing): window + depth."""
+        return self.window + depth if self.n_window else 0
+
+    def kv_bytes(self, tokens: float, depth: int) -> float:
+        """K + V bytes of a cache holding `tokens` tokens in every global layer and a ring
+        of `depth` in every window layer (what the runtime's caches allocate)."""
+        return (self.n_global * tokens + self.n_window * self.ring_tokens(depth)) * self.kv_layer_bytes
+
+    def kv_read_bytes(self, keys: float) -> float:
+        """K + V bytes one query's attention reads over `keys` earlier tokens, all layers."""
+        return (self.n_global * keys + self.n_window * min(keys, self.window)) * self.kv_layer_bytes
+
+    def chip_globals(self, on_chip: int) -> int:
+        """Global layers among the first `on_chip` layers (what `--on-chip` keeps on the device)."""
+        return sum(i < on_chip for i in self.global_layers)
+
+    def on_chip_for(self, n_global: int) -> int:
+        """The `--on-chip` value that keeps `n_global` global layers on the device: all
+        layers when that is every global layer, else the smallest."""
+        if n_global >= self.n_global:
+            return self.layers
+        return self.global_layers[n_global - 1] + 1 if n_global > 0 else 0
+
+    @property
+    def kinds(self) -> str:
+        """The layer kinds in words: "34 layers: 29 window (1024), 5 global"."""
+        if not self.n_window:
+            return f"{self.layers} layers, all global"
+        if not self.n_global:
+            return f"{self.layers} layers, all window ({self.window})"
+        return f"{self.layers} layers: {self.n_window} window ({self.window}), {self.n_global} global"
+
+
+def pattern_kinds(layers: int, pattern: int) -> tuple[str, ...]:
+    """Gemma's `sliding_window_pattern`: every pattern-th layer global, the rest sliding
+    (as transformers and `runtime.config.layer_kinds` build `layer_types`)."""
+    return tuple("full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                 for i in range(layers))
+
 
 # Architectures from the models' config.json files; tokenizers from their tokenizer files
 # (llama-68m was trained with Llama 2's 32000-token SentencePiece vocabulary).
@@ -258,7 +332,25 @@ LLAMA31_8B = ModelSpec("llama-3.1-8b", 32, 32, 8, 4096, 14336, 128256, max_conte
                        tokenizer="llama3")
 LLAMA_68M = ModelSpec("llama-68m", 2, 12, 12, 768, 3072, 32000,
                       max_context=2048, tokenizer="llama2")  # JackFram/llama-68m
-MODELS = {m.name: m for m in (LLAMA2_7B_128K, LLAMA2_13B_128K, LLAMA31_8B, LLAMA_68M)}
+# Gemma 3 (google/gemma-3-*: the text config; 1 global layer in 6, window 512 in the small
+# ones, 1024 from 4B on; embeddings tied) and models with one kind of layer for contrast.
+GEMMA3_270M = ModelSpec("gemma-3-270m", 18, 4, 1, 640, 2048, 262144, head_dim=256, tied=True,
+                        max_context=32768, tokenizer="gemma3", window=512, layer_types=pattern_kinds(18, 6))
+GEMMA3_1B = ModelSpec("gemma-3-1b", 26, 4, 1, 1152, 6912, 262144, head_dim=256, tied=True,
+                      max_context=32768, tokenizer="gemma3", window=512, layer_types=pattern_kinds(26, 6))
+GEMMA3_4B = ModelSpec("gemma-3-4b", 34, 8, 4, 2560, 10240, 262208, head_dim=256, tied=True,
+                      max_context=131072, tokenizer="gemma3", window=1024, layer_types=pattern_kinds(34, 6))
+GEMMA3_12B = ModelSpec("gemma-3-12b", 48, 16, 8, 3840, 15360, 262208, head_dim=256, tied=True,
+                       max_context=131072, tokenizer="gemma3", window=1024, layer_types=pattern_kinds(48, 6))
+GEMMA3_27B = ModelSpec("gemma-3-27b", 62, 32, 16, 5376, 21504, 262208, head_dim=128, tied=True,
+                       max_context=131072, tokenizer="gemma3", window=1024, layer_types=pattern_kinds(62, 6))
+QWEN3_8B = ModelSpec("qwen3-8b", 36, 32, 8, 4096, 12288, 151936, head_dim=128,
+                     max_context=40960, tokenizer="qwen")  # Qwen/Qwen3-8B: no sliding window
+MISTRAL_7B = ModelSpec("mistral-7b-v0.1", 32, 32, 8, 4096, 14336, 32000, max_context=32768,
+                       tokenizer="mistral", window=4096,
+                       layer_types=("sliding_attention",) * 32)  # a 4096 window on every layer
+MODELS = {m.name: m for m in (LLAMA2_7B_128K, LLAMA2_13B_128K, LLAMA31_8B, LLAMA_68M, GEMMA3_270M,
+                              GEMMA3_1B, GEMMA3_4B, GEMMA3_12B, GEMMA3_27B, QWEN3_8B, MISTRAL_7B)}
 
 # RTX 4090: 24 GB GDDR6X at 1008 GB/s and 82.6 TFLOP/s fp16 tensor with fp32 accumulate
 # (what torch matmuls use; 165 with fp16 accumulate) from NVIDIA's Ada whitepaper, app. A.
@@ -289,6 +381,14 @@ class Settings:
     draft: ModelSpec | None = LLAMA_68M  # L0 model; None: no L0 level
     draft_window: int = 256  # L0 streaming cache: sink + recent tokens
     tp: int = 0  # tensor-parallel degree; 0: all of hw.gpus
+
+    @property
+    def ring_depth(self) -> int:
+        """Slots a window layer's ring keeps beyond its window: the runtime's
+        `engine.rollback_depth` for the run these settings print (γ1 + γ2 + 2; γ1 is
+        `run`'s default where there is no L0 draft to set it)."""
+        g1 = self.gamma1 if self.draft is not None and self.gamma1 > 0 else RUN_GAMMA1
+        return g1 + self.gamma2 + 2
 
 
 @dataclass(frozen=True)
@@ -333,27 +433,32 @@ def gpu_capacity(hw: Hardware) -> float:
 
 
 def _gpu_parts(m: ModelSpec, s: Settings, mode: str, tp: int, on_chip: int) -> dict:
-    """Bytes per GPU by item."""
+    """Bytes per GPU by item: the global layers' KV as placed, window layers' rings always
+    on the device (assumption 11)."""
     parts = {"weights": m.weight_bytes / tp}
     if mode == "deepspeed":
         return parts
-    parts["on_chip_kv"] = on_chip * s.context * m.kv_layer_bytes / tp
-    if on_chip < m.layers:
+    parts["on_chip_kv"] = m.chip_globals(on_chip) * s.context * m.kv_layer_bytes / tp
+    if m.n_window:
+        parts["rings"] = m.n_window * m.ring_tokens(s.ring_depth) * m.kv_layer_bytes / tp
+    if m.chip_globals(on_chip) < m.n_global:
         parts["staging"] = staging_bytes(s.transfer_chunk, m.kv_layer_bytes / tp)
         parts["prefill_layer"] = s.context * m.kv_layer_bytes / tp
-    if mode == "triforce":
-        parts["retrieval"] = s.budget * m.kv_token_bytes / tp
+    if mode == "triforce":  # budget slots on global layers, its own rings on window layers
+        parts["retrieval"] = m.kv_bytes(s.budget, s.ring_depth) / tp
         if s.draft is not None:  # replicated on every GPU
             parts["draft"] = s.draft.weight_bytes + s.draft_window * s.draft.kv_token_bytes
     return parts
 
 
 def max_on_chip(hw: Hardware, m: ModelSpec, s: Settings, mode: str) -> int:
-    """Most layers whose KV fits on the GPU(s) next to everything else."""
+    """The `--on-chip` value keeping the most global layers' KV on the GPU(s) that fits
+    next to everything else (`ModelSpec.on_chip_for`)."""
     tp = _tp(hw, s, mode)
     if mode == "deepspeed":
         return 0
-    for n in range(m.layers, -1, -1):
+    for k in range(m.n_global, -1, -1):
+        n = m.on_chip_for(k)
         if sum(_gpu_parts(m, s, mode, tp, n).values()) <= gpu_capacity(hw):
             return n
     return 0
@@ -370,8 +475,10 @@ def memory_use(hw: Hardware, m: ModelSpec, s: Settings, mode: str = "triforce") 
     """GPU (per card) and host memory the configuration needs, GiB."""
     tp, on_chip = _tp(hw, s, mode), _on_chip(hw, m, s, mode)
     parts = {k: v / GIB for k, v in _gpu_parts(m, s, mode, tp, on_chip).items()}
-    host_layers = m.layers if mode == "deepspeed" else m.layers - on_chip
-    host = host_layers * s.context * m.kv_layer_bytes / GIB
+    if mode == "deepspeed":  # ZeRO-Inference: every layer's KV in host memory
+        host = m.kv_bytes(s.context, s.ring_depth) / GIB
+    else:  # the offloaded global layers
+        host = (m.n_global - m.chip_globals(on_chip)) * s.context * m.kv_layer_bytes / GIB
     return Memory(sum(parts.values()), host, parts)
 
 
@@ -401,6 +508,18 @@ def _attn(hw: Hardware, m: ModelSpec, tp: int, n: int, kv: int, layers: int) -> 
     nbytes = layers * kv * m.kv_layer_bytes / tp
     flops = layers * 4.0 * n * kv * m.heads * m.head_dim / tp
     return _roof(hw, nbytes, flops)
+
+
+def _attn_window(hw: Hardware, m: ModelSpec, tp: int, n: int, kv: int) -> float:
+    """Attention of n queries in every window layer: over min(kv, window) keys."""
+    return _attn(hw, m, tp, n, min(kv, m.window), m.n_window) if m.n_window else 0.0
+
+
+def _segments(m: ModelSpec, on_chip: int) -> int:
+    """Offloaded global layers right after a layer computed on the device (window or on
+    chip): each such stretch of compute can hide one staging ring of transfer."""
+    dev = [k != "full_attention" or i < on_chip for i, k in enumerate(m.layer_types)]
+    return sum(1 for i in range(1, m.layers) if not dev[i] and dev[i - 1])
 
 
 def _overhead(hw: Hardware, m: ModelSpec, tp: int) -> float:
@@ -441,15 +560,18 @@ def _full_pass(hw, m, s, tp, n, on_chip, wstream, idle_ms=0.0) -> _Pass:
 
     idle_ms: link time available before the pass (drafting) to fill the staging buffers.
     """
-    off = m.layers - on_chip
+    on = m.chip_globals(on_chip)
+    off = m.n_global - on  # streamed layers: window layers never are (assumption 11)
     link = link_gbps(hw, _copy_bytes(m, s, tp), tp)
     xfer = _ms(off * s.context * m.kv_layer_bytes / tp + wstream, link)
     stage = _ms(staging_bytes(s.transfer_chunk, m.kv_layer_bytes / tp), link) if off else 0.0
     pre = min(idle_ms, stage, xfer)
     dense = _dense(hw, m, tp, n)
-    c_on = dense * on_chip / m.layers + _attn(hw, m, tp, n, s.context, on_chip)
+    c_on = (dense * (m.layers - off) / m.layers + _attn(hw, m, tp, n, s.context, on)
+            + _attn_window(hw, m, tp, n, s.context))
     c_off = dense * off / m.layers + _attn(hw, m, tp, n, s.context, off)
-    hidden_on = min(c_on, stage - pre)  # the link runs ahead only by the staging space
+    # the link runs ahead only by the staging space, once per stretch of device layers
+    hidden_on = min(c_on, max(_segments(m, on_chip) * stage - pre, 0.0))
     tail = dense / m.layers if off else 0.0
     body = max(xfer - pre + c_on - hidden_on, c_on + c_off)
     return _Pass(body + tail + _overhead(hw, m, tp), xfer, c_on + c_off)
@@ -469,7 +591,7 @@ def _deepspeed(hw, m, s) -> Prediction:
     ws = _streamed_weights(hw, m, s, "deepspeed", 1, 0)
     xfer = _ms(ws, link_gbps(hw, ws / m.layers)) if ws else 0.0
     gpu = _dense(hw, m, 1, 1) + _overhead(hw, m, 1)
-    cpu = _ms(m.layers * s.context * m.kv_layer_bytes, hw.host_attn_gbps)
+    cpu = _ms(m.kv_read_bytes(s.context), hw.host_attn_gbps)
     hops = 2 * m.layers * hw.copy_latency_us / 1e3  # q/k/v out, attention output back
     total = max(xfer, gpu) + cpu + hops
     return Prediction("deepspeed", total, xfer, gpu + cpu, {"L2": total}, 1.0, 0)
@@ -479,14 +601,15 @@ def _l1_step(hw, m, s, tp, wstream) -> float:
     """L1: target weights over the retrieval cache, verifying gamma1 drafts (+1)."""
     link = link_gbps(hw, wstream / m.layers, tp) if wstream else 1.0
     n = s.gamma1 + 1 if s.draft is not None else 1
-    comp = _dense(hw, m, tp, n) + _attn(hw, m, tp, n, s.budget, m.layers)
+    comp = _dense(hw, m, tp, n) + _attn(hw, m, tp, n, s.budget, m.n_global) \
+        + _attn_window(hw, m, tp, n, s.context)
     return comp + _ms(wstream, link) + _overhead(hw, m, tp)
 
 
 def _l0_step(hw, d: ModelSpec, s) -> float:
     """L0: the small draft, replicated on every GPU, one token over its window."""
-    return _dense(hw, d, 1, 1) + _attn(hw, d, 1, 1, s.draft_window, d.layers) \
-        + _overhead(hw, d, 1)
+    return _dense(hw, d, 1, 1) + _attn(hw, d, 1, 1, s.draft_window, d.n_global) \
+        + _attn_window(hw, d, 1, 1, s.draft_window) + _overhead(hw, d, 1)
 
 
 def _triforce(hw, m, s) -> Prediction:

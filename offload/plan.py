@@ -4,7 +4,9 @@ A grid search in the spirit of FlexGen's policy search (Sheng et al. 2023), over
 cost model in `costmodel`: retrieval budget, gamma1, gamma2, transfer chunk; for each
 point the on-chip layers are the most that fit (more on-chip KV never costs time).
 Every candidate must fit GPU memory (weights shard + L1 retrieval cache + draft +
-staging buffers + on-chip KV, after a reserve) and host memory (offloaded KV).
+staging buffers + on-chip KV + window layers' rings, after a reserve) and host memory
+(offloaded KV). Only global layers count as on-chip or offloaded KV: a window layer is a
+ring of window + γ1 + γ2 + 2 tokens on the device (costmodel assumption 11).
 
 Acceptance depends on the budget, which the search varies, so the L1->L2 acceptance is
 given at a reference budget and scaled by a heuristic (`alpha_at_budget`): the miss
@@ -15,7 +17,7 @@ measured rates when you have them.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from .costmodel import (GIB, LLAMA_68M, Hardware, ModelSpec, Settings, gpu_capacity,
                         host_capacity, max_on_chip, memory_use, predict)
@@ -39,6 +41,7 @@ class Plan:
     gpu_gb: float  # GiB per GPU
     host_gb: float  # GiB of host memory for the offloaded KV
     tp: int  # tensor-parallel degree
+    gpu_parts: dict = field(default_factory=dict)  # GiB per GPU by item (costmodel.Memory.parts)
 
 
 def alpha_at_budget(alpha_ref: float, budget: int, ref: int = REF_BUDGET) -> float:
@@ -81,12 +84,13 @@ def search_plan(hw: Hardware, model: ModelSpec, context: int,
 
 
 def _candidates(hw, model, base, alpha1):
-    """Fitting settings over the grid, on_chip maximal for each."""
+    """Fitting settings over the grid, on_chip maximal for each (memory counted at the
+    deepest window rings the gammas give: shallower ones fit too)."""
     g1s = GAMMA1S if base.draft is not None else (0,)
     for b in _budgets(base.context, base.retrieval_chunk):
         a1 = alpha_at_budget(alpha1, b)
         for tc in TRANSFER_CHUNKS:
-            s = replace(base, budget=b, transfer_chunk=tc, alpha1=a1)
+            s = replace(base, budget=b, transfer_chunk=tc, alpha1=a1, gamma1=g1s[-1], gamma2=GAMMA2S[-1])
             if not _gpu_fits(hw, model, s, 0):
                 continue
             s = replace(s, on_chip=max_on_chip(hw, model, s, "triforce"))
@@ -105,12 +109,13 @@ def _gpu_fits(hw, model, s, on_chip) -> bool:
 def _check_fits(hw, model, base, strict=False) -> None:
     """Raise a one-line ValueError when even the smallest configuration cannot fit."""
     small = replace(base, budget=_budgets(base.context, base.retrieval_chunk)[0],
-                    transfer_chunk=TRANSFER_CHUNKS[0])
+                    transfer_chunk=TRANSFER_CHUNKS[0], gamma1=GAMMA1S[0], gamma2=GAMMA2S[0])
     need = memory_use(hw, model, replace(small, on_chip=0)).gpu_gb
     have = gpu_capacity(hw) / GIB
     if need > have:
         raise ValueError(f"{model.name} on {hw.name}: needs {need:.1f} GiB per GPU "
-                         f"(weights shard, retrieval cache, draft, staging), "
+                         f"(weights shard, retrieval cache, draft, staging"
+                         f"{', window rings' if model.n_window else ''}), "
                          f"{have:.1f} GiB available")
     on = max_on_chip(hw, model, small, "triforce")
     host = memory_use(hw, model, replace(small, on_chip=on)).host_gb
@@ -122,10 +127,10 @@ def _check_fits(hw, model, base, strict=False) -> None:
 
 
 def _plan(hw, model, ms, s) -> Plan:
-    if s.on_chip == model.layers:  # nothing streams: the chunk is moot, keep the default
+    if model.chip_globals(s.on_chip) == model.n_global:  # nothing streams: the chunk is moot
         s = replace(s, transfer_chunk=Settings.transfer_chunk)
     mem = memory_use(hw, model, s)
     ar = replace(s, on_chip=None)  # the baseline fills the GPU with KV instead
     base_ms = predict(hw, model, ar, "autoregressive").ms_per_token
-    return Plan(hw, model, s, ms, base_ms, mem.gpu_gb, mem.host_gb, s.tp or hw.gpus)
+    return Plan(hw, model, s, ms, base_ms, mem.gpu_gb, mem.host_gb, s.tp or hw.gpus, mem.parts)
 

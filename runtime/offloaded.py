@@ -76,32 +76,39 @@ def layer_bytes(cfg, tokens: int, dtype, batch: int = 1) -> int:
     return tokens * batch * cfg.kv_bytes_per_token(_elem(dtype)) // cfg.n_layers
 
 
-def rebuild_device_bytes(cfg, capacity: int, retrieval_slots: int, dtype, offloaded: bool) -> int:
+def rebuild_device_bytes(cfg, capacity: int, retrieval_slots: int, dtype, offloaded: bool,
+                         ring_depth: int | None = None) -> int:
     """Device bytes a retrieval-cache (re)build holds beside the caches, one layer at a
     time: the selected chunks' K and V, gathered then joined to the tail (twice a layer of
     the retrieval cache), and for an offloaded full cache the layer's whole prefix copied
-    in one block (`device_keys`)."""
+    in one block (`device_keys`). With a `ring_depth` and no global layer, only the rings'
+    bands are read (`recent`: one window of a layer)."""
     if not retrieval_slots:
         return 0
+    if ring_depth is not None and all(w is not None for w in cfg.windows):
+        return layer_bytes(cfg, min(cfg.sliding_window, capacity), dtype)
     block = layer_bytes(cfg, capacity, dtype) if offloaded else 0
     return block + 2 * layer_bytes(cfg, retrieval_slots, dtype)
 
 
 def prefill_device_bytes(cfg, tokens: int, chunk: int, batch: int, elem: int,
-                         layer_major: bool = True) -> int:
+                         layer_major: bool = True, fresh_layers: int | None = None) -> int:
     """Device bytes a layer-major prefill of `tokens` holds besides the held layer's KV:
     the prompt's hidden states [B, T, H] and cos, sin [T, D] for the whole prefill; every
     layer's latest chunk of K, V (`fresh`, kept for `recent`: views that keep the chunk's
     stacked qkv and rotated q|k buffers alive); and the peak of one chunk's `layer_step`,
     the larger half of it: attention (the norm, the residual, qkv, the rotation and its
     temporaries, write-back copies of k, v, the fp32 prefix and causal partial outputs) or
-    the MLP (the norm, gate|up, silu(gate) and the product). `layer_major=False`: a
-    resident prefill, chunk by chunk through every layer (no `fresh`)."""
+    the MLP (the norm, gate|up, silu(gate) and the product). `fresh_layers`: the layers that
+    keep their chunk (the offloaded ones: on-chip and ring layers attend in place; None:
+    every layer). `layer_major=False`: a resident prefill, chunk by chunk through every
+    layer (no `fresh`)."""
     H, D, inner = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q, kv = cfg.n_heads * D, cfg.n_kv_heads * D
     c = min(chunk, tokens)
     whole = tokens * (batch * H + 2 * D) * elem
-    fresh = cfg.n_layers * c * batch * (2 * q + 3 * kv) * elem if layer_major else 0
+    n_fresh = cfg.n_layers if fresh_layers is None else fresh_layers
+    fresh = n_fresh * c * batch * (2 * q + 3 * kv) * elem if layer_major else 0
     attn = (3 * H + 4 * q + 7 * kv) * elem + (2 * H + 2 * q) * 4
     mlp = (3 * H + 4 * inner) * elem + 2 * H * 4
     return whole + fresh + c * batch * max(attn, mlp)
@@ -155,12 +162,14 @@ class OffloadedCache(KVCache):
         prefix in one block, the selection) must fit."""
         per_layer = spec.bytes_per_token() * spec.capacity
         dev = n_chip * per_layer + (self.ring.nbytes() if self.ring is not None else 0)
-        ret = RetrievalCache.bytes_for(cfg, retrieval_slots, spec.dtype, spec.batch)
-        rebuild = rebuild_device_bytes(cfg, spec.capacity, retrieval_slots, spec.dtype, bool(spec.layers))
+        ring = self.ring.depth if self.ring is not None else None  # the retrieval cache's rings too
+        ret = RetrievalCache.bytes_for(cfg, retrieval_slots, spec.dtype, spec.batch, ring)
+        rebuild = rebuild_device_bytes(cfg, spec.capacity, retrieval_slots, spec.dtype, bool(spec.layers), ring)
         what = f" and the retrieval cache ({ret / 2 ** 30:.1f} GB)" if ret else ""
         if spec.layers:
             stage = staging_bytes(self.transfer_chunk, spec.bytes_per_token(), depth)
-            pre = prefill_device_bytes(cfg, spec.capacity, prefill_chunk, spec.batch, _elem(spec.dtype))
+            pre = prefill_device_bytes(cfg, spec.capacity, prefill_chunk, spec.batch, _elem(spec.dtype),
+                                       fresh_layers=len(spec.layers))
             dev += stage + ret + max(per_layer + pre, rebuild)
             what = f"on-device KV, staging, the prefill ({(per_layer + pre) / 2 ** 30:.1f} GB){what}"
             return check_memory(spec.nbytes(), dev, self.device, HOST_HINT, PREFILL_HINT, what)
@@ -411,16 +420,16 @@ def prefill_layer_major(model, cache, ids: torch.Tensor, start: int, prefill_chu
     return model.head(x, last_only=True)[:, -1]
 
 
-def use_offload(o, cfg, capacity: int, dtype, device, above: int = 0) -> bool:
-    """`auto`: offload when the full KV (and `above`, what the levels above it add on the
-    device) would not fit in 80% of the free device memory; on a CPU the device is the
-    host, so auto means off."""
+def use_offload(o, cfg, capacity: int, dtype, device, above: int = 0, ring_depth: int | None = None) -> bool:
+    """`auto`: offload when the full KV (global layers whole, window layers in rings of
+    `ring_depth`; and `above`, what the levels above it add on the device) would not fit in
+    80% of the free device memory; on a CPU the device is the host, so auto means off."""
     if o.offload != "auto":
         return o.offload == "on"
     free = S.device_available(device)
     if free is None:
         return False
-    need = capacity * cfg.kv_bytes_per_token(torch.empty(0, dtype=dtype).element_size())
+    need = cfg.kv_bytes(capacity, _elem(dtype), ring_depth)
     return need + above > 0.8 * free
 
 
@@ -430,10 +439,10 @@ def make_full_cache(loaded, capacity: int, opts, retrieval_slots: int = 0) -> KV
     the run will add on the device (0: none), counted in the memory checks. Window layers
     keep rings as deep as the engine may roll back (`rollback_depth`)."""
     o, ring = opts.offload, rollback_depth(opts.generation)
-    ret = RetrievalCache.bytes_for(loaded.cfg, retrieval_slots, loaded.kv_dtype)
+    ret = RetrievalCache.bytes_for(loaded.cfg, retrieval_slots, loaded.kv_dtype, ring_depth=ring)
     # tensor-parallel ranks decide together (rank 0's free memory): one offloading and the
     # other not would run different collectives (layer-major prefill against chunked)
-    if not agree(int(use_offload(o, loaded.cfg, capacity, loaded.kv_dtype, loaded.device, ret))):
+    if not agree(int(use_offload(o, loaded.cfg, capacity, loaded.kv_dtype, loaded.device, ret, ring))):
         if o.profile:
             raise TriforceError("--profile times the offload pipeline: add --offload on")
         return resident_cache(loaded, capacity, opts.prefill_chunk, retrieval_slots, ring)
@@ -453,13 +462,13 @@ def resident_cache(loaded, capacity: int, prefill_chunk: int = PREFILL_CHUNK, re
     make = lambda c: FullCache(cfg, c, dtype=dtype, device=device, ring_depth=ring_depth)  # noqa: E731
     k = kept(loaded.model) if graphable(device) else None
     if k is None:
-        check_resident(cfg, capacity, dtype, device, prefill_chunk, retrieval_slots)
+        check_resident(cfg, capacity, dtype, device, prefill_chunk, retrieval_slots, ring_depth=ring_depth)
         return make(capacity)
     capacity = room_for(capacity)
     w = k.full_cache(capacity, ring_depth)  # None: a kept one of another capacity or depth is dropped
     r = k.retrieval_cache(retrieval_slots, ring_depth) if retrieval_slots else None
     check_resident(cfg, capacity, dtype, device, prefill_chunk, retrieval_slots,
-                   held=(w.nbytes() if w else 0) + (r.nbytes() if r else 0))
+                   held=(w.nbytes() if w else 0) + (r.nbytes() if r else 0), ring_depth=ring_depth)
     if w is None:
         w = k.keep_full(make(capacity))
     else:
@@ -470,14 +479,16 @@ def resident_cache(loaded, capacity: int, prefill_chunk: int = PREFILL_CHUNK, re
 
 
 def check_resident(cfg, capacity: int, dtype, device, prefill_chunk: int, retrieval_slots: int = 0,
-                   held: int = 0):
+                   held: int = 0, ring_depth: int | None = None):
     """Refuse a resident run that cannot fit the device: the full KV, the retrieval cache
     and the larger of a prefill chunk's activations and a rebuild's selection, less `held`
-    (kept caches it reuses, allocated already)."""
-    kv = capacity * cfg.kv_bytes_per_token(_elem(dtype))
-    ret = RetrievalCache.bytes_for(cfg, retrieval_slots, dtype)
+    (kept caches it reuses, allocated already). `ring_depth`: both caches keep their window
+    layers in rings (global layers whole), as they are built."""
+    kv = cfg.kv_bytes(capacity, _elem(dtype), ring_depth)
+    ret = RetrievalCache.bytes_for(cfg, retrieval_slots, dtype, ring_depth=ring_depth)
     pre = prefill_device_bytes(cfg, min(prefill_chunk, capacity), prefill_chunk, 1, _elem(dtype), False)
-    need = kv + ret + max(pre, rebuild_device_bytes(cfg, capacity, retrieval_slots, dtype, False)) - held
+    rebuild = rebuild_device_bytes(cfg, capacity, retrieval_slots, dtype, False, ring_depth)
+    need = kv + ret + max(pre, rebuild) - held
     what = (f"the KV cache ({kv / 2 ** 30:.1f} GB)"
             + (f", the retrieval cache ({ret / 2 ** 30:.1f} GB)" if ret else "") + " and the prefill")
     if S.device_available(device) is not None:  # on the CPU the KV is host memory, as it was

@@ -137,9 +137,13 @@ class RetrievalCache(KVCache):
         return (budget // retrieval_chunk + 1) * retrieval_chunk + extra
 
     @staticmethod
-    def bytes_for(cfg, slots: int, dtype, batch: int = 1) -> int:
-        """Device bytes of a retrieval cache with `slots` slots (every layer's K and V)."""
-        return slots * batch * cfg.kv_bytes_per_token(torch.empty(0, dtype=dtype).element_size())
+    def bytes_for(cfg, slots: int, dtype, batch: int = 1, ring_depth: int | None = None) -> int:
+        """Device bytes of a retrieval cache with `slots` slots (0: none), as `nbytes()` will
+        count them: every layer's K and V, or with a `ring_depth` the global layers' slots and
+        the window layers' rings (window + depth each)."""
+        if not slots:
+            return 0
+        return cfg.kv_bytes(slots, torch.empty(0, dtype=dtype).element_size(), ring_depth, batch)
 
     def reset(self, budget: int, retrieval_chunk: int):
         """Empty, in place, for another run with this budget (graphs.Kept): the buffers and
