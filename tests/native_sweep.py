@@ -6,7 +6,8 @@ Covers what once wrote out of bounds (a row slice whose rows all stop before lat
 blocks: issue 12) and its neighbours: decode and tiled row counts, row slicing, several
 blocks, queries that see only the first keys, keys far beyond the last visible position,
 prefill chunks over prompt lengths around the block and tile sizes, fp32 and bf16, head
-sizes 16-128, grouped-query ratios 1 and 3, and no keys at all.
+sizes 16-128, grouped-query ratios 1 and 3, no keys at all, and soft-capped scores (Gemma 2:
+row tails of every length 1-16).
 Exits 1 naming the first case whose output differs from plain float64 attention.
 """
 import itertools
@@ -17,13 +18,16 @@ import torch
 from triforce_offload.kernels import native
 
 
-def reference(q, k, v, q_pos0, k_pos0=0):
-    """Plain float64 causal attention: out [B,Hq,T,D], lse [B,Hq,T]."""
+def reference(q, k, v, q_pos0, k_pos0=0, softcap=None):
+    """Plain float64 causal attention: out [B,Hq,T,D], lse [B,Hq,T]; `softcap`: scaled scores
+    -> softcap * tanh(score / softcap) before the mask (Gemma 2)."""
     B, Hq, T, D = q.shape
     G = Hq // k.shape[1]
     kk = k.double().repeat_interleave(G, dim=1)
     vv = v.double().repeat_interleave(G, dim=1)
     s = q.double() @ kk.transpose(-1, -2) * D ** -0.5
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
     qp = torch.arange(q_pos0, q_pos0 + T)[:, None]
     kp = torch.arange(k_pos0, k_pos0 + k.shape[2])[None, :]
     s = s.masked_fill(kp > qp, float("-inf"))
@@ -32,9 +36,9 @@ def reference(q, k, v, q_pos0, k_pos0=0):
     return (p @ vv).float(), lse.float()
 
 
-def check(name, q, K, V, q_pos0, k_pos0=0):
-    out, lse = native.attend(q, K, V, q_pos0, k_pos0, out_dtype=torch.float32)
-    ref, ref_lse = reference(q, K, V, q_pos0, k_pos0)
+def check(name, q, K, V, q_pos0, k_pos0=0, softcap=None):
+    out, lse = native.attend(q, K, V, q_pos0, k_pos0, out_dtype=torch.float32, softcap=softcap)
+    ref, ref_lse = reference(q, K, V, q_pos0, k_pos0, softcap)
     tol = 2e-6 if K.dtype == torch.float32 else 1e-2
     try:
         torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
@@ -76,6 +80,12 @@ def main():
                 check(f"prefill L={L} chunk={chunk} [{s}:{e}] {dtype}",
                       q[:, :, s:e], K[:, :, :e], V[:, :, :e], s)
                 n += 1
+    # soft-capped scores: rows ending at every offset of a vector, decode and tiled rows
+    for dtype, T in itertools.product((torch.float32, torch.bfloat16), (1, 9)):
+        for L in range(40, 57):
+            q, K, V = tensors(g, 2, 3, T, L, 64, dtype)
+            check(f"softcap L={L} T={T} {dtype}", q * 4, K, V, L - T, softcap=3.0)
+            n += 1
     # no keys at all, and one key
     for S in (0, 1):
         q, K, V = tensors(g, 2, 3, 1, S, 32, torch.float32)

@@ -258,3 +258,134 @@ def test_greedy_modes_on_the_native_kernel(monkeypatch):
     monkeypatch.setattr(A.native, "supports", lambda q, k: False)
     torch_ref, _ = run(L, prompt, "autoregressive", 24)
     assert torch_ref == ref
+
+
+# ---- attention logit soft-capping (Gemma 2): every path against the float64 reference ----
+
+CAPS = [2.0, 50.0]  # one that caps most scores of these inputs (q scaled up), one that caps few
+
+
+def _capped_inputs(seed, Hkv, G, T, S, D, dtype=torch.float32, q_scale=6.0):
+    g = torch.Generator().manual_seed(seed)
+    K = torch.randn(1, Hkv, S + 5, D, generator=g).to(dtype)[:, :, :S]  # views of a larger cache
+    V = torch.randn(1, Hkv, S + 5, D, generator=g).to(dtype)[:, :, :S]
+    q = (torch.randn(1, Hkv * G, T, D, generator=g) * q_scale).to(dtype)  # scores up to ~100
+    return q, K, V
+
+
+@pytest.mark.parametrize("cap", CAPS)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("D,S,T,k_pos0,G", [(64, 1000, 1, 0, 3), (64, 513, 7, 0, 3), (128, 300, 5, 40, 2),
+                                            (16, 5, 2, 0, 3), (80, 40, 9, 0, 1)])
+def test_native_softcap_matches_reference(cap, dtype, tol, D, S, T, k_pos0, G):
+    q, K, V = _capped_inputs(S * T + D, 3, G, T, S, D, dtype)
+    q_pos0 = k_pos0 + S - T
+    ref, ref_lse = reference(q, K, V, q_pos0, k_pos0, softcap=cap)
+    out, lse = native.attend(q, K, V, q_pos0, k_pos0, out_dtype=torch.float32, softcap=cap)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    if cap == 2.0:  # the cap changed the result
+        plain, _ = native.attend(q, K, V, q_pos0, k_pos0, out_dtype=torch.float32)
+        assert (plain - out).abs().max() > 10 * tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_softcap_verification_rows_equal_decodes_bit_for_bit(dtype):
+    """Soft-capping is element by element after the dot products, so a verification's rows
+    keep the bits of their decodes."""
+    if not native.enabled():
+        pytest.skip(native.reason() or "native kernel off")
+    n = native.BLOCK * 2 - 5
+    for T in (1, 3, 9, 12):
+        q, K, V = _capped_inputs(T, 2, 3, T, n + T, 64, dtype)
+        out, lse = native.attend(q.float(), K, V, n, softcap=2.0)
+        for t in range(T):
+            o1, l1 = native.attend(q[:, :, t:t + 1].float(), K[:, :, :n + t + 1], V[:, :, :n + t + 1], n + t,
+                                   softcap=2.0)
+            assert torch.equal(out[:, :, t:t + 1], o1) and torch.equal(lse[:, :, t:t + 1], l1), (T, t)
+
+
+def test_native_without_softcap_is_the_plain_kernel():
+    """softcap None and 0 both take the plain scaling loop: the same bits."""
+    q, K, V = _capped_inputs(3, 2, 3, 9, 700, 64)
+    a = native.attend(q, K, V, 691)
+    for off in (None, 0.0):
+        b = native.attend(q, K, V, 691, softcap=off)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("cap", CAPS)
+def test_torch_paths_softcap_match_reference(monkeypatch, cap):
+    """With the native kernel off: `attention` (explicit fp32 scores in row slices, where
+    SDPA or the CPU split-K would run), `attention_lse`, the streamed blocks of an offloaded
+    layer merged by log-sum-exp, the fixed-shape length-masked path and a window band."""
+    from triforce_offload.kernels.chunked import StreamedAttention
+    from triforce_offload.runtime.cache import static_window_attention, window_attention
+    monkeypatch.setattr(A.native, "supports", lambda q, k: False)
+    q, K, V = _capped_inputs(7, 2, 3, 6, 2100, 64)
+    q_pos0 = 2100 - 6
+    ref, ref_lse = reference(q, K, V, q_pos0, softcap=cap)
+    tol = dict(rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(A.attention(q, K, V, q_pos0, softcap=cap), ref, **tol)
+    monkeypatch.setattr(A, "SCORE_BYTES", 3 * 2100 * 4 * 2)  # 3-row slices
+    torch.testing.assert_close(A.attention(q, K, V, q_pos0, softcap=cap), ref, **tol)
+    out, lse = A.attention_lse(q, K, V, q_pos0, softcap=cap)
+    torch.testing.assert_close(out, ref, **tol)
+    torch.testing.assert_close(lse, ref_lse, **tol)
+    s = StreamedAttention(q, 2, softcap=cap, group=3)  # staged chunks, then the forward's own tokens
+    for a in range(0, q_pos0, 512):
+        s.add(K[:, :, a:min(a + 512, q_pos0)], V[:, :, a:min(a + 512, q_pos0)])
+    s.add_causal(K[:, :, q_pos0:], V[:, :, q_pos0:], q_pos0, q_pos0)
+    torch.testing.assert_close(s.result(), ref, **tol)
+    cap_K = torch.cat([K, torch.zeros(1, 2, 50, 64)], 2)  # a fixed-capacity buffer past the length
+    cap_V = torch.cat([V, torch.zeros(1, 2, 50, 64)], 2)
+    length = torch.tensor([2100])
+    torch.testing.assert_close(A.static_attention(q, cap_K, cap_V, length, softcap=cap), ref, **tol)
+    W = 300  # a sliding layer: each query sees its last W keys
+    band, _ = reference(q, K[:, :, q_pos0 + 6 - W - 5:], V[:, :, q_pos0 + 6 - W - 5:], q_pos0,
+                        q_pos0 + 6 - W - 5, softcap=cap)
+    first = torch.arange(6) + q_pos0 - W + 1  # first key of each query's band
+    for t in range(6):  # the reference per query over its own band
+        band[:, :, t] = reference(q[:, :, t:t + 1], K[:, :, first[t]:q_pos0 + t + 1],
+                                  V[:, :, first[t]:q_pos0 + t + 1], q_pos0 + t, int(first[t]), softcap=cap)[0][:, :, 0]
+    torch.testing.assert_close(window_attention(q, K, V, q_pos0, 0, W, softcap=cap), band, **tol)
+    torch.testing.assert_close(static_window_attention(q, cap_K, cap_V, length, W, softcap=cap), band, **tol)
+
+
+TRITON_SOFTCAP = r"""
+import sys, torch
+from triforce_offload.kernels import triton_attention as ta
+sys.path.insert(0, "tests")
+from native_sweep import reference
+assert ta.available(), ta.reason()
+g = torch.Generator().manual_seed(0)
+for cap in (2.0, 50.0):
+    for dtype, T, G, D in ((torch.float32, 1, 3, 64), (torch.float32, 7, 4, 80), (torch.bfloat16, 5, 2, 64)):
+        q = (torch.randn(1, 2 * G, T, D, generator=g) * 6).to(dtype)
+        k = torch.randn(1, 2, 256, D, generator=g).to(dtype)
+        v = torch.randn(1, 2, 256, D, generator=g).to(dtype)
+        k[:, :, 200:] = float("nan")  # past the length: never read
+        out, lse = ta.decode_attention_lse(q, k, v, torch.tensor([200]), softcap=cap, block_n=32, splits=3)
+        ref, ref_lse = reference(q, k[:, :, :200], v[:, :, :200], 200 - T, softcap=cap)
+        tol = 3e-2 if dtype == torch.bfloat16 else 2e-5
+        torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+        torch.testing.assert_close(lse, ref_lse, rtol=0, atol=2e-3 if dtype == torch.bfloat16 else 2e-5)
+        if cap == 2.0:
+            plain = ta.decode_attention(q, k, v, torch.tensor([200]), block_n=32, splits=3)
+            assert (plain.float() - out.float()).abs().max() > 10 * tol, "the cap changed nothing"
+print("ok")
+"""
+
+
+def test_triton_softcap_matches_reference():
+    """The Triton split-K kernel with a softcap, on CPU tensors under TRITON_INTERPRET=1 (in
+    a child process: the variable counts only before triton's first import)."""
+    import os
+    import subprocess
+    import sys
+    from triforce_offload.kernels import triton_attention as ta
+    if ta.triton is None:
+        pytest.skip(ta.reason())
+    r = subprocess.run([sys.executable, "-c", TRITON_SOFTCAP], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
