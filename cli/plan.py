@@ -200,7 +200,8 @@ def auto_plan(cfg, context: int, device: torch.device, weights: str | None = Non
                         intermediate=cfg.intermediate_size, vocab=cfg.vocab_size,
                         head_dim=cfg.head_dim, tied=cfg.tie_word_embeddings,
                         weights=plan_weights(weights), window=cfg.sliding_window or 0,
-                        layer_types=tuple(cfg.layer_types))
+                        layer_types=tuple("full_attention" if w is None else "sliding_attention"
+                                          for w in cfg.windows))  # the layers the runtime rings
     try:
         p = pl.search_plan(hw, spec, context, alpha0=0.6, alpha1=0.9, draft=None)
     except ValueError as e:

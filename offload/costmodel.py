@@ -158,7 +158,9 @@ def _preset_for_device(dev: str) -> Hardware | None:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Llama-family decoder architecture; sizes in elements unless named bytes."""
+    """Decoder architecture (Llama, Qwen, Mistral, Gemma: the same weight shapes); sizes in
+    elements unless named bytes. `layer_types` and `window` say which layers attend over a
+    sliding window (a ring of window + rollback depth tokens at run time, assumption 11)."""
 
     name: str  # label only
     layers: int  # decoder layers

@@ -253,3 +253,18 @@ def test_plan_command_shows_layer_kinds():
     assert (d["layers"], d["window_layers"], d["global_layers"], d["window"]) == (62, 52, 10, 1024)
     assert d["ring_depth"] == 4 + d["gamma2"] + 2  # --mode retrieval: run's γ1 default
     assert f"--on-chip {d['on_chip']}" in d["command"] and d["host_gb"] < 10
+
+
+@pytest.mark.parametrize("depth", [DEPTH, None])
+def test_a_prefill_keeps_chunks_of_the_offloaded_layers_only(depth, tmp_path):
+    """What `fresh_layers` counts: after a layer-major prefill of a windowed Qwen2 (layer 0
+    global, 1-2 window), the offloaded cache keeps a chunk of each layer in its store and of
+    no other (rings attend in place)."""
+    from test_windows import ours, tiny_qwen2
+    from triforce_offload.runtime.offloaded import prefill_layer_major
+    model, cfg = ours(tiny_qwen2(), tmp_path)
+    cache = OffloadedCache(cfg, 64, transfer_chunk=8, ring_depth=depth)
+    with torch.no_grad():
+        prefill_layer_major(model, cache, torch.randint(0, 97, (1, 40)), 0, 16)
+    assert sorted(cache.fresh) == list(cache.store.spec.layers) == ([0] if depth else [0, 1, 2])
+    cache.close()
