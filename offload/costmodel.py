@@ -209,7 +209,7 @@ class ModelSpec:
                 hidden=int(cfg["hidden_size"]), intermediate=int(cfg["intermediate_size"]),
                 vocab=int(cfg["vocab_size"]), head_dim=int(cfg.get("head_dim") or 0),
                 dtype_bytes=4 if cfg.get("torch_dtype") == "float32" else 2,
-                tied=bool(cfg.get("tie_word_embeddings", False)),
+                tied=bool(cfg.get("tie_word_embeddings", _gemma(cfg))),  # Gemma ties by default
                 max_context=int(cfg.get("max_position_embeddings") or 0),
                 window=int(window or 0), layer_types=tuple(layer_types))
         except KeyError as e:
@@ -315,6 +315,12 @@ class ModelSpec:
         if not self.n_global:
             return f"{self.layers} layers, all window ({self.window})"
         return f"{self.layers} layers: {self.n_window} window ({self.window}), {self.n_global} global"
+
+
+def _gemma(cfg: dict) -> bool:
+    """A Gemma config (model_type or architectures), whose embeddings are tied unless it says not."""
+    names = [str(cfg.get("model_type", ""))] + [str(a) for a in cfg.get("architectures") or []]
+    return any(n.lower().startswith("gemma") for n in names)
 
 
 def pattern_kinds(layers: int, pattern: int) -> tuple[str, ...]:

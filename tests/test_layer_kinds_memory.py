@@ -232,12 +232,13 @@ def test_plan_reads_layer_kinds_from_config_json(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(hf))
     m = parse_model(str(tmp_path))
     assert m.window == 512 and m.global_layers == (5, 11) and m.n_window == 10
+    assert m.tied  # Gemma ties its embeddings unless the config says not
     mistral = {**hf, "architectures": ["MistralForCausalLM"], "sliding_window": 4096}
     (tmp_path / "config.json").write_text(json.dumps(mistral))
     assert parse_model(str(tmp_path)).n_global == 0
     llama = {**hf, "architectures": ["LlamaForCausalLM"]}  # a Llama ignores sliding_window
     (tmp_path / "config.json").write_text(json.dumps(llama))
-    assert parse_model(str(tmp_path)).n_window == 0
+    assert parse_model(str(tmp_path)).n_window == 0 and not parse_model(str(tmp_path)).tied
 
 
 def test_plan_command_shows_layer_kinds():
@@ -268,3 +269,26 @@ def test_a_prefill_keeps_chunks_of_the_offloaded_layers_only(depth, tmp_path):
         prefill_layer_major(model, cache, torch.randint(0, 97, (1, 40)), 0, 16)
     assert sorted(cache.fresh) == list(cache.store.spec.layers) == ([0] if depth else [0, 1, 2])
     cache.close()
+
+
+def test_the_docs_layer_kinds_table_is_the_plans():
+    """docs/offload.md's Gemma 3 rows (4090, 128K, int4) are what `plan` predicts now."""
+    import re
+    from pathlib import Path
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "offload.md").read_text()
+    models = {"gemma-3-27b": G27, "gemma-3-12b": cm.GEMMA3_12B}
+    rows = re.findall(r"^\| (gemma-3-\d+b)(, all global)? \|(.*)$", doc, re.M)
+    assert len(rows) == 4
+    for name, every, cells in rows:
+        m = replace(models[name], weights="int4")
+        m = replace(m, window=0, layer_types=()) if every else m
+        p = pl.search_plan(cm.RTX4090, m, 131072, draft=None)
+        layers = (m.n_window, m.window, m.n_global) if m.n_window else (m.n_global,)
+        want = [*layers, m.kv_bytes(131072, p.settings.ring_depth) / cm.GIB, p.settings.on_chip,
+                m.chip_globals(p.settings.on_chip), m.n_global, p.gpu_parts.get("rings", 0.0), p.host_gb,
+                p.ms_per_token, p.baseline_ms]
+        got = re.findall(r"\d+(?:\.\d+)?", cells)
+        assert len(got) == len(want), (name, cells)
+        for d, v in zip(got, want):
+            places = len(d.partition(".")[2])
+            assert float(d) == pytest.approx(round(v, places)), (name, d, v)
