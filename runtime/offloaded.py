@@ -156,9 +156,10 @@ class OffloadedCache(KVCache):
 
     def _check(self, cfg, spec: StoreSpec, depth: int, prefill_chunk: int, retrieval_slots: int = 0,
                n_chip: int = 0):
-        """On-chip layers (`n_chip` global ones, and the window layers' rings), the staging ring, the retrieval cache (`retrieval_slots`: the
-        middle level's, 0 for none) and the larger of the prefill (the layer it holds, and
-        its activations over a prompt as long as the capacity) and a rebuild (a layer's
+        """On-chip layers (`n_chip` global ones, and the window layers' rings), the staging
+        ring, the retrieval cache (`retrieval_slots`: the middle level's, 0 for none; its
+        rings as deep as this cache's) and the larger of the prefill (the layer it holds,
+        and its activations over a prompt as long as the capacity) and a rebuild (a layer's
         prefix in one block, the selection) must fit."""
         per_layer = spec.bytes_per_token() * spec.capacity
         dev = n_chip * per_layer + (self.ring.nbytes() if self.ring is not None else 0)
