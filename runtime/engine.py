@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import TriforceError
-from .hostread import READS
+from .hostread import READS, to_host
 from .options import Rebuild  # noqa: F401  (a policy value: parsed with the other options)
 from .protocols import RetrievalKV, VerifyingLevel
 from .sampling import SamplingParams, probs
@@ -104,6 +104,41 @@ class AutoGamma:
         return max(range(1, self.hi + 1), key=lambda g: (1 - a ** (g + 1)) / ((1 - a) * (1 + g * c)))
 
 
+# a forward of w tokens costs 1 + kappa (w - 1) of one, until the top measured two widths:
+# a CPU is compute-bound at a few rows (measured: 5 rows ~1.9x one), a GPU reads the weights once
+KAPPA = {"cpu": 0.25, "cuda": 0.02}
+
+
+def expected_tokens(a: float, g: int) -> float:
+    """Tokens one verification of g drafts yields at per-token acceptance a (the corrected
+    or bonus token included): 1 + a + ... + a^g."""
+    a = min(a, 0.999)
+    return (1 - a ** (g + 1)) / (1 - a)
+
+
+class Acceptance:
+    """One level's drafts as the levels above judge them: per-token acceptance as decayed
+    counts of accepted and rejected tokens (half a token of each as the prior), and the
+    mean length of its drafts (an n-gram lookup often proposes fewer than its gamma)."""
+
+    def __init__(self, decay: float = 0.9):
+        self.acc = self.rej = 0.0
+        self.length: float | None = None
+        self.n, self.decay = 0, decay
+
+    def add(self, accepted: float, rejected: float, drafted: int | None = None):
+        if accepted or rejected:
+            self.acc = self.decay * self.acc + accepted
+            self.rej = self.decay * self.rej + rejected
+            self.n += 1
+        if drafted is not None:
+            self.length = drafted if self.length is None else 0.8 * self.length + 0.2 * drafted
+
+    @property
+    def rate(self) -> float | None:
+        return (self.acc + 0.5) / (self.acc + self.rej + 1.0) if self.n else None
+
+
 class Bypass:
     """Which levels below the top run: speculation never costs more than it saves.
 
@@ -124,42 +159,72 @@ class Bypass:
 
     def __init__(self, optional: list[int], warm: int = 1, interval: int = 32, max_interval: int = 512,
                  probe_tokens: int = 8, probe_rounds: int = 3, margin: float = 0.97, decay: float = 0.8,
-                 hopeless: float = 1.2, first_per_config: bool = False, bound=None):
+                 hopeless: float = 1.2, first_per_config: bool = False, bound=None, predict=None,
+                 start_plain: bool = False):
         import itertools
         self.configs = [frozenset(c) for r in range(len(optional) + 1)
                         for c in itertools.combinations(optional, r)]
         self.sums = {c: [0.0, 0.0] for c in self.configs}  # decayed seconds, tokens
         self.seen = {c: 0 for c in self.configs}  # rounds run per configuration
-        self.current = self.configs[0]  # every level runs
+        # every level runs; or none (`start_plain`): plain decoding until a prediction or probe says otherwise
+        self.current = self.configs[-1 if start_plain else 0]
         self.warm, self.base, self.max_interval, self.margin, self.decay = warm, interval, max_interval, margin, decay
         self.probe_tokens, self.probe_rounds = probe_tokens, probe_rounds
         self.hopeless, self.first_per_config = hopeless, first_per_config
         self.bound = bound  # bound(c): seconds per token c costs at best (None: unknown)
+        self.predict = predict  # predict(c): seconds per token c is expected to cost (None: unknown)
         self.rest = {c: [0, 0] for c in self.configs}  # a hopeless probe's: tokens to sit out, next wait
         self.interval = interval
         self.probes: list[frozenset] = []
         self.probe = [0, 0]  # tokens, rounds of the probe under way
         self.rounds, self.since_probe = 0, 0
         self.skipped: dict[int, int] = {i: 0 for i in optional}  # tokens produced with level i skipped
+        self.tokens = 0  # tokens produced so far
+        self.probed_at = {c: -interval for c in self.configs}  # self.tokens when c's latest probe ended
         self.switches = 0
 
     def spt(self, c: frozenset) -> float | None:
         s, t = self.sums[c]
         return s / t if t else None
 
+    def cycle_due(self) -> bool:
+        """The next `choose` starts a probe cycle."""
+        return not self.probes and (self.rounds == self.warm or
+                                    (self.rounds > self.warm and self.since_probe >= self.interval))
+
+    def waiting(self, c: frozenset) -> bool:
+        """c is neither running nor sitting out: the next probe cycle judges it."""
+        return c != self.current and self.rest[c][0] <= 0
+
     def choose(self) -> frozenset:
         """The configuration of the next top-level round."""
-        if not self.probes and (self.rounds == self.warm or
-                                (self.rounds > self.warm and self.since_probe >= self.interval)):
+        if self.cycle_due():
             self.probes = [c for c in sorted(self.configs, key=len, reverse=True)
                            if c != self.current and self.rest[c][0] <= 0]
             self.since_probe, self.probe = 0, [0, 0]
+        elif not self.probes:
+            self.probes = self._promising()
         while self.probes and self.probe == [0, 0] and self._beaten(self.probes[0]):
-            self._probed()  # judged by the latest measurements, just before it would start
+            self._probed(ran=False)  # judged by the latest measurements, just before it would start
         return self.probes[0] if self.probes else self.current
+
+    def _promising(self) -> list:
+        """Between probe cycles: the configuration `predict` expects to beat the best
+        measured one by the margin (its acceptance measured as the text goes: shadow n-gram
+        proposals), probed at once; each at most once per `base` tokens (a prediction is an
+        estimate: the probe's measurement decides)."""
+        known = self._known()
+        if not self.predict or not known:
+            return []
+        best = self.margin * min(known.values())
+        cands = [(p, i) for i, c in enumerate(self.configs)  # a prediction outranks a rest
+                 if c != self.current and self.tokens - self.probed_at[c] >= self.base
+                 and (p := self.predict(c)) is not None and p < best]
+        return [self.configs[min(cands)[1]]] if cands else []
 
     def record(self, c: frozenset, seconds: float, tokens: int):
         self.rounds += 1
+        self.tokens += tokens
         self.since_probe += tokens
         for r in self.rest.values():
             r[0] -= tokens
@@ -194,9 +259,12 @@ class Bypass:
         known = self._known(but=c)
         return self.probe[1] >= 1 and bool(known) and self.spt(c) > self.hopeless * min(known.values())
 
-    def _probed(self):
-        """The probe at the head of the list is done; after the last, the choice is made."""
-        self.probes.pop(0)
+    def _probed(self, ran: bool = True):
+        """The probe at the head of the list is done (`ran`: it ran, rather than judged
+        beaten); after the last, the choice is made."""
+        c = self.probes.pop(0)
+        if ran:
+            self.probed_at[c] = self.tokens
         self.probe = [0, 0]
         if not self.probes:
             self.since_probe = 0
@@ -204,11 +272,21 @@ class Bypass:
                 self.interval = min(2 * self.interval, self.max_interval)  # the choice holds
 
     def _beaten(self, c: frozenset) -> bool:
-        """Even at full acceptance c would be `hopeless` times slower than the best measured:
-        it sits out without a probe (the bound is an estimate, so only for a while)."""
-        b = self.bound(c) if self.bound else None
+        """No probe for c when the best measured configuration beats it anyway: by its
+        predicted seconds per token (measured acceptance and forward costs: skipped this
+        cycle, and sits out for a while when `hopeless` times slower), or else even at full
+        acceptance (`bound`) by `hopeless` times (an estimate: it sits out for a while)."""
         known = self._known()
-        if b is None or not known or b <= self.hopeless * min(known.values()):
+        if not known:
+            return False
+        best = min(known.values())
+        p = self.predict(c) if self.predict else None
+        if p is not None:
+            if p > self.hopeless * best:
+                self._rest(c)
+            return p >= self.margin * best
+        b = self.bound(c) if self.bound else None
+        if b is None or b <= self.hopeless * best:
             return False
         self._rest(c)
         return True
@@ -257,7 +335,11 @@ class Engine:
     reads0: dict = field(default_factory=dict)  # hostread.READS counts when the engine was made
     bypass: Bypass | None = None  # skip levels that do not pay (None: every level always runs)
     skip: frozenset = frozenset()  # levels the current round skips
-    forward_s: dict = field(default_factory=dict)  # (level index, tokens) -> seconds of its latest forward
+    forward_s: dict = field(default_factory=dict)  # (level index, tokens) -> seconds of its forwards (smoothed)
+    accept: dict = field(default_factory=dict)  # level index -> Acceptance of its drafts
+    scores: int = 0  # teacher-forced scorings of the retrieval level (`score`)
+    kappa: float = KAPPA["cpu"]  # the width cost prior of `cost` (KAPPA: by device)
+    _shadow: list = field(default_factory=list)  # (position, tokens) n-gram proposals awaiting the text
     _since_build: int = 0
     _acc_ema: float = 1.0
 
@@ -270,8 +352,10 @@ class Engine:
                 raise TypeError(f"level {lv.name!r} cannot verify: only levels[0] may be a drafter")
         self.stats = [LevelStats() for _ in self.levels[1:]]
         self.reads0 = dict(READS.count)
-        if self.bypass is not None and self.bypass.bound is None:
-            self.bypass.bound = self.best_case
+        self.accept = {j: Acceptance() for j in range(len(self.levels) - 1)}
+        if self.bypass is not None:
+            self.bypass.bound = self.bypass.bound or self.best_case
+            self.bypass.predict = self.bypass.predict or self.predict
 
     @property
     def top(self):
@@ -309,8 +393,10 @@ class Engine:
         t1 = time.perf_counter()
         draft = seq[m:]
         p = probs(lv.forward(seq, len(draft) + 1), self.sp)  # [g+1, V]
-        self.forward_s[(i, len(draft) + 1)] = time.perf_counter() - t1
+        self._timed(i, len(draft) + 1, time.perf_counter() - t1)
         k, x = (self.accept_fn or (accept_greedy if self.sp.greedy else accept))(draft, q, p, self.gen)
+        if j is not None:
+            self.accept[j].add(k, int(k < len(draft)), len(draft))
         del seq[m + k:]
         seq.append(x)
         lv.commit(m + k)
@@ -388,14 +474,130 @@ class Engine:
         if self.bypass is None:
             self.verify(len(self.levels) - 1, seq)
             return
-        # timings differ between tensor-parallel ranks: all take rank 0's choice
-        c = self.bypass.configs[self.agree(self.bypass.configs.index(self.bypass.choose()))]
+        b = self.bypass
+        # timings differ between tensor-parallel ranks: all take rank 0's decisions
+        if self.agree(int(self._score_due())):
+            self.score(seq)
+        c = b.configs[self.agree(b.configs.index(b.choose()))]
+        shadow = 0 in c and hasattr(self.levels[0], "lookup")
+        if shadow:  # what the bypassed n-gram drafter would have proposed here
+            self._shadow.append((len(seq), self.levels[0].lookup(seq, self.gammas[0])))
         self.skip, n0, t0 = c, len(seq), time.perf_counter()
         try:
             self.verify(len(self.levels) - 1, seq)
         finally:
             self.skip = frozenset()
-        self.bypass.record(c, time.perf_counter() - t0, len(seq) - n0)
+        b.record(c, time.perf_counter() - t0, len(seq) - n0)
+        if self._shadow:
+            self._judge_shadow(seq)
+
+    def _judge_shadow(self, seq: list[int]):
+        """Judge the bypassed n-gram drafter's proposals against the verified text, each once
+        the text shows its first mismatch or its whole length: its acceptance, measured at
+        the cost of lookups alone."""
+        left = []
+        for pos, prop in self._shadow:
+            got = seq[pos: pos + len(prop)]
+            k = next((n for n, (a, t) in enumerate(zip(prop, got)) if a != t), len(got))
+            if k < len(got) or len(got) == len(prop):
+                self.accept[0].add(k, int(k < len(prop)), len(prop))
+            else:
+                left.append((pos, prop))
+        self._shadow = left
+
+    def _scored(self) -> int | None:
+        """The retrieval level (the one `score` measures), if the bypass may skip it."""
+        r = next((i for i, lv in enumerate(self.levels[:-1]) if isinstance(lv.cache, RetrievalKV)), None)
+        return r if r is not None and self.bypass is not None and any(r in c for c in self.bypass.configs) else None
+
+    def _score_due(self) -> bool:
+        """A probe cycle starts next and would judge a configuration running the retrieval
+        level that `predict` cannot price from measurements since the last cycle."""
+        r, b = self._scored(), self.bypass
+        return (r is not None and b.cycle_due() and r in b.current
+                and any(r not in c and b.waiting(c) for c in b.configs))
+
+    def score(self, seq: list[int]):
+        """Measure the bypassed retrieval level's acceptance without speculating: one forward
+        of it over the last w verified tokens (w = its verification width), teacher-forced,
+        each row judged against the token the target chose next (greedy: the argmax;
+        sampled: the probability it gave that token). Its cache is rolled back for it and,
+        where the full cache holds those positions on the device, given their exact KV
+        again; an offloaded full cache would stream them, so the level keeps its own."""
+        r = self._scored()
+        lv, top = self.levels[r], self.top
+        end = top.held
+        w = min(self.gammas[r - 1] + 1 if r else min(self.gammas[r], 8), end - getattr(lv.cache, "base", 0))
+        if w < 2:
+            return
+        lo = end - w
+        lv.rollback(lo)
+        t0 = time.perf_counter()
+        with READS.at(lv.name):
+            rows = lv.forward(seq[:end], w)  # [w, V]: row j predicts position lo + 1 + j
+            truth = torch.tensor(seq[lo + 1: end + 1], device=rows.device)
+            if self.sp.greedy:
+                hit = to_host((rows.argmax(-1) == truth).sum())
+            else:
+                hit = to_host(probs(rows, self.sp).gather(1, truth[:, None]).sum())
+        self._timed(r, w, time.perf_counter() - t0)
+        if not getattr(getattr(top.cache, "inner", top.cache), "layer_major", False):
+            lv.rollback(lo)
+            lv.cache.absorb(top.cache, lo, end)
+        lv.commit(end)
+        self.accept[r].add(hit, w - hit)
+        self.scores += 1
+
+    def _timed(self, i: int, width: int, seconds: float):
+        old = self.forward_s.get((i, width))
+        self.forward_s[(i, width)] = seconds if old is None else 0.5 * (old + seconds)
+
+    def cost(self, i: int, w: int) -> float | None:
+        """Seconds of a forward of w tokens by level i: measured, or scaled from its nearest
+        measured width along the top level's measured widths (a line through its two
+        nearest; with fewer, 1 + kappa (w - 1)). None: level i never ran a forward."""
+        f = self.forward_s
+        if (i, w) in f:
+            return f[(i, w)]
+        mine = [u for j, u in f if j == i]
+        if not mine:
+            return None
+        u = min(mine, key=lambda u: (abs(u - w), u))
+        return f[(i, u)] * self._width(w) / self._width(u)
+
+    def _width(self, w: int) -> float:
+        top = len(self.levels) - 1
+        pts = sorted((u, t) for (j, u), t in self.forward_s.items() if j == top)
+        if len(pts) < 2:
+            return 1 + self.kappa * (w - 1)
+        (u1, t1), (u2, t2) = sorted(sorted(pts, key=lambda p: abs(p[0] - w))[:2])
+        slope = max((t2 - t1) / (u2 - u1), 0.0)
+        return max(t1 + slope * (w - u1), 0.05 * t1)
+
+    def predict(self, skip: frozenset) -> float | None:
+        """Expected seconds per token of a round with `skip`: each running level verifies
+        its drafter's proposals (the drafter's measured acceptance and mean draft length:
+        expected_tokens per forward) until it has what the level above asks of it, at the
+        forward costs `cost` gives; an n-gram lookup costs nothing. None while an
+        acceptance or a cost is unknown."""
+        run = [i for i in range(len(self.levels)) if i not in skip]
+
+        def make(n: int, want: float):  # seconds for level run[n] to produce `want` tokens
+            i = run[n]
+            if self.levels[i].cache is None:  # the model-free n-gram drafter
+                return 0.0
+            if n == 0:
+                t = self.cost(i, 1)
+                return None if t is None else want * t
+            j = run[n - 1]
+            a, ln = self.accept[j].rate, self.accept[j].length
+            g = self.gammas[j] if self.levels[j].cache is not None or ln is None else max(1, round(ln))
+            t, below = self.cost(i, g + 1), make(n - 1, g)
+            if a is None or t is None or below is None:
+                return None
+            return want / expected_tokens(a, g) * (t + below)
+
+        return make(len(run) - 1, 1)
 
     def figures(self) -> dict:
         """Statistics for Stats.extra: acceptance per drafting level, mean accepted, times."""
@@ -412,6 +614,9 @@ class Engine:
             "rebuilds": self.rebuilds,
             "host_reads": self.host_reads(),
             **(self.bypass.figures(names) if self.bypass else {}),
+            **({"retrieval_scorings": self.scores} if self.scores else {}),
+            **({"acceptance_estimate": {names[j]: round(a.rate, 3) for j, a in self.accept.items()
+                                        if a.rate is not None}} if self.bypass else {}),
         }
 
     def host_reads(self) -> dict:

@@ -13,7 +13,7 @@ import time
 import torch
 
 from .drafters import ModelLevel, NgramDrafter, check_vocab
-from .engine import AutoGamma, Bypass, Engine, Rebuild, rollback_depth
+from .engine import KAPPA, AutoGamma, Bypass, Engine, Rebuild, rollback_depth
 from .errors import TriforceError
 from .generate import Stats, capacity, peak_memory_gb, prefill, stop_ids
 from .graphs import combined, graphable, kept, room_for
@@ -152,7 +152,8 @@ def speculate(kind: str, loaded, prompt, opts, full, logits, on_token=None):
     gen = sp.generator(loaded.device)
     auto = AutoGamma(o.gamma2_start) if o.gamma2 == "auto" and kind != "draft" else None  # adapts gamma2
     eng = Engine(levels, gammas, sp, gen, auto, Rebuild.parse(opts.retrieval.rebuild), agree=agree,
-                 bypass=bypass_for(levels, loaded.device.type == "cuda" and o.graphs) if o.bypass else None)
+                 kappa=KAPPA.get(loaded.device.type, KAPPA["cpu"]),
+                 bypass=bypass_for(levels, gammas, loaded.device.type == "cuda" and o.graphs) if o.bypass else None)
     t1 = time.perf_counter()
     seq = list(prompt) + [to_host(draw(probs(logits[0], sp), sp, gen))]  # counted as 'other'
     with torch.inference_mode():
@@ -165,13 +166,19 @@ def speculate(kind: str, loaded, prompt, opts, full, logits, on_token=None):
     return toks, st
 
 
-def bypass_for(levels, captures: bool = False) -> Bypass | None:
+def bypass_for(levels, gammas, captures: bool = False) -> Bypass | None:
     """The levels that may be skipped: the n-gram drafter and retrieval levels (both stay in
     sync while skipped); a model drafter always runs (its streaming cache would fall behind).
+    Decoding starts plain (every optional level skipped): the first probe cycle comes after
+    γ+1 tokens of the bottom level, enough text to judge the n-gram drafter's proposals
+    and to score the retrieval level (Engine.score), so a level runs only where its
+    measured acceptance and costs predict that it pays (Engine.predict) or a probe shows it.
     `captures`: CUDA graphs, whose first replay of a new width captures (not counted)."""
     optional = [i for i, lv in enumerate(levels[:-1])
                 if isinstance(lv, NgramDrafter) or isinstance(lv.cache, RetrievalKV)]
-    return Bypass(optional, first_per_config=captures) if optional else None
+    if not optional:
+        return None
+    return Bypass(optional, warm=gammas[0] + 1, first_per_config=captures, start_plain=True)
 
 
 def runner(kind: str):

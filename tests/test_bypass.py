@@ -1,0 +1,150 @@
+"""Speculation that never loses: the level bypass starts plain and runs a level only where
+its measured acceptance and forward costs predict that it pays (`Engine.predict`: the
+n-gram drafter judged in the shadow of plain decoding, the retrieval level scored by one
+teacher-forced forward) or where a probe measures it; and the measurements behind it.
+The controller against fixed costs (no timing noise), then the engine on a tiny model."""
+import pytest
+import torch
+
+from triforce_offload.runtime import engine as E
+from triforce_offload.runtime.engine import Acceptance, Bypass, expected_tokens
+
+from helpers_spec import repetitive_prompt, run, tiny
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+def _decode(b: Bypass, cost, toks, n: int) -> float:
+    """Seconds per token over n tokens: rounds of toks(c) tokens at cost(c) seconds each."""
+    t = made = 0
+    while made < n:
+        c = b.choose()
+        k = toks(c, made)
+        b.record(c, cost(c, made) * k, k)
+        t, made = t + cost(c, made) * k, made + k
+    return t / made
+
+
+def _plain_best():
+    b = Bypass([0, 1], warm=5, start_plain=True)
+    none, ngram, ret, plain = b.configs
+    cost = {none: 0.040, ngram: 0.050, ret: 0.030, plain: 0.0244}
+    return b, cost, {none: 3, ngram: 3, ret: 1, plain: 1}
+
+
+def test_starts_plain_and_never_runs_what_the_prediction_says_loses():
+    b, cost, toks = _plain_best()
+    b.predict = lambda c: cost[c]  # a prediction that is right
+    assert b.current == b.configs[-1]
+    spt = _decode(b, lambda c, _: cost[c], lambda c, _: toks[c], 64)
+    assert spt == pytest.approx(cost[b.configs[-1]])  # within 64 tokens: nothing explored
+    assert all(b.seen[c] == 0 for c in b.configs[:-1])
+
+
+def test_without_predictions_probes_measure_as_before():
+    b, cost, toks = _plain_best()
+    spt = _decode(b, lambda c, _: cost[c], lambda c, _: toks[c], 64)
+    assert b.current == b.configs[-1] and sum(b.seen[c] for c in b.configs[:-1]) >= 3
+    assert spt > cost[b.configs[-1]]  # the probes cost: what predictions save
+
+
+def test_a_level_that_starts_to_pay_is_probed_before_the_next_cycle_and_kept():
+    b = Bypass([0, 1], warm=5, start_plain=True)
+    none, ngram, ret, plain = b.configs
+    turn = 20  # the text turns repetitive: drafting by n-gram alone starts to pay
+    cost = lambda c, made: 0.012 if c == ret and made >= turn else {none: 0.040, ngram: 0.050, ret: 0.030,
+                                                                     plain: 0.0244}[c]
+    made = [0]
+    b.predict = lambda c: cost(c, made[0])
+    seen = []
+    while made[0] < 64:
+        c = b.choose()
+        seen.append((made[0], c))
+        b.record(c, cost(c, made[0]), 1)
+        made[0] += 1
+    first = next(m for m, c in seen if c == ret)
+    assert turn <= first < turn + 3  # a probe cycle would have waited for 64 tokens
+    assert b.current == ret and b.switches == 1
+
+
+def test_a_wrong_prediction_costs_one_probe_per_interval():
+    """Predicted to pay, measured not to: probed at most once per `base` tokens."""
+    b, cost, toks = _plain_best()
+    none, ngram, ret, plain = b.configs
+    b.predict = lambda c: 0.010 if c == ret else cost[c]  # wrong for n-gram drafting
+    _decode(b, lambda c, _: cost[c], lambda c, _: toks[c], 96)
+    assert b.current == plain and 1 <= b.seen[ret] <= 96 // b.base + 1
+
+
+def test_expected_tokens_and_acceptance_counts():
+    assert expected_tokens(0.0, 4) == 1 and expected_tokens(1.0, 4) == pytest.approx(5, rel=0.01)
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    a = Acceptance()
+    assert a.rate is None
+    a.add(0, 0, 0)  # an empty n-gram proposal: its length, no verdict
+    assert a.rate is None and a.length == 0
+    for _ in range(20):
+        a.add(3, 1, 4)
+    assert a.rate == pytest.approx(0.75, abs=0.03) and a.length == pytest.approx(4, abs=0.1)
+
+
+def _spy(monkeypatch, name):
+    calls = []
+    orig = getattr(E.Engine, name)
+
+    def spy(self, *a):
+        calls.append(self)
+        return orig(self, *a)
+    monkeypatch.setattr(E.Engine, name, spy)
+    return calls
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny(scale=3.0, seed=1)
+
+
+def test_shadow_judges_the_bypassed_ngram_drafter_against_the_text(model, monkeypatch):
+    """Repetitive text: the n-gram drafter's shadow proposals match; the prediction then
+    runs it (the run is lossless); a prompt without repeats keeps it judged and bypassed."""
+    engines = _spy(monkeypatch, "round")
+    rep = repetitive_prompt(200, model.cfg.vocab_size, seed=3)
+    ref, _ = run(model, rep, "autoregressive", 48, ignore_eos=True)
+    out, st = run(model, rep, "draft", 48, ignore_eos=True)
+    assert out == ref
+    est = engines[-1].accept[0]
+    assert est.n >= 3 and est.rate > 0.5
+    assert st.extra["acceptance_estimate"]["ngram"] == round(est.rate, 3)
+
+
+def test_scoring_measures_the_retrieval_level_and_restores_its_cache(model, monkeypatch):
+    """Engine.score: one teacher-forced forward of the retrieval level; afterwards its cache
+    holds the full cache's exact KV again, bit for bit, and the output is the target's."""
+    snaps = []
+    orig = E.Engine.score
+
+    def score(self, seq):
+        mid = self.levels[self._scored()].cache
+        before = [t.clone() for t in mid.k + mid.v if t is not None]
+        held, n = self.levels[self._scored()].held, self.scores
+        orig(self, seq)
+        after = [t for t in mid.k + mid.v if t is not None]
+        snaps.append((self.scores - n, held == self.levels[self._scored()].held,
+                      all(torch.equal(a, b) for a, b in zip(before, after)), self.accept[self._scored()].rate))
+    monkeypatch.setattr(E.Engine, "score", score)
+    prompt = torch.randint(0, model.cfg.vocab_size, (400,), generator=torch.Generator().manual_seed(5)).tolist()
+    ref, _ = run(model, prompt, "autoregressive", 40, ignore_eos=True)
+    for mode in ("triforce", "retrieval"):
+        snaps.clear()
+        out, st = run(model, prompt, mode, 40, ignore_eos=True, budget=64)
+        assert out == ref, mode
+        assert snaps and st.extra["retrieval_scorings"] == sum(s[0] for s in snaps)
+        assert all(done == 1 and same_held and same_kv and 0 < rate < 1 for done, same_held, same_kv, rate in snaps)
+
+
+def test_scoring_with_an_offloaded_full_cache_is_lossless(model):
+    prompt = torch.randint(0, model.cfg.vocab_size, (400,), generator=torch.Generator().manual_seed(6)).tolist()
+    ref, _ = run(model, prompt, "autoregressive", 40, ignore_eos=True)
+    out, st = run(model, prompt, "triforce", 40, ignore_eos=True, budget=64, offload="on", transfer_chunk=48)
+    assert out == ref and st.extra.get("retrieval_scorings", 0) >= 1
