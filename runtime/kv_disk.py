@@ -121,7 +121,7 @@ class KVDir:
     def _add(self, f: Path):
         try:
             head = read_header(f)
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
             return self._say(f.name, f"skipping {f.name}: unreadable or corrupt ({e})")
         why = next((f"{k} {head[k]} (this run: {self.me[k]})" if k != "model"
                     else "another model (weights or config differ)"
@@ -184,10 +184,11 @@ class KVDir:
                         raw = memoryview(kv[i].view(torch.uint8).numpy()).cast("B")
                         if fh.readinto(raw) != len(raw) or zlib.crc32(raw) != crcs[layer][i]:
                             raise ValueError(f"layer {layer} is damaged")
-                    a = lo if cache.ring is None or layer not in cache.ring else max(n - head["window"] + 1, 0)
+                    ring = cache.ring is not None and layer in cache.ring
+                    a = max(n - head["window"] + 1, 0) if ring else lo
                     if a < lo:
                         raise ValueError(f"its window layers lack positions {a}..{lo - 1}")
-                    band = a if lo else band
+                    band = a if ring else band
                     cache.put(layer, a, *(b[a - lo:n - lo].permute(1, 2, 0, 3) for b in kv))
             if cache.ring is not None and band is not None:
                 cache.ring.hold_from(band)
@@ -227,7 +228,7 @@ class KVDir:
                 crcs = []
                 for layer, (a, _) in enumerate(held):
                     crcs.append([])
-                    kv = cache.recent(layer, a, N) if a else cache.keys(layer, N)
+                    kv = cache.keys(layer, N) if head["layers"][layer] == KINDS[0] else cache.recent(layer, a, N)
                     for t in kv:  # [B, Hkv, n, D] -> [n, B, Hkv, D]
                         raw = memoryview(t.permute(2, 0, 1, 3).contiguous().cpu().view(torch.uint8).numpy()).cast("B")
                         fh.write(raw)
