@@ -88,7 +88,8 @@ MAKERS = {"qwen3": tiny_qwen3, "gemma2": tiny_gemma2, "qwen3-window": lambda: ti
 @pytest.mark.parametrize("make", list(MAKERS) + ["gemma2-softcap-torch"])
 def test_forward_equals_transformers(make, tmp_path, monkeypatch):
     """Prefill chunks, decodes and verifications, on the dynamic and the fixed-shape path
-    (band masks, the length-masked reference); "-torch": the native kernel off, so the
+    (band masks, the length-masked reference), window layers kept whole and in rings;
+    "-torch": the native kernel off, so the
     soft-capped scores run explicitly where SDPA would."""
     if make.endswith("-torch"):
         make = make.removesuffix("-torch")
@@ -98,8 +99,8 @@ def test_forward_equals_transformers(make, tmp_path, monkeypatch):
     ids = torch.randint(0, VOCAB, (1, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = hf(ids).logits
-        for static in (False, True):
-            cache, outs, pos = FullCache(cfg, 48, static=static), [], 0
+        for static, ring in ((False, None), (True, None), (False, 16), (True, 16)):  # window layers in rings too
+            cache, outs, pos = FullCache(cfg, 48, static=static, ring_depth=ring), [], 0
             for n in (13, 1, 1, 6, 1, 11, 7):  # prefill chunks, decode steps, verifications
                 start = torch.tensor([pos]) if static and pos else pos
                 outs.append(model(ids[:, pos:pos + n], start, cache))
