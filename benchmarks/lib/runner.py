@@ -258,11 +258,12 @@ def warm_up(loaded: api.Loaded):
 
 def floors(loaded, contexts: list[int], bps: float) -> dict[int, float]:
     """Per context, the physical floor of one decode step in ms: the bytes it must read (the
-    weights as stored, and the KV of the whole context at the cache's dtype) over `bps`."""
+    weights as stored, and at the cache's dtype the KV of the whole context in a global layer,
+    of the window in a sliding-window layer) over `bps`."""
     from ..runtime.quantized import token_weight_bytes
     w = token_weight_bytes(loaded.model)
-    kv = loaded.cfg.kv_bytes_per_token(torch.empty(0, dtype=loaded.kv_dtype).element_size())
-    return {c: 1000 * (w + c * kv) / bps for c in contexts}
+    elem = torch.empty(0, dtype=loaded.kv_dtype).element_size()
+    return {c: 1000 * (w + loaded.cfg.kv_bytes(c, elem, ring_depth=0)) / bps for c in contexts}
 
 
 def summarize(rows: list[dict]) -> list[dict]:

@@ -12,10 +12,9 @@ import time
 
 import torch
 
-from ..kernels.attention import attention
 from ..offload.store import HostKVStore, StoreSpec, check_memory
 from ..runtime import api
-from ..runtime.cache import KVCache
+from ..runtime.cache import KVCache, window_attention
 from ..runtime.offloaded import DEVICE_HINT, HOST_HINT
 
 
@@ -37,7 +36,8 @@ class ZeroInferenceCache(KVCache):
         qh = q.to(self.host)  # queries go over; K/V of the new tokens join the store
         self.store.write(layer, start, k.to(self.host), v.to(self.host))
         K, V = self.store.view(layer, end)
-        o = attention(qh, K, V, start).to(q.device)  # outputs come back
+        # a sliding-window layer attends to its band only (Gemma 3): stored whole, read cut
+        o = window_attention(qh, K, V, start, 0, self.windows[layer], self.softcap).to(q.device)
         self.host_s += time.perf_counter() - t0
         return o
 
