@@ -24,6 +24,7 @@
  * Vectors are GCC/Clang vector extensions of 16 lanes: one AVX-512 register on AVX-512
  * builds, two AVX2 registers on AVX2 builds, four NEON ones on ARM (the build is per CPU).
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -153,11 +154,12 @@ static void dequant_row(float *restrict dst, const uint8_t *restrict q, int bits
 /* Per-thread scratch, grown as needed and kept between calls (a fresh allocation per call
  * would page-fault on every projection of every token). Two slots: TILE for work inside a
  * parallel region (a dequantized tile, a tile's scales), ROWS for the calling thread's
- * quantized rows of x, which the region's threads read. */
-enum { TILE, ROWS };
+ * quantized rows of x, which the region's threads read, PREP for the calling thread's
+ * row of x before it is quantized (triforce_qlinear_q8x). */
+enum { TILE, ROWS, PREP };
 static void *scratch(int slot, size_t bytes) {
-    static __thread void *buf[2];
-    static __thread size_t cap[2];
+    static __thread void *buf[3];
+    static __thread size_t cap[3];
     if (bytes > cap[slot]) {
         free(buf[slot]);
         buf[slot] = aligned_alloc(64, (bytes + 63) / 64 * 64);
@@ -447,23 +449,48 @@ static float dot_offsets(const float *mf, const float *xsg, int64_t ngp) {
     return hsum(acc);
 }
 
-/* As triforce_qlinear, with x quantized per row to int8 (above). Returns 0, -1 for a layout
- * it does not take, -2 when scratch memory is short. */
-int triforce_qlinear_q8(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *q, int bits,
-                        int64_t G, const void *scale, const void *minv, int f16, const float *bias,
-                        int64_t N, float *out, int64_t ldo) {
+/* One row of x as the int8 kernel takes it, before quantization: RMS-normalised with
+ * weight nw (x * (1 / sqrtf(sum(x^2) / K + eps)) * nw, the sum in increasing k), or the
+ * SwiGLU of a row [gate K | up K] (silu(gate) * up), into dst [K]. Row by row, so a row's
+ * values never depend on the others of the batch. */
+static void prep_row(const float *restrict x, int64_t K, const float *restrict nw, float eps, int glu,
+                     float *restrict dst) {
+    if (nw) {
+        float ss = 0.0f;
+        for (int64_t k = 0; k < K; k++) ss += x[k] * x[k];
+        const float inv = 1.0f / sqrtf(ss / (float)K + eps);
+        for (int64_t k = 0; k < K; k++) dst[k] = x[k] * inv * nw[k];
+    } else {
+        for (int64_t k = 0; k < K; k++) {
+            const float g = x[k];
+            dst[k] = g / (1.0f + expf(-g)) * x[K + k];
+        }
+    }
+}
+
+static int qlinear_q8(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *q, int bits,
+                      int64_t G, const void *scale, const void *minv, int f16, const float *bias,
+                      int64_t N, float *out, int64_t ldo, const float *nw, float eps, int glu,
+                      const float *radd, int64_t ldr) {
     if (K <= 0 || N <= 0 || M < 0 || G <= 0 || K % QC || K % G || (bits != 8 && bits != 4) ||
-        !(G == 16 || G == 32 || G % 64 == 0) || (bits == 4 && G % 32) || ldx < K || ldo < N)
+        !(G == 16 || G == 32 || G % 64 == 0) || (bits == 4 && G % 32) || ldx < (glu ? 2 * K : K) ||
+        ldo < N || (nw && glu) || (radd && ldr < N))
         return -1;
     if (M == 0) return 0;
     const int64_t C = K / QC, groups = K / G, ngp = (groups + 15) / 16 * 16;
     const int64_t wbytes = bits == 4 ? K / 2 : K;
     const size_t row_bytes = (size_t)K + (size_t)C * 16 * sizeof(float) + (size_t)ngp * sizeof(float);
     uint8_t *xbuf = scratch(ROWS, (size_t)M * row_bytes);
-    if (!xbuf) return -2;
+    float *xp = nw || glu ? scratch(PREP, (size_t)K * sizeof(float)) : NULL;
+    if (!xbuf || ((nw || glu) && !xp)) return -2;
     for (int64_t r = 0; r < M; r++) {
         uint8_t *xr = xbuf + r * row_bytes;
-        quantize_row(x + r * ldx, K, bits, G, xr, (float *)(xr + K), minv ? (float *)(xr + K) + C * 16 : NULL, ngp);
+        const float *row = x + r * ldx;
+        if (xp) {
+            prep_row(row, K, nw, eps, glu, xp);
+            row = xp;
+        }
+        quantize_row(row, K, bits, G, xr, (float *)(xr + K), minv ? (float *)(xr + K) + C * 16 : NULL, ngp);
     }
     int gl[16]; /* lane i's group, relative to its chunk's first (0 when G is a multiple of 64) */
     for (int i = 0; i < 16; i++) gl[i] = G <= 32 ? lane_pos(bits, i) / (int)G : 0;
@@ -508,11 +535,31 @@ int triforce_qlinear_q8(const float *x, int64_t M, int64_t K, int64_t ldx, const
                     for (int64_t j = 0; j < nt; j++) {
                         float o = res[r][j];
                         if (minv) o += dot_offsets(swp[j] + ngp + 16, xsg, ngp);
-                        out[(r0 + r) * ldo + n0 + j] = o + (bias ? bias[n0 + j] : 0.0f);
+                        if (bias) o += bias[n0 + j];
+                        out[(r0 + r) * ldo + n0 + j] = radd ? radd[(r0 + r) * ldr + n0 + j] + o : o;
                     }
                 }
             }
         }
     }
     return failed ? -2 : 0;
+}
+
+/* As triforce_qlinear, with x quantized per row to int8 (above). Returns 0, -1 for a layout
+ * it does not take, -2 when scratch memory is short. */
+int triforce_qlinear_q8(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *q, int bits,
+                        int64_t G, const void *scale, const void *minv, int f16, const float *bias,
+                        int64_t N, float *out, int64_t ldo) {
+    return qlinear_q8(x, M, K, ldx, q, bits, G, scale, minv, f16, bias, N, out, ldo, NULL, 0.0f, 0, NULL, 0);
+}
+
+/* triforce_qlinear_q8 with the ops around a projection in the same pass (what a decoder
+ * layer's Python would run as several small ops): x RMS-normalised first (nw: the norm's
+ * weight, eps) or x a row [gate | up] of 2K whose SwiGLU is the input (glu), and the
+ * output added to res [M, N] (ldr; res may be out: out = res + x W^T + bias). */
+int triforce_qlinear_q8x(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *q, int bits,
+                         int64_t G, const void *scale, const void *minv, int f16, const float *bias,
+                         int64_t N, float *out, int64_t ldo, const float *nw, float eps, int glu,
+                         const float *res, int64_t ldr) {
+    return qlinear_q8(x, M, K, ldx, q, bits, G, scale, minv, f16, bias, N, out, ldo, nw, eps, glu, res, ldr);
 }

@@ -59,6 +59,8 @@ def load():
                 lib.triforce_linear_vector_bits.restype = I
                 lib.triforce_qlinear_q8.restype = I
                 lib.triforce_qlinear_q8.argtypes = lib.triforce_qlinear.argtypes
+                lib.triforce_qlinear_q8x.restype = I
+                lib.triforce_qlinear_q8x.argtypes = lib.triforce_qlinear.argtypes + [P, ctypes.c_float, I, P, I64]
                 lib.triforce_linear_vnni.restype = I
                 _lib = lib
             except (OSError, RuntimeError, AttributeError) as e:
@@ -221,6 +223,34 @@ class QLinear(nn.Module):
             if rc:
                 raise (MemoryError if rc == -2 else RuntimeError)(f"native quantized linear failed ({rc}) on {self}")
         return out.view(*shape[:-1], N)
+
+    def fused(self, x: torch.Tensor, norm=None, glu: bool = False, residual: torch.Tensor | None = None):
+        """residual + self(norm(x)), or residual + self(silu(gate) * up) of x = [gate | up]
+        (`glu`), in one native call per part: the norm, the SwiGLU and the residual add go
+        into the int8 kernel's pass over each row (`triforce_qlinear_q8x`) instead of
+        separate small ops. None where that kernel does not run (float activations, a part
+        it does not take, a norm other than a plain RMSNorm): the caller composes the ops."""
+        calls = self._calls or self.native_calls()
+        K = self.in_features
+        if (calls is None or self.act != "int8" or not all(p.q8_ok() for p in self.parts)
+                or x.dtype != torch.float32 or x.device.type != "cpu" or torch.compiler.is_compiling()
+                or (norm is not None and (getattr(norm, "plus_one", True) or norm.weight.dtype != torch.float32))
+                or x.shape[-1] != (2 * K if glu else K) or not x.is_contiguous()
+                or (residual is not None and (residual.dtype != torch.float32 or not residual.is_contiguous()))):
+            return None
+        lib = load()
+        M, N = x.numel() // x.shape[-1], self.out_features
+        out = torch.empty(M, N, dtype=torch.float32) if residual is None else \
+            torch.empty(residual.shape, dtype=torch.float32).view(M, N)
+        nw, eps = (norm.weight.data_ptr(), norm.eps) if norm is not None else (None, 0.0)
+        res = None if residual is None else residual.data_ptr()
+        xp, op = x.data_ptr(), out.data_ptr()
+        for _, args, bias, rows, col in calls:
+            rc = lib.triforce_qlinear_q8x(xp, M, K, x.shape[-1], *args, bias, rows, op + 4 * col, N,
+                                          nw, eps, int(glu), None if res is None else res + 4 * col, N)
+            if rc:
+                raise (MemoryError if rc == -2 else RuntimeError)(f"native quantized linear failed ({rc}) on {self}")
+        return out.view(*x.shape[:-1], N)
 
     def _reference(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.dtype)

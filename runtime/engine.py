@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import TriforceError
-from .hostread import READS, to_host
+from .hostread import READS, to_device, to_host
 from .options import Rebuild  # noqa: F401  (a policy value: parsed with the other options)
 from .protocols import RetrievalKV, VerifyingLevel
 from .sampling import SamplingParams, probs
@@ -476,7 +476,8 @@ class Engine:
             return
         b = self.bypass
         # timings differ between tensor-parallel ranks: all take rank 0's decisions
-        if self.agree(int(self._score_due())):
+        due = 1 if self._score_due() else 0  # a host bool (no tensor)
+        if self.agree(due):
             self.score(seq)
         c = b.configs[self.agree(b.configs.index(b.choose()))]
         shadow = 0 in c and hasattr(self.levels[0], "lookup")
@@ -535,7 +536,7 @@ class Engine:
         t0 = time.perf_counter()
         with READS.at(lv.name):
             rows = lv.forward(seq[:end], w)  # [w, V]: row j predicts position lo + 1 + j
-            truth = torch.tensor(seq[lo + 1: end + 1], device=rows.device)
+            truth = to_device(seq[lo + 1: end + 1], rows.device)
             if self.sp.greedy:
                 hit = to_host((rows.argmax(-1) == truth).sum())
             else:

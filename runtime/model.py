@@ -98,6 +98,23 @@ def rotate(x, cos, sin):
     return torch.addcmul(x * cos, swapped, sin)
 
 
+def project(lin, x, norm=None, glu: bool = False, residual=None):
+    """lin(norm(x)) (`glu`: lin(silu(gate) * up) of x = [gate | up]), plus `residual`: in
+    one native pass where lin has one (QLinear.fused: int8 activations on the CPU), else
+    as the separate ops."""
+    fused = getattr(lin, "fused", None)
+    y = fused(x, norm, glu, residual) if fused is not None else None
+    if y is not None:
+        return y
+    if norm is not None:
+        x = norm(x)
+    if glu:
+        gate, up = x.chunk(2, dim=-1)
+        x = F.silu(gate) * up
+    y = lin(x)
+    return y if residual is None else residual + y
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -116,10 +133,12 @@ class Attention(nn.Module):
         self.q_scale = 1.0 if qpas is None or qpas == cfg.head_dim else (cfg.head_dim / qpas) ** 0.5
         _loads_hf(self, "qkv_proj")
 
-    def forward(self, x, cos, sin, start, cache):
+    def forward(self, x, cos, sin, start, cache, norm=None, residual=None):
+        """`norm`: x's norm, applied here (fused into the projection where it can be);
+        `residual`: added to the output likewise."""
         B, T, _ = x.shape
         Hq, Hkv = self.n_heads, self.n_kv_heads
-        qkv = self.qkv_proj(x).view(B, T, Hq + 2 * Hkv, self.head_dim)  # [B, T, Hq+2Hkv, D]
+        qkv = project(self.qkv_proj, x, norm).view(B, T, Hq + 2 * Hkv, self.head_dim)  # [B, T, Hq+2Hkv, D]
         if self.qk_norm:
             qk = torch.cat([self.q_norm(qkv[:, :, :Hq]), self.k_norm(qkv[:, :, Hq: Hq + Hkv])], 2)
         else:
@@ -130,7 +149,7 @@ class Attention(nn.Module):
             q = q * self.q_scale
         o = cache.attend(self.layer, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                          start)  # q [B, Hq, T, D], k, v [B, Hkv, T, D] -> o [B, Hq, T, D]
-        return self.o_proj(o.transpose(1, 2).reshape(B, T, Hq * self.head_dim))
+        return project(self.o_proj, o.transpose(1, 2).reshape(B, T, Hq * self.head_dim), residual=residual)
 
 
 class MLP(nn.Module):
@@ -142,10 +161,13 @@ class MLP(nn.Module):
         self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"  # Gemma; else SiLU
         _loads_hf(self, "gate_up_proj")
 
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
-        return self.down_proj(act * up)
+    def forward(self, x, norm=None, residual=None):
+        """`norm`, `residual`: as Attention's."""
+        h = project(self.gate_up_proj, x, norm)
+        if not self.gelu:
+            return project(self.down_proj, h, glu=True, residual=residual)
+        gate, up = h.chunk(2, dim=-1)
+        return project(self.down_proj, F.gelu(gate, approximate="tanh") * up, residual=residual)
 
 
 class Block(nn.Module):
@@ -168,8 +190,11 @@ class Block(nn.Module):
         if self.sandwich:
             x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, start, cache))
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, start, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if self.self_attn._forward_hooks or self.mlp._forward_hooks:  # tensor parallel: all-reduced outputs
+            x = x + self.self_attn(x, cos, sin, start, cache, norm=self.input_layernorm)
+            return x + self.mlp(x, norm=self.post_attention_layernorm)
+        x = self.self_attn(x, cos, sin, start, cache, norm=self.input_layernorm, residual=x)
+        return self.mlp(x, norm=self.post_attention_layernorm, residual=x)
 
 
 class Body(nn.Module):

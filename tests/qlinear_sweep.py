@@ -50,6 +50,19 @@ def main() -> int:
                                     print(f"differs: bits {bits} N {N} K {K} G {G} M {M} f16 {f16} {act}")
                                     return 1
                                 n += 1
+    for K, M, N in ((64, 1, 9), (192, 5, 17)):  # the fused pass: norm, SwiGLU, residual
+        p = part(4, N, K, 32, True, True, g)
+        lin = QLinear([p], torch.randn(N, generator=g), act="int8")
+        norm = torch.nn.RMSNorm(K, eps=1e-5)
+        norm.plus_one = False
+        x, res = torch.randn(M, K, generator=g), torch.randn(M, N, generator=g)
+        gu = torch.randn(M, 2 * K, generator=g)
+        for y, ref in ((lin.fused(x, norm, False, res), res + lin(norm(x))),
+                       (lin.fused(gu, None, True, None), lin(torch.nn.functional.silu(gu[:, :K]) * gu[:, K:]))):
+            if y is None or not torch.allclose(y, ref, rtol=1e-3, atol=2e-2):
+                print(f"differs: fused K {K} M {M} N {N}")
+                return 1
+            n += 1
     a, c = part(4, 9, 64, 32, True, True, g), part(8, 5, 64, 16, False, False, g)
     x = torch.randn(4, 64, generator=g)
     y = QLinear([a, c])(x)

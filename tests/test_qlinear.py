@@ -56,6 +56,35 @@ def test_int8_activations_match_their_reference_and_rows_do_not_depend_on_the_ba
     assert torch.equal(y, rows)
 
 
+@pytest.mark.parametrize("glu", [False, True])
+def test_fused_norm_swiglu_and_residual_are_the_ops_around_the_projection(glu):
+    """QLinear.fused: the RMSNorm (or SwiGLU) and the residual add in the int8 kernel's pass
+    give the composed ops' result to float rounding (the norm is summed in another order, so
+    a quantized value may flip: a tolerance, not equality), and a row never depends on the
+    others of the batch, bit for bit."""
+    if qlinear.load() is None or not qlinear.vnni():
+        pytest.skip("the fused pass runs with int8 activations")
+    from triforce_offload.runtime.model import RMSNorm, project
+    K, N = 576, 40
+    lin = QLinear([_part(4, N, K, 32, True, True)], torch.randn(N), act="int8")
+    norm = RMSNorm(K, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(K) + 0.5)
+    x = torch.randn(2, 5, 2 * K if glu else K) * 3
+    res = torch.randn(2, 5, N)
+    y = lin.fused(x, None if glu else norm, glu, res)
+    h = F.silu(x[..., :K]) * x[..., K:] if glu else norm(x)
+    ref = res + lin(h)
+    err = (y - ref).abs().max() / ref.abs().max()
+    assert y is not None and err < 2e-3, err
+    rows = torch.cat([lin.fused(x[b, t:t + 1], None if glu else norm, glu, res[b, t:t + 1])
+                      for b in range(2) for t in range(5)]).view(2, 5, N)
+    assert torch.equal(y, rows)
+    assert torch.equal(project(lin, x, None if glu else norm, glu, res), y)  # the model's entry takes it
+    gemma = RMSNorm(K, 1e-6, plus_one=True)  # (1 + w): not this kernel's: the ops composed
+    assert lin.fused(x[..., :K], gemma) is None and QLinear([_part(4, N, K, 32, True, True)]).fused(x[..., :K]) is None
+
+
 def test_quantize_x_is_per_row_and_block():
     x = torch.randn(3, 64)
     x[1, 40] = 100.0  # one outlier: only its own block of row 1 gets the coarse scale
