@@ -75,7 +75,7 @@ class KVCache:
         if n < self.length:
             raise ValueError(f"commit({n}) below the committed length {self.length}: "
                              "use rollback() to shorten a cache")
-        self._settle(n)
+        self._settle_rings(n)
         self.length = n
 
     def rollback(self, n: int):
@@ -83,10 +83,11 @@ class KVCache:
         if not 0 <= n <= self.length:
             raise ValueError(f"rollback({n}) outside the committed length 0..{self.length}: "
                              "use commit() to keep pending tokens")
-        self._settle(n)
+        self._settle_rings(n)
         self.length = n
 
-    def _settle(self, n: int):
+    def _settle_rings(self, n: int):
+        # not `_settle`: OffloadedCache has its own (pending forwards' timings)
         if self.ring is not None:
             self.ring.settle(n)
 
@@ -339,6 +340,8 @@ def copy_prefix(src, dst, n: int):
         dst.put(layer, lo, k, v)  # [B, Hkv, n - lo, D]
     if src.ring is not None and dst.ring is not None:
         dst.ring.hold_from(src.ring.first(n))
+        if src.ring.marked is not None and src.ring.marked[1] <= n:
+            dst.ring.marked = src.ring.marked  # read only: shared
     dst.commit(n)
 
 
@@ -374,6 +377,8 @@ class WindowRing:
         self.k = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
         self.v = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
         self.floor = 0  # positions below it may be overwritten
+        self.mark_at: int | None = None  # the length whose held positions `settle` copies out
+        self.marked: tuple | None = None  # (lo, hi, {layer: (K, V) [B, Hkv, hi-lo, D]}): that copy
 
     @classmethod
     def of(cls, cfg: ModelConfig, depth: int | None, batch: int = 1, dtype=torch.float32, device="cpu"):
@@ -408,6 +413,15 @@ class WindowRing:
         if not self.holds(n):
             raise TriforceError(f"window ring of {self.size} slots (window {self.window} + depth "
                                 f"{self.depth}) no longer holds positions {self.first(n)}..{n - 1}")
+        if n == self.mark_at and self.marked is None:
+            lo = self.span(n)
+            self.marked = (lo, n, {i: self._read(i, lo, n) for i in self.k})
+
+    def mark(self, n: int | None):
+        """Copy out the positions the ring holds when its owner's length first settles at n
+        (a prompt's end), for a --kv-dir entry to serve that prompt again after generated
+        tokens moved the ring on (None: no copy)."""
+        self.mark_at, self.marked = n, None
 
     def reach(self, end: int, start: int | None = None):
         """Positions start..end-1 are written (start unknown: a fixed-shape forward's): the
@@ -480,6 +494,8 @@ class WindowRing:
         for t in list(self.k.values()) + list(self.v.values()):
             t.zero_()
         self.floor = 0
+        self.mark(None)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in list(self.k.values()) + list(self.v.values()))
+        marked = [t for kv in self.marked[2].values() for t in kv] if self.marked else []
+        return sum(t.numel() * t.element_size() for t in list(self.k.values()) + list(self.v.values()) + marked)

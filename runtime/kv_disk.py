@@ -8,12 +8,14 @@ One file per entry: a magic line, a JSON header line, each layer's K and V, toke
 cache shape, the token ids, and each layer's kind (`layers`: full_attention or
 sliding_attention) with the `window`; an entry that differs in any of them is not used (one
 line says why, once). A global layer's blocks hold all N tokens; a window layer's hold the
-positions `window_held` [lo, N) only: what its ring held (lo = 0 for a cache that keeps
-window layers whole). An entry serves a prompt sharing n of its tokens when every window
-layer has the band a forward at n reads (`cache.band_held`: n >= lo + window - 1, or lo =
-0): a follow-up extending the saved conversation, not a prompt that leaves it earlier (that
-one prefills cold, said once). Entries written before layer kinds were recorded (no
-`layers`) load for all-global models and are refused for windowed ones.
+positions of `window_held`, a list of [lo, hi) spans: what its ring held at the end ([lo,
+N)) and, with --kv-dir, what it held at the end of the prompt (`WindowRing.mark`), one
+after the other ([[0, N]] for a cache that keeps window layers whole). An entry serves a
+prompt sharing n of its tokens when a span has the band a forward at n reads
+(`cache.band_held`: lo <= n - window + 1, or lo = 0, and n <= hi): a follow-up extending the
+saved conversation, the same prompt again, not a prompt that leaves them earlier (that one
+prefills cold, said once). Entries written before layer kinds were recorded (no `layers`)
+load for all-global models and are refused for windowed ones.
 
 Files are written to a temporary name and renamed, so a reader never sees half an entry; a
 file that does not parse or is shorter than its header says is skipped with a warning.
@@ -62,10 +64,40 @@ def holds(ids: np.ndarray, prefix: np.ndarray) -> bool:
     return len(prefix) <= len(ids) and np.array_equal(ids[:len(prefix)], prefix)
 
 
-def covers(ids: np.ndarray, lo: int, other: np.ndarray, other_lo: int) -> bool:
-    """An entry of `ids` whose window layers hold the positions from `lo` on serves every
-    prompt an entry of `other` (from `other_lo`) serves: the second one is redundant."""
-    return lo <= other_lo and holds(ids, other)
+def covers(ids: np.ndarray, held: list, other: np.ndarray, other_held: list) -> bool:
+    """An entry of `ids` whose window layers hold the spans `held` ([lo, hi) each) serves
+    every prompt an entry of `other` (with `other_held`) serves: the second one is redundant."""
+    return holds(ids, other) and all(any(a <= c and d <= b for a, b in held) for c, d in other_held)
+
+
+def serves(held: list, window: int | None, n: int) -> bool:
+    """Window layers holding the spans `held` have the band of a forward at n."""
+    return any(n <= hi and band_held(lo, window, n) for lo, hi in held)
+
+
+def held_spans(cache, n: int) -> list[list[int]]:
+    """The spans of [0, n) a cache's window layers hold: its rings' (`held_from`), after
+    the positions marked at the end of the prompt (`WindowRing.mark`) where those reach
+    further back; [[0, n]] without rings."""
+    lo = held_from(cache, n)
+    m = cache.ring.marked if cache.ring is not None else None
+    if m is None or m[0] >= lo or m[1] > n:
+        return [[lo, n]]
+    return [[m[0], n]] if m[1] >= lo else [[m[0], m[1]], [lo, n]]
+
+
+def window_kv(cache, layer: int, held: list):
+    """K, V [B, Hkv, S, D] of a window layer's spans one after the other: positions below
+    the ring's from the marked copy."""
+    lo = held_from(cache, held[-1][1])
+    parts = []
+    for a, b in held:
+        if a < lo:
+            m0, _, marked = cache.ring.marked
+            parts.append(tuple(t[:, :, a - m0:min(b, lo) - m0] for t in marked[layer]))
+        if b > max(a, lo):
+            parts.append(cache.recent(layer, max(a, lo), b))
+    return tuple(torch.cat(ts, 2) for ts in zip(*parts))
 
 
 def layer_kinds(cfg) -> list[str]:
@@ -93,11 +125,14 @@ def model_identity(loaded) -> dict:
             "layers": kinds, "window": loaded.cfg.sliding_window if KINDS[1] in kinds else None}
 
 
-def spans(head: dict) -> list[tuple[int, int]]:
-    """The positions [lo, N) each layer's blocks hold: all N tokens of a global layer, a
-    window layer's from `window_held`."""
-    lo, n = head["window_held"]
-    return [(0 if kind == KINDS[0] else lo, n) for kind in head["layers"]]
+def spans(head: dict) -> list[list]:
+    """The spans [lo, hi) each layer's blocks hold, one after the other: all N tokens of a
+    global layer, a window layer's `window_held`."""
+    return [[[0, len(head["ids"])]] if kind == KINDS[0] else head["window_held"] for kind in head["layers"]]
+
+
+def tokens(held: list) -> int:
+    return sum(b - a for a, b in held)
 
 
 class KVDir:
@@ -130,7 +165,7 @@ class KVDir:
             if KINDS[1] in self.me["layers"]:
                 why = ("written without layer kinds (an older version), and this model has "
                        "window layers")
-            head.update(layers=self.me["layers"], window=None, window_held=[0, len(head["ids"])])
+            head.update(layers=self.me["layers"], window=None, window_held=[[0, len(head["ids"])]])
         why = why or next((f"{k} {head[k]} (this run: {self.me[k]})"
                            for k in ("layers", "window") if head[k] != self.me[k]), None)
         if why:
@@ -142,7 +177,7 @@ class KVDir:
         """Entry `name` serves a prompt sharing n of its tokens: its window layers hold the
         band a forward at n reads (`cache.band_held`, the rule of kept caches too)."""
         head = self.index[name]
-        return band_held(head["window_held"][0], head["window"], n)
+        return serves(head["window_held"], head["window"], n)
 
     def match(self, prompt: list[int]) -> tuple[str | None, int]:
         """The usable entry sharing the longest prefix with prompt and its length (<
@@ -153,82 +188,82 @@ class KVDir:
         other, m = longest_prefix(items, prompt)
         if m > n:
             head = self.index[other]
-            lo = head["window_held"][0]
+            held = " and ".join(f"{a}..{b - 1}" for a, b in head["window_held"])
             self._say(f"{other} band", f"not using {other}: the prompt shares {m} of its "
-                      f"{len(head['ids'])} tokens, but its window layers hold positions {lo}.. only "
-                      f"(it serves a prompt sharing at least {lo + head['window'] - 1})")
+                      f"{len(head['ids'])} tokens, but its window layers hold positions {held} "
+                      f"only, not {max(m - head['window'] + 1, 0)}..{m - 1}")
         return name, n
 
     def load(self, name: str, cache, n: int) -> bool:
         """Stream the KV of entry `name` a forward at n needs into `cache` (commits n):
         positions [0, n) of global layers, a window layer's band, one layer at a time, each
         checked against its CRC; False, with a warning, when the file is gone, short or
-        damaged, or when the cache keeps window layers whole and the entry holds their
-        latest positions only."""
+        damaged, or when the cache keeps window layers whole and the entry holds some of
+        their positions only."""
         f, head = self.path / name, self.index[name]
         L, B, H, D = head["shape"]
         held, N = spans(head), len(head["ids"])
-        if cache.ring is None and any(lo for lo, _ in held):
+        if cache.ring is None and any(h != [[0, N]] for h in held):
             self.note(f"kv-dir: not loading {name}: this cache keeps window layers whole, "
-                      f"the entry their positions from {head['window_held'][0]} on only")
+                      "the entry some of their positions only")
             return False
         try:
-            crcs = read_trailer(f, head["offset"] + 2 * sum(N - lo for lo, _ in held) * B * H * D * self.elem)
+            crcs = read_trailer(f, head["offset"] + 2 * sum(map(tokens, held)) * B * H * D * self.elem)
             buf = torch.empty((2, N, B, H, D), dtype=self.dtype)  # K, V [N, B, Hkv, D]
             band = None  # the first position window layers were given
             with open(f, "rb") as fh:
                 fh.seek(head["offset"])
-                for layer, (lo, _) in enumerate(held):
-                    kv = buf[:, :N - lo]  # positions lo..N-1
+                for layer, h in enumerate(held):
+                    kv = buf[:, :tokens(h)]  # the spans' positions one after the other
                     for i in range(2):
                         raw = memoryview(kv[i].view(torch.uint8).numpy()).cast("B")
                         if fh.readinto(raw) != len(raw) or zlib.crc32(raw) != crcs[layer][i]:
                             raise ValueError(f"layer {layer} is damaged")
-                    ring = cache.ring is not None and layer in cache.ring
-                    a = max(n - head["window"] + 1, 0) if ring else lo
-                    if a < lo:
-                        raise ValueError(f"its window layers lack positions {a}..{lo - 1}")
-                    band = a if ring else band
-                    cache.put(layer, a, *(b[a - lo:n - lo].permute(1, 2, 0, 3) for b in kv))
-            if cache.ring is not None and band is not None:
+                    a, at = 0, 0  # the first position to put, where it is in the block
+                    if cache.ring is not None and layer in cache.ring:
+                        a = band = max(n - head["window"] + 1, 0)
+                        k = next(k for k, (lo, hi) in enumerate(h) if n <= hi and band_held(lo, head["window"], n))
+                        at = tokens(h[:k]) + a - h[k][0]
+                    cache.put(layer, a, *(b[at:at + n - a].permute(1, 2, 0, 3) for b in kv))
+            if band is not None:
                 cache.ring.hold_from(band)
             cache.commit(n)
-        except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
+        except (OSError, ValueError, KeyError, IndexError, TypeError, StopIteration) as e:
             self.index.pop(name, None)
-            self.note(f"kv-dir: skipping {name}: {e}")
+            self.note(f"kv-dir: skipping {name}: {e or 'its window layers lack the band'}")
             return False
         os.utime(f)  # most recently used
         return True
 
     def save(self, cache, ids: list[int]):
         """Write the cache's KV of ids (all committed) as a new entry, the window layers'
-        rings as the positions they hold, unless an entry serves every prompt it would
+        as the spans they hold (`held_spans`), unless an entry serves every prompt it would
         (`covers`); entries it covers are removed; then keep within the limit."""
         ids = np.asarray(ids, dtype=np.int64)
         N, window = len(ids), self.me["window"]
-        lo = held_from(cache, N) if window else 0
-        if not band_held(lo, window, N):
+        wheld = held_spans(cache, N) if window else [[0, N]]
+        if not serves(wheld, window, N):
             return self._say("ring", f"not saving {N} tokens' KV: its window layers' rings "
                              f"no longer hold positions {N - window + 1}..{N - 1}")
-        if any(covers(head["ids"], head["window_held"][0], ids, lo) for head in self.index.values()):
+        if any(covers(head["ids"], head["window_held"], ids, wheld) for head in self.index.values()):
             return
-        head = {**self.me, "ids": ids.tolist(), "window_held": [lo, N]}
+        head = {**self.me, "ids": ids.tolist(), "window_held": wheld}
         L, B, H, D = self.me["shape"]
         held = spans(head)
-        size = 2 * sum(N - a for a, _ in held) * B * H * D * self.elem
+        size = 2 * sum(map(tokens, held)) * B * H * D * self.elem
         if size > self.limit:
             return self._say("limit", f"not saving {N} tokens' KV ({size / 2**20:.0f} MiB): "
                              "over --kv-dir-limit")
         key = json.dumps(self.me, sort_keys=True).encode() + ids.tobytes()  # model and tokens
-        name = hashlib.sha256(key + str(lo).encode()).hexdigest()[:24] + ".kv"
+        name = hashlib.sha256(key + str(wheld).encode()).hexdigest()[:24] + ".kv"
         tmp = self.path / f".{name}.{os.getpid()}.tmp"
         try:
             with open(tmp, "wb") as fh:
                 fh.write(MAGIC + json.dumps(head).encode() + b"\n")
                 crcs = []
-                for layer, (a, _) in enumerate(held):
+                for layer, kind in enumerate(head["layers"]):
                     crcs.append([])
-                    kv = cache.keys(layer, N) if head["layers"][layer] == KINDS[0] else cache.recent(layer, a, N)
+                    kv = cache.keys(layer, N) if kind == KINDS[0] else window_kv(cache, layer, wheld)
                     for t in kv:  # [B, Hkv, n, D] -> [n, B, Hkv, D]
                         raw = memoryview(t.permute(2, 0, 1, 3).contiguous().cpu().view(torch.uint8).numpy()).cast("B")
                         fh.write(raw)
@@ -238,7 +273,7 @@ class KVDir:
         except OSError as e:
             tmp.unlink(missing_ok=True)
             return self._say("save", f"could not save an entry: {e}")
-        for old in [k for k, h in self.index.items() if covers(ids, lo, h["ids"], h["window_held"][0])]:
+        for old in [k for k, h in self.index.items() if covers(ids, wheld, h["ids"], h["window_held"])]:
             self._remove(old)
         self._add(self.path / name)
         self._evict()
@@ -276,14 +311,18 @@ def read_header(f: Path) -> dict:
 
 
 def check_kinds(head: dict):
-    """The layer kinds of a header agree with its shape, and `window_held` with its tokens."""
+    """The layer kinds of a header agree with its shape, and `window_held` with its tokens:
+    spans [lo, hi) in order, apart, the last ending at N."""
     kinds, n = head["layers"], len(head["ids"])
     if not isinstance(kinds, list) or len(kinds) != head["shape"][0] or not set(kinds) <= set(KINDS):
         raise ValueError(f"the header's layers are not {head['shape'][0]} of {', '.join(KINDS)}")
-    held = head.get("window_held", [0, n])
-    if not (isinstance(held, list) and len(held) == 2 and all(type(x) is int for x in held)
-            and 0 <= held[0] <= held[1] == n):
-        raise ValueError(f"the header's window_held {held} is not [lo, {n}] with 0 <= lo <= {n}")
+    held = head.get("window_held", [[0, n]])
+    ends = [x for span in held for x in span] if isinstance(held, list) and all(
+        isinstance(span, list) and len(span) == 2 for span in held) else None
+    if not (ends and all(type(x) is int for x in ends) and ends[0] >= 0 and ends[-1] == n
+            and all(x <= y if i % 2 == 0 else x < y for i, (x, y) in enumerate(zip(ends, ends[1:])))):
+        raise ValueError(f"the header's window_held {held} is not spans [lo, hi) in order, "
+                         f"the last ending at {n}")
     window = head.get("window")
     if KINDS[1] in kinds and not (type(window) is int and window >= 1):
         raise ValueError(f"the header's window {window} is not a positive integer")

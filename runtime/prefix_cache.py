@@ -14,7 +14,9 @@ stays for other prompts. Entries are evicted least recently used first to stay w
 prefix that is longer on disk than in memory is loaded from there. Models with window
 layers keep their rings: an entry serves a prompt sharing n of its tokens only when its
 rings hold the band a forward at n reads (`cache.band_held`, the rule of --kv-dir entries
-too), and a prompt that leaves the kept tokens earlier prefills cold. A kept cache was
+too), and a prompt that leaves the kept tokens earlier prefills cold; with a KVDir the
+rings' positions at the end of the prompt are copied out (`WindowRing.mark`) for the
+saved entry, which then serves that prompt again too. A kept cache was
 closed after its run (finish_stats): an offloaded one's copier thread starts again on
 its next use.
 """
@@ -48,7 +50,7 @@ def prefix_store(o, loaded, memory: bool, note=print, save_later: bool = False):
 class Entry:
     ids: np.ndarray  # token ids whose KV the cache holds, [n] int64
     cache: object  # a full cache committed to len(ids)
-    lo: int = 0  # window layers' rings hold the positions from lo on (cache.held_from)
+    held: list  # the spans [lo, hi) its window layers hold: [[cache.held_from, len(ids)]]
 
 
 class PrefixCache:
@@ -114,9 +116,9 @@ class PrefixCache:
                 self.save()
         if n == 0 or cache.nbytes() > self.max_bytes:
             return cache.close()
-        new = Entry(np.asarray(ids[:n], dtype=np.int64), cache, held_from(cache, n))
+        new = Entry(np.asarray(ids[:n], dtype=np.int64), cache, [[held_from(cache, n), n]])
         with self.lock:
-            gone = [e for e in self.entries if covers(new.ids, new.lo, e.ids, e.lo)]
+            gone = [e for e in self.entries if covers(new.ids, new.held, e.ids, e.held)]
             self.entries = [e for e in self.entries if e not in gone] + [new]
             while sum(e.cache.nbytes() for e in self.entries) > self.max_bytes:
                 gone.append(self.entries.pop(0))
@@ -128,6 +130,8 @@ class PrefixCache:
         while self.unsaved:
             cache, ids = self.unsaved.pop(0)
             self.disk.save(cache, ids)
+            if cache.ring is not None:
+                cache.ring.mark(None)  # the prompt's copy of the rings is on disk now
 
     def clear(self):
         with self.lock:
@@ -163,6 +167,8 @@ def lease(loaded, prompt: list[int], capacity: int, make):
         return
     t0 = time.perf_counter()
     cache, start, source = store.take(prompt, capacity, make)
+    if cache.ring is not None:  # the entry saved to disk then serves this prompt again too
+        cache.ring.mark(len(prompt) if store.disk is not None else None)
     out = Lease(cache, start, prompt, source, time.perf_counter() - t0)
     out.kept = True
     try:

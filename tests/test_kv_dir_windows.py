@@ -1,8 +1,9 @@
 """--kv-dir and the kept-prefix store on models with window layers (issue 28): an entry
-records the layer kinds, the window and the positions its window layers' rings hold; a
-follow-up extending the saved tokens loads it (fewer tokens prefilled) with the cold run's
-greedy output token for token; a prompt leaving the saved tokens before the rings' band
-prefills cold, said once; old and damaged headers are refused in one line."""
+records the layer kinds, the window and the positions its window layers' rings held (at
+the end of the run and at the end of the prompt); a follow-up extending the saved tokens,
+or the same prompt again, loads it (fewer tokens prefilled) with the cold run's greedy
+output token for token; a prompt leaving the saved tokens before the rings' band prefills
+cold, said once; old and damaged headers are refused in one line."""
 from __future__ import annotations
 
 import json
@@ -69,13 +70,15 @@ def test_a_follow_up_loads_the_saved_rings(windowed, tmp_path, mode):
     (f,) = tmp_path.glob("*.kv")
     head, w = header(f), L.cfg.sliding_window
     kinds = ["full_attention" if w is None else "sliding_attention" for w in L.cfg.windows]
-    lo, N = head["window_held"]
+    size = w + rollback_depth(opts(mode).generation)  # ring slots
+    # the rings at the end of the prompt (its last `size` positions) and at the end of the
+    # run, which overlap after 10 new tokens: one span
+    (lo, N), = head["window_held"]
     # the tokens the cache holds: all but the last (never forwarded), or all of them after
     # a verification that accepted past the last one kept
     assert N == len(head["ids"]) and N - len(prompt) in (NEW - 1, NEW) and head["ids"] == (prompt + first)[:N]
-    assert head["layers"] == kinds and head["window"] == w
-    # the ring's positions only: its last window + depth at most, and at least the band of N
-    assert N - w - rollback_depth(opts(mode).generation) <= lo <= N - w + 1
+    assert head["layers"] == kinds and head["window"] == w and lo == len(prompt) - size
+    assert f.stat().st_size < 2 * sum(N if k == "full_attention" else N - lo for k in kinds) * 2 * 32 * 4 + 4096
     follow = prompt + first + [7, 8, 9]
     out, st, prefilled = gen(L, follow, mode, disk(tmp_path, L, notes))  # a new process would see this
     assert st.extra["reused_from"] == "disk" and st.extra["reused_tokens"] == N
@@ -86,10 +89,34 @@ def test_a_follow_up_loads_the_saved_rings(windowed, tmp_path, mode):
     # writes no position past the length); speculative drafts may have overwritten it
     near = prompt + first[:N - len(prompt) - 1] + [first[N - len(prompt) - 1] + 1, 6]
     out, st, prefilled = gen(L, near, mode, disk(tmp_path, L, notes))
-    reused = N - 1 if lo <= N - w else 0
-    assert mode != "autoregressive" or reused == N - 1
-    assert st.extra["reused_tokens"] == reused and prefilled == len(near) - reused
-    assert out == gen(L, near, mode)[0] and len(notes) == (reused == 0)
+    assert st.extra["reused_tokens"] == N - 1 and prefilled == len(near) - N + 1
+    assert out == gen(L, near, mode)[0] and notes == []
+    # the same prompt again: all of it but its last token
+    out, st, prefilled = gen(L, prompt, mode, disk(tmp_path, L, notes))
+    assert st.extra["reused_tokens"] == len(prompt) - 1 and prefilled == 1 and out == first
+
+
+@pytest.mark.parametrize("mode", ["autoregressive", "triforce"])
+def test_a_long_answer_keeps_the_prompts_rings_too(windowed, tmp_path, mode):
+    """Generated tokens move the rings past the prompt: the entry holds two spans of the
+    window layers, the prompt's end and the run's; the same prompt again and the follow-up
+    load it, a prompt leaving in between prefills cold."""
+    L, prompt = windowed
+    notes, n = [], 40
+    first = gen(L, prompt, mode, disk(tmp_path, L, notes), n=n)[0]
+    (f,) = tmp_path.glob("*.kv")
+    head, w = header(f), L.cfg.sliding_window
+    size = w + rollback_depth(opts(mode).generation)
+    (a, b), (lo, N) = head["window_held"]
+    assert (a, b) == (len(prompt) - size, len(prompt)) and N - size <= lo <= N - w + 1 and b < lo
+    for p, reused in [(prompt, len(prompt) - 1), (prompt + first[:20] + [first[20] + 1], 0),
+                      (prompt + first + [1], N)]:
+        out, st, prefilled = gen(L, p, mode, disk(tmp_path, L, notes), n=n)
+        assert st.extra["reused_tokens"] == reused and prefilled == len(p) - reused
+        assert out == gen(L, p, mode, n=n)[0]
+    assert notes == [f"kv-dir: not using {f.name}: the prompt shares {len(prompt) + 20} of its {N} tokens, "
+                     f"but its window layers hold positions {a}..{b - 1} and {lo}..{N - 1} only, "
+                     f"not {len(prompt) + 21 - w}..{len(prompt) + 19}"]
 
 
 @pytest.mark.parametrize("mode", ["autoregressive", "triforce"])
@@ -98,16 +125,15 @@ def test_a_prompt_leaving_before_the_band_prefills_cold(windowed, tmp_path, mode
     notes = []
     gen(L, prompt, mode, disk(tmp_path, L, notes))
     (f,) = tmp_path.glob("*.kv")
-    early = prompt[:30] + [1, 2, 3, 4]  # shares 30 tokens: the rings hold only the latest
+    early = prompt[:30] + [1, 2, 3, 4]  # shares 30 tokens: the rings hold only the latest 20-odd
     store = disk(tmp_path, L, notes)
     assert store.disk.match(early) == (None, 0)  # says why, then the run asks again
     out, st, prefilled = gen(L, early, mode, store)
     assert st.extra["reused_tokens"] == 0 and prefilled == len(early)
     assert out == gen(L, early, mode)[0]
-    lo, N = header(f)["window_held"]
-    assert notes == [f"kv-dir: not using {f.name}: the prompt shares 30 of its {N} "
-                     f"tokens, but its window layers hold positions {lo}.. only (it serves a prompt "
-                     f"sharing at least {lo + L.cfg.sliding_window - 1})"]  # once per entry
+    (lo, N), = header(f)["window_held"]
+    assert notes == [f"kv-dir: not using {f.name}: the prompt shares 30 of its {N} tokens, but its "
+                     f"window layers hold positions {lo}..{N - 1} only, not {31 - L.cfg.sliding_window}..29"]
 
 
 def test_a_short_entry_serves_any_shared_prefix(windowed, tmp_path):
@@ -118,7 +144,7 @@ def test_a_short_entry_serves_any_shared_prefix(windowed, tmp_path):
     short = prompt[:5]
     first = gen(L, short, store=disk(tmp_path, L, notes), n=2)[0]
     (f,) = tmp_path.glob("*.kv")
-    assert header(f)["window_held"] == [0, 6]
+    assert header(f)["window_held"] == [[0, 6]]
     other = prompt[:3] + [prompt[3] + 1, 12, 13]
     out, st, prefilled = gen(L, other, store=disk(tmp_path, L, notes))
     assert st.extra["reused_tokens"] == 3 and prefilled == 3 and out == gen(L, other)[0]
@@ -132,14 +158,19 @@ def test_the_kept_store_takes_the_same_rule(windowed, tmp_path):
     L, prompt = windowed
     notes = []
     store = disk(tmp_path, L, notes, mem=1 << 30, save_later=True)
-    first = gen(L, prompt, "triforce", store)[0]
+    first = gen(L, prompt, "triforce", store, n=40)[0]  # the rings move past the prompt
     follow = prompt + first + [3, 4]
     answer, st, _ = gen(L, follow, "triforce", store)
-    assert st.extra["reused_from"] == "memory" and st.extra["reused_tokens"] >= len(prompt) + NEW - 1
+    assert st.extra["reused_from"] == "memory" and st.extra["reused_tokens"] >= len(prompt) + 40 - 1
     assert answer == gen(L, follow, "triforce")[0]
     early = prompt[:25] + [9, 9]
     out, st, prefilled = gen(L, early, "triforce", store)
     assert st.extra["reused_tokens"] == 0 and prefilled == len(early) and out == gen(L, early, "triforce")[0]
+    # the same prompt again: the kept rings moved on, the first request's saved entry has
+    # the prompt's end
+    out, st, prefilled = gen(L, prompt, "triforce", store, n=40)
+    assert st.extra["reused_from"] == "disk" and st.extra["reused_tokens"] == len(prompt) - 1
+    assert out == first
     store.save()  # the worker's save after the reply
     again = follow + answer + [1]  # extends the follow-up, whose saved entry serves it
     fresh = disk(tmp_path, L, notes, mem=1 << 30, save_later=True)
@@ -205,13 +236,16 @@ def test_an_old_entry_is_refused_for_a_windowed_model(windowed, tmp_path):
 @pytest.mark.parametrize("damage,said", [
     (lambda h: h.update(layers=h["layers"][:-1]), "skipping {}: unreadable or corrupt (the header's layers"),
     (lambda h: h.update(layers=["bogus"] * len(h["layers"])), "skipping {}: unreadable or corrupt (the header's layers"),
-    (lambda h: h.update(window_held=[h["window_held"][1] + 1, h["window_held"][1]]),
+    (lambda h: h.update(window_held=[[h["window_held"][-1][1] + 1, h["window_held"][-1][1]]]),
      "skipping {}: unreadable or corrupt (the header's window_held"),
+    (lambda h: h.update(window_held=[[0, 5], [3, h["window_held"][-1][1]]]),
+     "skipping {}: unreadable or corrupt (the header's window_held"),
+    (lambda h: h.update(window_held=h["window_held"][0]), "skipping {}: unreadable or corrupt (the header's window_held"),
     (lambda h: h.update(window_held="all"), "skipping {}: unreadable or corrupt (the header's window_held"),
     (lambda h: h.update(window=None), "skipping {}: unreadable or corrupt (the header's window None"),
     (lambda h: h.update(window=h["window"] + 1), "not using {}: window "),
     (lambda h: h.update(layers=["full_attention"] * len(h["layers"])), "not using {}: layers "),
-    (lambda h: h.update(window_held=[0, h["window_held"][1]]), "skipping {}: the file ends early"),
+    (lambda h: h.update(window_held=[[0, h["window_held"][-1][1]]]), "skipping {}: the file ends early"),
 ])
 def test_a_damaged_header_is_refused_in_one_line(windowed, tmp_path, damage, said):
     L, prompt = windowed
