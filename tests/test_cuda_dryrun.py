@@ -140,8 +140,11 @@ def test_kept_prefix_reuse(model, prompt, mode, place):
         other = prompt[:80] + [5, 6, 7] * 20
         third, st3 = dry.generate(loaded, other, o)
     dry.check()
-    # the kept cache holds the prompt and every generated token but the last
-    assert (st2.extra["reused_tokens"], st3.extra["reused_tokens"]) == (len(prompt) + N - 1, 80)
+    # the kept cache holds the prompt and every generated token but the last (a speculative
+    # round that verified past the last token asked for: that one too)
+    done = len(prompt) + N - 1
+    assert st2.extra["reused_tokens"] in ((done,) if mode == "autoregressive" else (done, done + 1))
+    assert st3.extra["reused_tokens"] == 80
     cold = opts("autoregressive")  # greedy fp32: every mode's tokens, as a cold start
     assert again == cpu_tokens(model, follow, cold) and third == cpu_tokens(model, other, cold)
 
@@ -168,7 +171,8 @@ def test_load_a_quantized_checkpoint_onto_the_device(tiny_model_dir):
         assert (loaded.device.type, loaded.dtype, loaded.weights) == ("cuda", torch.bfloat16, "int4")
         toks, st = dry.generate(loaded, list(range(100, 160)) * 3,
                                 RunOptions.of(mode="triforce", max_new_tokens=8, budget=64, offload="on",
-                                              transfer_chunk=16, sampling=SamplingParams(seed=0)))
+                                              transfer_chunk=16, sampling=SamplingParams(seed=0),
+                                              bypass=False))  # every level runs: the flash-attn steps
     dry.check()
     no_capture_failed(st)
     assert len(toks) == 8 and dry.gpu.launches["flash_attn_with_kvcache"] > 0
