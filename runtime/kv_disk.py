@@ -182,7 +182,7 @@ class KVDir:
     def match(self, prompt: list[int]) -> tuple[str | None, int]:
         """The usable entry sharing the longest prefix with prompt and its length (<
         len(prompt)). An entry sharing more whose window layers do not hold that prefix's
-        band is said once: the prompt leaves the saved tokens too early."""
+        band is said once: the prompt leaves the saved tokens where they hold no band."""
         items = [(name, head["ids"]) for name, head in self.index.items()]
         name, n = longest_prefix(items, prompt, self.usable)
         other, m = longest_prefix(items, prompt)
@@ -222,15 +222,17 @@ class KVDir:
                     a, at = 0, 0  # the first position to put, where it is in the block
                     if cache.ring is not None and layer in cache.ring:
                         a = band = max(n - head["window"] + 1, 0)
-                        k = next(k for k, (lo, hi) in enumerate(h) if n <= hi and band_held(lo, head["window"], n))
+                        k = next((k for k, (lo, hi) in enumerate(h) if serves([[lo, hi]], head["window"], n)), None)
+                        if k is None:
+                            raise ValueError(f"its window layers lack positions {a}..{n - 1}")
                         at = tokens(h[:k]) + a - h[k][0]
                     cache.put(layer, a, *(b[at:at + n - a].permute(1, 2, 0, 3) for b in kv))
             if band is not None:
                 cache.ring.hold_from(band)
             cache.commit(n)
-        except (OSError, ValueError, KeyError, IndexError, TypeError, StopIteration) as e:
+        except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
             self.index.pop(name, None)
-            self.note(f"kv-dir: skipping {name}: {e or 'its window layers lack the band'}")
+            self.note(f"kv-dir: skipping {name}: {e}")
             return False
         os.utime(f)  # most recently used
         return True

@@ -78,7 +78,10 @@ def test_a_follow_up_loads_the_saved_rings(windowed, tmp_path, mode):
     # a verification that accepted past the last one kept
     assert N == len(head["ids"]) and N - len(prompt) in (NEW - 1, NEW) and head["ids"] == (prompt + first)[:N]
     assert head["layers"] == kinds and head["window"] == w and lo == len(prompt) - size
-    assert f.stat().st_size < 2 * sum(N if k == "full_attention" else N - lo for k in kinds) * 2 * 32 * 4 + 4096
+    # global layers' blocks all N tokens, window layers' N - lo: the trailer starts right after
+    kv = 2 * sum(N if k == "full_attention" else N - lo for k in kinds) * L.cfg.n_kv_heads * L.cfg.head_dim * 4
+    crcs = json.loads(f.read_bytes().split(b"\n", 2)[2][kv:])["crc32"]
+    assert len(crcs) == L.cfg.n_layers and all(len(c) == 2 for c in crcs)
     follow = prompt + first + [7, 8, 9]
     out, st, prefilled = gen(L, follow, mode, disk(tmp_path, L, notes))  # a new process would see this
     assert st.extra["reused_from"] == "disk" and st.extra["reused_tokens"] == N
