@@ -27,7 +27,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import time
 import zlib
 from dataclasses import asdict
 from pathlib import Path

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from helpers_spec import repetitive_prompt, tiny
-from test_new_archs import VOCAB, tiny_gemma3
+from test_new_archs import tiny_gemma3
 from test_windows import loaded_from, tiny_mistral
 from triforce_offload.runtime import api
 from triforce_offload.runtime.cache import FullCache, copy_prefix
