@@ -166,13 +166,17 @@ def _folded(q, n_kv: int):
     return q.reshape(B, n_kv, (Hq // n_kv) * T, D)
 
 
+ROWWISE_MAX = 64  # window_attention: up to this many queries whose bands differ go row by row on a CPU
+
+
 def window_attention(q, k, v, q_pos0: int, k_pos0: int, window: int | None,
                      softcap: float | None = None):
     """`attention` of q [B, Hq, T, D] (positions q_pos0..) over k, v [B, Hkv, S, D]
     (positions k_pos0..) where a query at p sees only keys at p - window < pos <= p (None:
     every key up to p). Keys before the first query's band are cut off: a decode step is
-    plain attention over its last `window` keys; where the queries' bands still differ (a
-    verification, a prefill chunk), SDPA with a band mask. `softcap`: soft-capped scores
+    plain attention over its last `window` keys; where the queries' bands still differ, on a
+    CPU up to ROWWISE_MAX queries (a verification) each as its decode, else (a prefill chunk,
+    a GPU) SDPA with a band mask. `softcap`: soft-capped scores
     (Gemma 2), on every path (kernels/attention.py)."""
     if window is None:
         return attention(q, k, v, q_pos0, k_pos0, softcap=softcap)
@@ -181,6 +185,12 @@ def window_attention(q, k, v, q_pos0: int, k_pos0: int, window: int | None,
     B, Hq, T, D = q.shape
     if k_pos0 > q_pos0 + T - 1 - window:  # the last query's band still holds the first key
         return attention(q, k, v, q_pos0, k_pos0, softcap=softcap)
+    if T <= ROWWISE_MAX and q.device.type == "cpu":
+        # a verification's rows as its decodes compute them, bit for bit: each row over its own
+        # band, the call a decode at that position makes (int8 activations would turn the
+        # band mask's other summation order into other tokens between modes)
+        return torch.cat([window_attention(q[:, :, t: t + 1], k, v, q_pos0 + t, k_pos0, window, softcap)
+                          for t in range(T)], 2)
     qp = torch.arange(q_pos0, q_pos0 + T, device=q.device)[:, None]
     kp = torch.arange(k_pos0, k_pos0 + k.shape[2], device=q.device)[None, :]
     mask = ((kp <= qp) & (kp > qp - window)).repeat(Hq // k.shape[1], 1)  # [G*T, S]

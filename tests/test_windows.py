@@ -202,3 +202,26 @@ def test_greedy_of_every_mode_equals_transformers(mistral_run, mode, extra):
     hf, L, prompt, ref = mistral_run
     out, st = run(L, prompt, mode, 24, **extra)
     assert out == ref
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_window_verification_rows_equal_their_decodes_bit_for_bit(kv_dtype):
+    """A window layer's verification (T queries whose bands differ) gives each row the bits
+    of the decode at its position: at int8 activations any other summation order turns into
+    other tokens between speculative modes and autoregressive decoding (found on Gemma 3)."""
+    from triforce_offload.runtime.cache import window_attention
+    g = torch.Generator().manual_seed(0)
+    W, T, start, k0 = 32, 6, 70, 30  # keys from position 30 on; queries at 70..75
+    q = torch.randn(1, 4, T, 64, generator=g)
+    k = torch.randn(1, 2, start + T - k0, 64, generator=g).to(kv_dtype)
+    v = torch.randn(1, 2, start + T - k0, 64, generator=g).to(kv_dtype)
+    rows = window_attention(q, k, v, start, k0, W)
+    for t in range(T):
+        end = start + t + 1 - k0  # what a decode at start + t holds: keys up to its own
+        one = window_attention(q[:, :, t: t + 1], k[:, :, :end], v[:, :, :end], start + t, k0, W)
+        assert torch.equal(rows[:, :, t: t + 1], one), t
+    full = torch.nn.functional.scaled_dot_product_attention  # and the band is the right one
+    kp = torch.arange(k0, start + T)
+    mask = (kp[None] <= torch.arange(start, start + T)[:, None]) & (kp[None] > torch.arange(start, start + T)[:, None] - W)
+    ref = full(q, k.float().repeat_interleave(2, 1), v.float().repeat_interleave(2, 1), attn_mask=mask)
+    torch.testing.assert_close(rows, ref, rtol=1e-4, atol=1e-4)
