@@ -139,6 +139,7 @@ class KVDir:
         self.path, self.limit, self.note = Path(path), limit, note
         self.path.mkdir(parents=True, exist_ok=True)
         self.me = model_identity(loaded)
+        self.model = loaded.model  # its `activations_now`: the run's (quantized.activations_set)
         self.elem = torch.empty(0, dtype=loaded.kv_dtype).element_size()
         self.dtype = loaded.kv_dtype
         self.told: set[str] = set()  # entries whose reason for being skipped was said
@@ -178,11 +179,20 @@ class KVDir:
         head = self.index[name]
         return serves(head["window_held"], head["window"], n)
 
+    def _act(self) -> str:
+        return getattr(self.model, "activations_now", "")
+
     def match(self, prompt: list[int]) -> tuple[str | None, int]:
         """The usable entry sharing the longest prefix with prompt and its length (<
         len(prompt)). An entry sharing more whose window layers do not hold that prefix's
         band is said once: the prompt leaves the saved tokens where they hold no band."""
-        items = [(name, head["ids"]) for name, head in self.index.items()]
+        act, items = self._act(), []
+        for name, head in self.index.items():  # KV computed with other activations: other values
+            if head.get("activations", "") == act:
+                items.append((name, head["ids"]))
+            else:
+                self._say(f"{name} act", f"not using {name}: written with activations "
+                          f"{head.get('activations') or 'float (or not recorded)'} (this run: {act or 'float'})")
         name, n = longest_prefix(items, prompt, self.usable)
         other, m = longest_prefix(items, prompt)
         if m > n:
@@ -246,16 +256,18 @@ class KVDir:
         if not serves(wheld, window, N):
             return self._say("ring", f"not saving {N} tokens' KV: its window layers' rings "
                              f"no longer hold positions {N - window + 1}..{N - 1}")
-        if any(covers(head["ids"], head["window_held"], ids, wheld) for head in self.index.values()):
+        act = self._act()
+        if any(covers(head["ids"], head["window_held"], ids, wheld) and head.get("activations", "") == act
+               for head in self.index.values()):
             return
-        head = {**self.me, "ids": ids.tolist(), "window_held": wheld}
+        head = {**self.me, "activations": act, "ids": ids.tolist(), "window_held": wheld}
         L, B, H, D = self.me["shape"]
         held = spans(head)
         size = 2 * sum(map(tokens, held)) * B * H * D * self.elem
         if size > self.limit:
             return self._say("limit", f"not saving {N} tokens' KV ({size / 2**20:.0f} MiB): "
                              "over --kv-dir-limit")
-        key = json.dumps(self.me, sort_keys=True).encode() + ids.tobytes()  # model and tokens
+        key = json.dumps(self.me, sort_keys=True).encode() + act.encode() + ids.tobytes()  # model and tokens
         name = hashlib.sha256(key + str(wheld).encode()).hexdigest()[:24] + ".kv"
         tmp = self.path / f".{name}.{os.getpid()}.tmp"
         try:
@@ -274,7 +286,8 @@ class KVDir:
         except OSError as e:
             tmp.unlink(missing_ok=True)
             return self._say("save", f"could not save an entry: {e}")
-        for old in [k for k, h in self.index.items() if covers(ids, wheld, h["ids"], h["window_held"])]:
+        for old in [k for k, h in self.index.items()
+                    if covers(ids, wheld, h["ids"], h["window_held"]) and h.get("activations", "") == act]:
             self._remove(old)
         self._add(self.path / name)
         self._evict()

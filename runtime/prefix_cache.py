@@ -51,6 +51,7 @@ class Entry:
     ids: np.ndarray  # token ids whose KV the cache holds, [n] int64
     cache: object  # a full cache committed to len(ids)
     held: list  # the spans [lo, hi) its window layers hold: [[cache.held_from, len(ids)]]
+    act: str = ""  # the activations the KV was computed with (quantized.activations_set)
 
 
 class PrefixCache:
@@ -66,21 +67,22 @@ class PrefixCache:
         with self.lock:
             return sum(e.cache.nbytes() for e in self.entries)
 
-    def match(self, prompt: list[int]) -> tuple[Entry | None, int]:
+    def match(self, prompt: list[int], act: str = "") -> tuple[Entry | None, int]:
         """The entry sharing the longest prefix with `prompt` and that length, at most
         len(prompt) - 1 (the last prompt token is always prefilled), of those whose window
-        layers' rings hold that prefix's band (`resumable`)."""
-        return longest_prefix(((e, e.ids) for e in self.entries), prompt,
+        layers' rings hold that prefix's band (`resumable`) and whose KV was computed with the
+        run's activations `act` (int8 or float activations write other values)."""
+        return longest_prefix(((e, e.ids) for e in self.entries if e.act == act), prompt,
                               lambda e, n: e.cache.resumable(n))
 
-    def take(self, prompt: list[int], capacity: int, make) -> tuple[object, int, str | None]:
+    def take(self, prompt: list[int], capacity: int, make, act: str = "") -> tuple[object, int, str | None]:
         """(a full cache of at least `capacity` tokens holding the KV of prompt[:n], n, where
         the KV came from: "memory", "disk" or None); `make(capacity)` builds a new cache,
         with room to spare (a follow-up's longer prompt then fits without a copy)."""
         self.save()
         new = lambda: make(-(-capacity // ROOM) * ROOM)
         with self.lock:
-            e, n = self.match(prompt)
+            e, n = self.match(prompt, act)
         name, n_disk = self.disk.match(prompt) if self.disk else (None, 0)
         if n_disk > n:
             cache = new()
@@ -104,7 +106,7 @@ class PrefixCache:
             e.cache.close()
         return cache, n, "memory"
 
-    def keep(self, cache, ids: list[int]):
+    def keep(self, cache, ids: list[int], act: str = ""):
         """Keep `cache` holding the KV of ids[:cache.length] (and save it to disk); drops
         entries it covers (`kv_disk.covers`) and evicts the least recently used ones beyond
         max_bytes."""
@@ -116,9 +118,9 @@ class PrefixCache:
                 self.save()
         if n == 0 or cache.nbytes() > self.max_bytes:
             return cache.close()
-        new = Entry(np.asarray(ids[:n], dtype=np.int64), cache, [[held_from(cache, n), n]])
+        new = Entry(np.asarray(ids[:n], dtype=np.int64), cache, [[held_from(cache, n), n]], act)
         with self.lock:
-            gone = [e for e in self.entries if covers(new.ids, new.held, e.ids, e.held)]
+            gone = [e for e in self.entries if covers(new.ids, new.held, e.ids, e.held) and e.act == act]
             self.entries = [e for e in self.entries if e not in gone] + [new]
             while sum(e.cache.nbytes() for e in self.entries) > self.max_bytes:
                 gone.append(self.entries.pop(0))
@@ -166,7 +168,8 @@ def lease(loaded, prompt: list[int], capacity: int, make):
         yield Lease(make(capacity), 0, prompt)
         return
     t0 = time.perf_counter()
-    cache, start, source = store.take(prompt, capacity, make)
+    act = getattr(loaded.model, "activations_now", "")  # quantized.activations_set: this run's
+    cache, start, source = store.take(prompt, capacity, make, act)
     if cache.ring is not None:  # the entry saved to disk then serves this prompt again too
         cache.ring.mark(len(prompt) if store.disk is not None else None)
     out = Lease(cache, start, prompt, source, time.perf_counter() - t0)
@@ -174,4 +177,4 @@ def lease(loaded, prompt: list[int], capacity: int, make):
     try:
         yield out
     finally:
-        store.keep(out.cache, out.ids)
+        store.keep(out.cache, out.ids, act)

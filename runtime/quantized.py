@@ -121,9 +121,12 @@ def activations_set(model: torch.nn.Module, act: str):
     for m in lins:
         if m.act != act:
             m.act = act
+    now = getattr(model, "activations_now", "")
+    model.activations_now = act  # what KV this run writes was computed with (prefix reuse matches it)
     try:
         yield
     finally:
+        model.activations_now = now
         for m, a in zip(lins, before):
             if m.act != a:
                 m.act = a

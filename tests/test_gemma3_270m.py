@@ -65,22 +65,30 @@ class Runs:
         return self.ar[place]
 
 
-def load_runs(path, weights: str) -> Runs:
+def load_runs(path, weights: str, kv_dir) -> Runs:
+    """The model with a `--kv-dir` store: the prompt is prefilled cold once per place, and
+    every later run loads its KV from there (the window layers' rings as the prompt's end
+    left them) instead of prefilling 4.5K tokens again (CI's time); the tokens a loaded
+    prefix gives equal a cold run's (tests/test_kv_dir_windows.py)."""
+    import dataclasses
     from triforce_offload.runtime.api import load
     from triforce_offload.runtime.data import builtin_prompt
+    from triforce_offload.runtime.kv_disk import KVDir
+    from triforce_offload.runtime.prefix_cache import PrefixCache
     L = load(str(path), "fp32", "cpu", weights=weights)
+    L = dataclasses.replace(L, prefix=PrefixCache(0, KVDir(kv_dir, 1 << 32, L, lambda _: None)))
     prompt = builtin_prompt(L.tokenizer, "continue", PROMPT_TOKENS)  # no chat template: plain text
     return Runs(L, prompt)
 
 
 @pytest.fixture(scope="module")
-def fp32(gemma_gguf):
-    return load_runs(gemma_gguf, "fp32")
+def fp32(gemma_gguf, tmp_path_factory):
+    return load_runs(gemma_gguf, "fp32", tmp_path_factory.mktemp("kv-fp32"))
 
 
 @pytest.fixture(scope="module")
-def gguf_precision(gemma_gguf):
-    return load_runs(gemma_gguf, "auto")
+def gguf_precision(gemma_gguf, tmp_path_factory):
+    return load_runs(gemma_gguf, "auto", tmp_path_factory.mktemp("kv-auto"))
 
 
 @pytest.fixture(scope="module")

@@ -155,3 +155,26 @@ def test_kv_dtype_auto_follows_the_activations(monkeypatch):
         k = cache.keys(0)[0]  # (K, V)
         assert k.dtype == torch.bfloat16, offload
         cache.close()
+
+
+def test_kept_and_saved_kv_serve_only_runs_with_the_same_activations(tmp_path):
+    """--offload on keeps float activations (auto), a resident run int8 ones: the KV each
+    writes differs, so a prefix one saved (in memory or --kv-dir) never serves the other;
+    the same activations again reuse it, and every output equals its cold run."""
+    import dataclasses
+    from triforce_offload.runtime.kv_disk import KVDir
+    from triforce_offload.runtime.prefix_cache import PrefixCache
+    L = dataclasses.replace(quantized_tiny("llama", "int4:int8"), activations_asked="auto")
+    prompt = repetitive_prompt(120, L.cfg.vocab_size, seed=4)
+    cold = {o: run(L, prompt, "autoregressive", 12, offload=o)[0] for o in ("on", "off")}
+    for memory in (1 << 30, 0):  # kept in memory, or on disk only
+        store = PrefixCache(memory, KVDir(tmp_path / str(memory), 1 << 30, L, lambda _: None))
+        Lp = dataclasses.replace(L, prefix=store)
+        got = []
+        for o in ("on", "off", "off", "on"):
+            toks, st = run(Lp, prompt, "autoregressive", 12, offload=o)
+            assert toks == cold[o], (memory, o)
+            got.append((st.extra.get("activations"), st.extra.get("reused_tokens", 0)))
+        assert [a for a, _ in got] == ["fp32", "int8", "int8", "fp32"]
+        assert got[0][1] == 0 and got[1][1] == 0  # the other activations' KV: not reused
+        assert got[2][1] > 0 and got[3][1] > 0  # the same activations': reused
