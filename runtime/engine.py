@@ -118,8 +118,9 @@ def expected_tokens(a: float, g: int) -> float:
 
 class Acceptance:
     """One level's drafts as the levels above judge them: per-token acceptance as decayed
-    counts of accepted and rejected tokens (half a token of each as the prior), and the
-    mean length of its drafts (an n-gram lookup often proposes fewer than its gamma)."""
+    counts of accepted and rejected tokens, and the
+    mean length of its drafts (an n-gram lookup often proposes fewer than its gamma). The
+    prior is one accepted and two rejected tokens: a few early matches move it slowly."""
 
     def __init__(self, decay: float = 0.9):
         self.acc = self.rej = 0.0
@@ -136,7 +137,8 @@ class Acceptance:
 
     @property
     def rate(self) -> float | None:
-        return (self.acc + 0.5) / (self.acc + self.rej + 1.0) if self.n else None
+        # the prior: one accepted, two rejected (a few lucky early matches are no verdict)
+        return (self.acc + 1.0) / (self.acc + self.rej + 3.0) if self.n else None
 
 
 class Bypass:
@@ -160,7 +162,7 @@ class Bypass:
     def __init__(self, optional: list[int], warm: int = 1, interval: int = 32, max_interval: int = 512,
                  probe_tokens: int = 8, probe_rounds: int = 3, margin: float = 0.97, decay: float = 0.8,
                  hopeless: float = 1.2, first_per_config: bool = False, bound=None, predict=None,
-                 start_plain: bool = False):
+                 start_plain: bool = False, trust: float = 0.85):
         import itertools
         self.configs = [frozenset(c) for r in range(len(optional) + 1)
                         for c in itertools.combinations(optional, r)]
@@ -173,6 +175,7 @@ class Bypass:
         self.hopeless, self.first_per_config = hopeless, first_per_config
         self.bound = bound  # bound(c): seconds per token c costs at best (None: unknown)
         self.predict = predict  # predict(c): seconds per token c is expected to cost (None: unknown)
+        self.trust = trust  # probe what `predict` expects below trust x the best measured: its error margin
         self.rest = {c: [0, 0] for c in self.configs}  # a hopeless probe's: tokens to sit out, next wait
         self.interval = interval
         self.probes: list[frozenset] = []
@@ -202,7 +205,7 @@ class Bypass:
             self.probes = [c for c in sorted(self.configs, key=len, reverse=True)
                            if c != self.current and self.rest[c][0] <= 0]
             self.since_probe, self.probe = 0, [0, 0]
-        elif not self.probes:
+        elif not self.probes and self.rounds % 4 == 0:  # predictions cost microseconds: not every round
             self.probes = self._promising()
         while self.probes and self.probe == [0, 0] and self._beaten(self.probes[0]):
             self._probed(ran=False)  # judged by the latest measurements, just before it would start
@@ -216,7 +219,7 @@ class Bypass:
         known = self._known()
         if not self.predict or not known:
             return []
-        best = self.margin * min(known.values())
+        best = self.trust * min(known.values())
         cands = [(p, i) for i, c in enumerate(self.configs)  # a prediction outranks a rest
                  if c != self.current and self.tokens - self.probed_at[c] >= self.base
                  and (p := self.predict(c)) is not None and p < best]
@@ -284,7 +287,7 @@ class Bypass:
         if p is not None:
             if p > self.hopeless * best:
                 self._rest(c)
-            return p >= self.margin * best
+            return p >= self.trust * best
         b = self.bound(c) if self.bound else None
         if b is None or b <= self.hopeless * best:
             return False
@@ -340,6 +343,7 @@ class Engine:
     scores: int = 0  # teacher-forced scorings of the retrieval level (`score`)
     kappa: float = KAPPA["cpu"]  # the width cost prior of `cost` (KAPPA: by device)
     _shadow: list = field(default_factory=list)  # (position, tokens) n-gram proposals awaiting the text
+    _behind: int | None = None  # the bypassed retrieval level has absorbed up to here (None: all)
     _since_build: int = 0
     _acc_ema: float = 1.0
 
@@ -414,8 +418,31 @@ class Engine:
             lv.rollback(n)
         lower = self.levels[i - 1]
         if isinstance(lower.cache, RetrievalKV):
+            if i - 1 in self.skip and self._may_defer(i):
+                # bypassed: it takes the verified tokens in one copy when it runs again (catch_up)
+                self._behind = f0 if self._behind is None else min(self._behind, f0)
+                return
             lower.cache.absorb(self.levels[i].cache, f0, n)  # exact target KV of verified tokens
             lower.commit(n)
+
+    def _may_defer(self, i: int) -> bool:
+        """Level i-1's absorbing may wait: the full cache holds the tokens on the device
+        (an offloaded one would stream them again) and every layer whole (a window layer's
+        ring moves on)."""
+        return not self.levels[i].cache.layer_major and self.levels[i - 1].cache.ring is None
+
+    def catch_up(self):
+        """The bypassed retrieval level takes the verified tokens it missed in one copy per
+        layer (rebuilt instead where its room would not hold them and a round)."""
+        if self._behind is None:
+            return
+        mid, top, lo = self.levels[-2], self.top, self._behind
+        self._behind = None
+        if mid.cache.room() < top.held - lo + sum(self.gammas) + 2:
+            self.rebuild_retrieval()
+            return
+        mid.cache.absorb(top.cache, lo, top.held)
+        mid.commit(top.held)
 
     def _after_top(self, g: int, k: int, t_draft: float, t_verify: float, full_chain: bool = True):
         self._since_build += k + 1
@@ -434,6 +461,7 @@ class Engine:
         """Re-select chunks from the full cache with the verifier's latest queries (its
         cache a `protocols.RecordingKV`)."""
         mid, top = self.levels[-2], self.top
+        self._behind = None  # a rebuild selects from the full cache as it is now
         mid.cache.build(top.cache, top.cache.q, top.held)
         mid.commit(top.held)
         self.rebuilds += 1
@@ -480,7 +508,9 @@ class Engine:
         if self.agree(due):
             self.score(seq)
         c = b.configs[self.agree(b.configs.index(b.choose()))]
-        shadow = 0 in c and hasattr(self.levels[0], "lookup")
+        if len(self.levels) - 2 not in c:
+            self.catch_up()  # the level below the top runs again
+        shadow = 0 in c and self.levels[0].cache is None  # the model-free n-gram drafter
         if shadow:  # what the bypassed n-gram drafter would have proposed here
             self._shadow.append((len(seq), self.levels[0].lookup(seq, self.gammas[0])))
         self.skip, n0, t0 = c, len(seq), time.perf_counter()
@@ -525,10 +555,11 @@ class Engine:
         sampled: the probability it gave that token). Its cache is rolled back for it and,
         where the full cache holds those positions on the device, given their exact KV
         again; an offloaded full cache would stream them, so the level keeps its own."""
+        self.catch_up()
         r = self._scored()
         lv, top = self.levels[r], self.top
         end = top.held
-        w = min(self.gammas[r - 1] + 1 if r else min(self.gammas[r], 8), end - getattr(lv.cache, "base", 0))
+        w = min(self.gammas[r - 1] + 1 if r else min(self.gammas[r], 8), end - lv.cache.base)
         if w < 2:
             return
         lo = end - w
@@ -542,7 +573,7 @@ class Engine:
             else:
                 hit = to_host(probs(rows, self.sp).gather(1, truth[:, None]).sum())
         self._timed(r, w, time.perf_counter() - t0)
-        if not getattr(getattr(top.cache, "inner", top.cache), "layer_major", False):
+        if not top.cache.layer_major:
             lv.rollback(lo)
             lv.cache.absorb(top.cache, lo, end)
         lv.commit(end)

@@ -84,6 +84,9 @@ class StreamingKV(Cache, Protocol):
 class RetrievalKV(Cache, Protocol):
     """Selected chunks of a full cache + appended tokens (the middle level)."""
 
+    base: int  # absolute position of the first appended token
+    ring: object | None  # cache.WindowRing of the window layers; None: every layer selected
+
     def build(self, full: FullKV, qs: dict, length: int) -> None: ...
     def absorb(self, full: FullKV, lo: int, hi: int) -> None: ...
     def room(self) -> int: ...

@@ -86,7 +86,7 @@ def test_expected_tokens_and_acceptance_counts():
     assert a.rate is None and a.length == 0
     for _ in range(20):
         a.add(3, 1, 4)
-    assert a.rate == pytest.approx(0.75, abs=0.03) and a.length == pytest.approx(4, abs=0.1)
+    assert a.rate == pytest.approx(0.75, abs=0.05) and a.length == pytest.approx(4, abs=0.1)
 
 
 def _spy(monkeypatch, name):
@@ -125,6 +125,7 @@ def test_scoring_measures_the_retrieval_level_and_restores_its_cache(model, monk
     orig = E.Engine.score
 
     def score(self, seq):
+        self.catch_up()  # what a bypassed level absorbs late (score does it first): not the scoring's
         mid = self.levels[self._scored()].cache
         before = [t.clone() for t in mid.k + mid.v if t is not None]
         held, n = self.levels[self._scored()].held, self.scores
