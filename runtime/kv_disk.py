@@ -139,7 +139,6 @@ class KVDir:
         self.path, self.limit, self.note = Path(path), limit, note
         self.path.mkdir(parents=True, exist_ok=True)
         self.me = model_identity(loaded)
-        self.model = loaded.model  # its `activations_now`: the run's (quantized.activations_set)
         self.elem = torch.empty(0, dtype=loaded.kv_dtype).element_size()
         self.dtype = loaded.kv_dtype
         self.told: set[str] = set()  # entries whose reason for being skipped was said
@@ -179,14 +178,11 @@ class KVDir:
         head = self.index[name]
         return serves(head["window_held"], head["window"], n)
 
-    def _act(self) -> str:
-        return getattr(self.model, "activations_now", "")
-
-    def match(self, prompt: list[int]) -> tuple[str | None, int]:
+    def match(self, prompt: list[int], act: str = "") -> tuple[str | None, int]:
         """The usable entry sharing the longest prefix with prompt and its length (<
         len(prompt)). An entry sharing more whose window layers do not hold that prefix's
         band is said once: the prompt leaves the saved tokens where they hold no band."""
-        act, items = self._act(), []
+        items = []  # `act`: the run's activations (quantized.activations_set); others wrote other KV
         for name, head in self.index.items():  # KV computed with other activations: other values
             if head.get("activations", "") == act:
                 items.append((name, head["ids"]))
@@ -246,7 +242,7 @@ class KVDir:
         os.utime(f)  # most recently used
         return True
 
-    def save(self, cache, ids: list[int]):
+    def save(self, cache, ids: list[int], act: str = ""):
         """Write the cache's KV of ids (all committed) as a new entry, the window layers'
         as the spans they hold (`held_spans`), unless an entry serves every prompt it would
         (`covers`); entries it covers are removed; then keep within the limit."""
@@ -256,7 +252,6 @@ class KVDir:
         if not serves(wheld, window, N):
             return self._say("ring", f"not saving {N} tokens' KV: its window layers' rings "
                              f"no longer hold positions {N - window + 1}..{N - 1}")
-        act = self._act()
         if any(covers(head["ids"], head["window_held"], ids, wheld) and head.get("activations", "") == act
                for head in self.index.values()):
             return

@@ -503,14 +503,14 @@ def move_out(store, cache, make):
         return
     with store.lock:
         entries = [e for e in store.entries if e.cache is cache]
-        queued = any(c is cache for c, _ in store.unsaved)
+        queued = any(u[0] is cache for u in store.unsaved)
         if not entries and not queued:
             return
         copy = make(cache.capacity)
         copy_prefix(cache, copy, cache.length)
         for e in entries:
             e.cache = copy
-        store.unsaved[:] = [(copy if c is cache else c, ids) for c, ids in store.unsaved]
+        store.unsaved[:] = [(copy if c is cache else c, *rest) for c, *rest in store.unsaved]
 
 
 def finish_stats(cache: KVCache, st, opts) -> None:

@@ -60,7 +60,7 @@ class PrefixCache:
         self.disk = disk  # a kv_disk.KVDir (--kv-dir): runs' KV saved there, prefixes loaded
         self.save_later = save_later  # keep() queues the disk save for save() (the server)
         self.entries: list[Entry] = []  # least recently used first
-        self.unsaved: list[tuple] = []  # (cache, ids) to write to disk
+        self.unsaved: list[tuple] = []  # (cache, ids, activations) to write to disk
         self.lock = threading.Lock()  # /metrics reads nbytes from another thread
 
     def nbytes(self) -> int:
@@ -83,7 +83,7 @@ class PrefixCache:
         new = lambda: make(-(-capacity // ROOM) * ROOM)
         with self.lock:
             e, n = self.match(prompt, act)
-        name, n_disk = self.disk.match(prompt) if self.disk else (None, 0)
+        name, n_disk = self.disk.match(prompt, act) if self.disk else (None, 0)
         if n_disk > n:
             cache = new()
             if self.disk.load(name, cache, n_disk):
@@ -113,7 +113,7 @@ class PrefixCache:
         cache.hold(None)  # a layer-major prefill may have been cancelled
         n = min(cache.length, len(ids))
         if self.disk is not None and n:
-            self.unsaved.append((cache, ids[:n]))
+            self.unsaved.append((cache, ids[:n], act))  # saved later (the server): act travels with it
             if not self.save_later:
                 self.save()
         if n == 0 or cache.nbytes() > self.max_bytes:
@@ -130,8 +130,8 @@ class PrefixCache:
     def save(self):
         """Write the queued KV to disk (before the cache can be taken again)."""
         while self.unsaved:
-            cache, ids = self.unsaved.pop(0)
-            self.disk.save(cache, ids)
+            cache, ids, act = self.unsaved.pop(0)
+            self.disk.save(cache, ids, act)
             if cache.ring is not None:
                 cache.ring.mark(None)  # the prompt's copy of the rings is on disk now
 

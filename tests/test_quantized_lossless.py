@@ -167,13 +167,15 @@ def test_kept_and_saved_kv_serve_only_runs_with_the_same_activations(tmp_path):
     L = dataclasses.replace(quantized_tiny("llama", "int4:int8"), activations_asked="auto")
     prompt = repetitive_prompt(120, L.cfg.vocab_size, seed=4)
     cold = {o: run(L, prompt, "autoregressive", 12, offload=o)[0] for o in ("on", "off")}
-    for memory in (1 << 30, 0):  # kept in memory, or on disk only
-        store = PrefixCache(memory, KVDir(tmp_path / str(memory), 1 << 30, L, lambda _: None))
+    # kept in memory, or on disk only: saved at once, or later, after the run (the server's way:
+    # the entry records the activations of the run that wrote it, not of the moment it is saved)
+    for memory, later in ((1 << 30, False), (0, False), (0, True)):
+        store = PrefixCache(memory, KVDir(tmp_path / f"{memory}-{later}", 1 << 30, L, lambda _: None), later)
         Lp = dataclasses.replace(L, prefix=store)
         got = []
         for o in ("on", "off", "off", "on"):
             toks, st = run(Lp, prompt, "autoregressive", 12, offload=o)
-            assert toks == cold[o], (memory, o)
+            assert toks == cold[o], (memory, later, o)
             got.append((st.extra.get("activations"), st.extra.get("reused_tokens", 0)))
         assert [a for a, _ in got] == ["fp32", "int8", "int8", "fp32"]
         assert got[0][1] == 0 and got[1][1] == 0  # the other activations' KV: not reused
