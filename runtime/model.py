@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..kernels.linear import Linear
+from ..kernels.qlinear import QLinear
 from .config import ModelConfig, rope_frequencies
 
 
@@ -102,8 +103,7 @@ def project(lin, x, norm=None, glu: bool = False, residual=None):
     """lin(norm(x)) (`glu`: lin(silu(gate) * up) of x = [gate | up]), plus `residual`: in
     one native pass where lin has one (QLinear.fused: int8 activations on the CPU), else
     as the separate ops."""
-    fused = getattr(lin, "fused", None)
-    y = fused(x, norm, glu, residual) if fused is not None else None
+    y = lin.fused(x, norm, glu, residual) if isinstance(lin, QLinear) else None
     if y is not None:
         return y
     if norm is not None:
