@@ -11,7 +11,7 @@ from .errors import TriforceError
 from .graphs import Step, kept
 from .hostread import to_device, to_host
 from .offloaded import prefill_layer_major
-from .sampling import SamplingParams, draw, probs
+from .sampling import SamplingParams, next_token
 
 
 @dataclass
@@ -116,7 +116,7 @@ def decode(model, cache, first_logits, start: int, sp: SamplingParams, max_new: 
     gen = gen or sp.generator(first_logits.device)
     step = step or Step(model, cache, graphs=False)
     for _ in range(max_new):
-        tok = draw(probs(logits, sp), sp, gen)  # [B]
+        tok = next_token(logits, sp, gen)  # [B]
         t = to_host(tok[0])  # the one blocking read per token
         out.append(t)
         if (on_token and on_token(t)) or t in eos or len(out) == max_new:

@@ -41,3 +41,10 @@ def draw(p: torch.Tensor, sp: SamplingParams, gen: torch.Generator | None = None
     """A token per row of `probs(logits, sp)`: greedy takes the one-hot's argmax (the same
     token a draw would give, without an exponential per vocabulary entry); else `sample`."""
     return p.argmax(-1) if sp.greedy else sample(p, gen)
+
+
+def next_token(logits: torch.Tensor, sp: SamplingParams, gen: torch.Generator | None = None) -> torch.Tensor:
+    """`draw(probs(logits, sp), sp, gen)`: greedy straight from the logits' argmax (the
+    same token: the one-hot's argmax is the logits' first maximum), without building the
+    one-hot distribution over the vocabulary each step."""
+    return logits.argmax(-1) if sp.greedy else draw(probs(logits, sp), sp, gen)

@@ -21,7 +21,7 @@ from .hostread import to_device, to_host
 from .offloaded import finish_stats, make_full_cache
 from .prefix_cache import lease
 from .retrieval import Recorder, RetrievalCache
-from .sampling import draw, probs
+from .sampling import next_token
 from .streaming import StreamingCache
 from .options import GenerationOptions
 from .protocols import RetrievalKV
@@ -155,7 +155,7 @@ def speculate(kind: str, loaded, prompt, opts, full, logits, on_token=None):
                  kappa=KAPPA.get(loaded.device.type, KAPPA["cpu"]),
                  bypass=bypass_for(levels, gammas, loaded.device.type == "cuda" and o.graphs) if o.bypass else None)
     t1 = time.perf_counter()
-    seq = list(prompt) + [to_host(draw(probs(logits[0], sp), sp, gen))]  # counted as 'other'
+    seq = list(prompt) + [to_host(next_token(logits[0], sp, gen))]  # counted as 'other'
     with torch.inference_mode():
         toks = eng.run(seq, opts.max_new_tokens, stop_ids(loaded, opts), on_token)
     t2 = time.perf_counter()

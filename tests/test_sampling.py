@@ -2,13 +2,28 @@ import pytest
 import torch
 
 from triforce_offload.runtime.errors import TriforceError
-from triforce_offload.runtime.sampling import SamplingParams, probs, sample
+from triforce_offload.runtime.sampling import SamplingParams, draw, next_token, probs, sample
 
 
 def test_greedy_is_one_hot_at_argmax():
     logits = torch.tensor([[0.1, 3.0, -1.0, 2.9]])
     p = probs(logits, SamplingParams())
     assert p.tolist() == [[0.0, 1.0, 0.0, 0.0]]
+
+
+def test_next_token_is_draw_of_probs():
+    """The greedy shortcut takes the logits' argmax: the token draw(probs(...)) gives, ties
+    (the first maximum) and bf16 logits included; sampled draws are draw's own."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 1000, generator=g)
+    logits[1, [7, 900]] = 50.0  # a tie: both take the first
+    for x in (logits, logits.bfloat16()):
+        assert torch.equal(next_token(x, SamplingParams()), draw(probs(x, SamplingParams()), SamplingParams()))
+    assert next_token(logits, SamplingParams())[1].item() == 7
+    sp = SamplingParams(temperature=0.8, seed=3)
+    a = next_token(logits, sp, sp.generator("cpu"))
+    b = draw(probs(logits, sp), sp, sp.generator("cpu"))
+    assert torch.equal(a, b)
 
 
 def test_temperature_top_k_top_p():
