@@ -162,7 +162,7 @@ class Bypass:
     def __init__(self, optional: list[int], warm: int = 1, interval: int = 32, max_interval: int = 512,
                  probe_tokens: int = 8, probe_rounds: int = 3, margin: float = 0.97, decay: float = 0.8,
                  hopeless: float = 1.2, first_per_config: bool = False, bound=None, predict=None,
-                 start_plain: bool = False, trust: float = 0.85):
+                 start_plain: bool = False, trust: float = 0.85, explore: float | None = None):
         import itertools
         self.configs = [frozenset(c) for r in range(len(optional) + 1)
                         for c in itertools.combinations(optional, r)]
@@ -185,6 +185,19 @@ class Bypass:
         self.tokens = 0  # tokens produced so far
         self.probed_at = {c: -interval for c in self.configs}  # self.tokens when c's latest probe ended
         self.switches = 0
+        # exploring's price cap: the seconds probes cost beyond what the running configuration
+        # would have taken for their tokens, plus scorings (`explored`), stay within `explore`
+        # x the decode time so far before another probe or scoring starts (None: no cap)
+        self.explore, self.spent, self.elapsed = explore, 0.0, 0.0
+
+    def may_explore(self) -> bool:
+        """Exploring's cost so far is within its share of the time decoded so far."""
+        return self.explore is None or self.spent <= self.explore * self.elapsed
+
+    def explored(self, seconds: float):
+        """Seconds of measuring outside the rounds (a scoring forward): all exploring."""
+        self.spent += seconds
+        self.elapsed += seconds
 
     def spt(self, c: frozenset) -> float | None:
         s, t = self.sums[c]
@@ -192,8 +205,8 @@ class Bypass:
 
     def cycle_due(self) -> bool:
         """The next `choose` starts a probe cycle."""
-        return not self.probes and (self.rounds == self.warm or
-                                    (self.rounds > self.warm and self.since_probe >= self.interval))
+        return not self.probes and self.may_explore() and (
+            self.rounds == self.warm or (self.rounds > self.warm and self.since_probe >= self.interval))
 
     def waiting(self, c: frozenset) -> bool:
         """c is neither running nor sitting out: the next probe cycle judges it."""
@@ -205,10 +218,12 @@ class Bypass:
             self.probes = [c for c in sorted(self.configs, key=len, reverse=True)
                            if c != self.current and self.rest[c][0] <= 0]
             self.since_probe, self.probe = 0, [0, 0]
-        elif not self.probes and self.rounds % 4 == 0:  # predictions cost microseconds: not every round
-            self.probes = self._promising()
-        while self.probes and self.probe == [0, 0] and self._beaten(self.probes[0]):
-            self._probed(ran=False)  # judged by the latest measurements, just before it would start
+        elif not self.probes and self.rounds % 4 == 0 and self.may_explore():  # predictions cost
+            self.probes = self._promising()  # microseconds: not every round
+        # judged by the latest measurements just before it would start; none starts once
+        # exploring has spent its share (the cycle's rest waits for the next one)
+        while self.probes and self.probe == [0, 0] and (not self.may_explore() or self._beaten(self.probes[0])):
+            self._probed(ran=False)
         return self.probes[0] if self.probes else self.current
 
     def _promising(self) -> list:
@@ -235,6 +250,10 @@ class Bypass:
             self.skipped[i] += tokens
         self.seen[c] += 1
         probing = bool(self.probes) and c == self.probes[0]
+        self.elapsed += seconds
+        if probing:  # what the probe cost beyond the running configuration's pace
+            pace = self.spt(self.current)
+            self.spent += seconds if pace is None else max(0.0, seconds - tokens * pace)
         if not self.first_per_config or self.seen[c] > 1:  # a first round captures graphs
             s = self.sums[c]
             # a probe's rounds count alike, and a new probe outweighs what was measured before
@@ -318,6 +337,7 @@ class Bypass:
     def figures(self, names: list[str]) -> dict:
         return {"bypassed_tokens": {names[i]: n for i, n in self.skipped.items()},
                 "bypass_switches": self.switches,
+                "exploring_ms": round(self.spent * 1e3, 1),
                 "ms_per_token_by_skipped": {"+".join(names[i] for i in sorted(c)) or "none": round(v * 1e3, 2)
                                             for c, v in self._known().items()},
                 "running": [n for i, n in enumerate(names) if i not in self.current]}
@@ -573,6 +593,7 @@ class Engine:
             else:
                 hit = to_host(probs(rows, self.sp).gather(1, truth[:, None]).sum())
         self._timed(r, w, time.perf_counter() - t0)
+        self.bypass.explored(time.perf_counter() - t0)
         if not top.cache.layer_major:
             lv.rollback(lo)
             lv.cache.absorb(top.cache, lo, end)

@@ -166,6 +166,12 @@ def speculate(kind: str, loaded, prompt, opts, full, logits, on_token=None):
     return toks, st
 
 
+# exploring (probes beyond the running configuration's pace, scorings) may cost at most this
+# share of the decode time so far before another probe or scoring starts: within 64 tokens a
+# run pays for about one scoring and one probe, over hundreds the probe cycles run as before
+EXPLORE = 0.03
+
+
 def bypass_for(levels, gammas, captures: bool = False) -> Bypass | None:
     """The levels that may be skipped: the n-gram drafter and retrieval levels (both stay in
     sync while skipped); a model drafter always runs (its streaming cache would fall behind).
@@ -178,7 +184,8 @@ def bypass_for(levels, gammas, captures: bool = False) -> Bypass | None:
                 if isinstance(lv, NgramDrafter) or isinstance(lv.cache, RetrievalKV)]
     if not optional:
         return None
-    return Bypass(optional, warm=gammas[0] + 1, first_per_config=captures, start_plain=True)
+    return Bypass(optional, warm=gammas[0] + 1, first_per_config=captures, start_plain=True,
+                  explore=EXPLORE)
 
 
 def runner(kind: str):

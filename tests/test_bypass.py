@@ -77,6 +77,43 @@ def test_a_wrong_prediction_costs_one_probe_per_interval():
     assert b.current == plain and 1 <= b.seen[ret] <= 96 // b.base + 1
 
 
+def test_exploring_within_its_share_of_the_time():
+    """With a cap (`explore`, what `bypass_for` sets), wrong predictions and probes that
+    lose cost at most about that share of the decode time: within 5% of plain decoding over
+    64 tokens, where the uncapped controller loses more; over many tokens the levels are
+    still re-tried (a text that turns repetitive gets them back)."""
+    def wrong(explore):
+        b, cost, toks = _plain_best()
+        none, ngram, ret, plain = b.configs
+        b.explore = explore
+        b.predict = lambda c: 0.010 if c in (ret, none) else cost[c]  # wrong for both levels
+        return b, _decode(b, lambda c, _: cost[c], lambda c, _: toks[c], 64), cost[plain]
+    b, capped, plain = wrong(0.03)
+    _, free, _ = wrong(None)
+    assert capped <= 1.05 * plain < free
+    assert 0 < b.spent <= 0.03 * b.elapsed + 0.05  # one probe round may overshoot the share
+    b, cost, toks = _plain_best()
+    b.explore = 0.03
+    b.predict = lambda c: 0.010 if c == b.configs[2] else cost[c]
+    _decode(b, lambda c, _: cost[c], lambda c, _: toks[c], 2000)
+    assert b.current == b.configs[-1] and b.seen[b.configs[2]] >= 3
+    assert b.spent <= 0.03 * b.elapsed + 0.05
+
+
+def test_a_capped_controller_still_finds_a_level_that_starts_to_pay():
+    b = Bypass([0, 1], warm=5, start_plain=True, explore=0.03)
+    none, ngram, ret, plain = b.configs
+    cost = lambda c, made: 0.012 if c == ret and made >= 20 else {none: 0.040, ngram: 0.050, ret: 0.030,
+                                                                   plain: 0.0244}[c]
+    made = [0]
+    b.predict = lambda c: cost(c, made[0])
+    while made[0] < 64:
+        c = b.choose()
+        b.record(c, cost(c, made[0]), 1)
+        made[0] += 1
+    assert b.current == ret and b.seen[ret] > 30
+
+
 def test_expected_tokens_and_acceptance_counts():
     assert expected_tokens(0.0, 4) == 1 and expected_tokens(1.0, 4) == pytest.approx(5, rel=0.01)
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
@@ -144,7 +181,9 @@ def test_scoring_measures_the_retrieval_level_and_restores_its_cache(model, monk
         assert all(done == 1 and same_held and same_kv and 0 < rate < 1 for done, same_held, same_kv, rate in snaps)
 
 
-def test_scoring_with_an_offloaded_full_cache_is_lossless(model):
+def test_scoring_with_an_offloaded_full_cache_is_lossless(model, monkeypatch):
+    from triforce_offload.runtime import spec_modes
+    monkeypatch.setattr(spec_modes, "EXPLORE", None)  # every probe cycle scores: 40 tokens are few
     prompt = torch.randint(0, model.cfg.vocab_size, (400,), generator=torch.Generator().manual_seed(6)).tolist()
     ref, _ = run(model, prompt, "autoregressive", 40, ignore_eos=True)
     out, st = run(model, prompt, "triforce", 40, ignore_eos=True, budget=64, offload="on", transfer_chunk=48)

@@ -19,6 +19,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from helpers_spec import repetitive_prompt, tiny
 from triforce_offload.runtime.api import RunOptions, generate
 from triforce_offload.runtime.acceptance import accept, one_hot, verdict
+
+
+@pytest.fixture(autouse=True)
+def explore_freely(monkeypatch):
+    """Every level gets probed within these 40-token runs (the reads of each are counted):
+    no cap on exploring's share of the time (spec_modes.EXPLORE)."""
+    from triforce_offload.runtime import spec_modes
+    monkeypatch.setattr(spec_modes, "EXPLORE", None)
 from triforce_offload.runtime.drafters import NgramDrafter
 from triforce_offload.runtime import hostread
 from triforce_offload.runtime.hostread import READS, to_device
