@@ -189,7 +189,6 @@ class Bypass:
         # would have taken for their tokens, plus scorings (`explored`), stay within `explore`
         # x the decode time so far before another probe or scoring starts (None: no cap)
         self.explore, self.spent, self.elapsed = explore, 0.0, 0.0
-        self.later: set = set()  # configurations the next probe cycle leaves out (Engine._score_due)
 
     def may_explore(self) -> bool:
         """Exploring's cost so far is within its share of the time decoded so far."""
@@ -217,8 +216,8 @@ class Bypass:
         """The configuration of the next top-level round."""
         if self.cycle_due():
             self.probes = [c for c in sorted(self.configs, key=len, reverse=True)
-                           if c != self.current and self.rest[c][0] <= 0 and c not in self.later]
-            self.since_probe, self.probe, self.later = 0, [0, 0], set()
+                           if c != self.current and self.rest[c][0] <= 0]
+            self.since_probe, self.probe = 0, [0, 0]
         elif not self.probes and self.rounds % 4 == 0 and self.may_explore():  # predictions cost
             self.probes = self._promising()  # microseconds: not every round
         # judged by the latest measurements just before it would start; none starts once
@@ -566,18 +565,8 @@ class Engine:
         """A probe cycle starts next and would judge a configuration running the retrieval
         level that `predict` cannot price from measurements since the last cycle."""
         r, b = self._scored(), self.bypass
-        if not (r is not None and b.cycle_due() and r in b.current
-                and any(r not in c and b.waiting(c) for c in b.configs)):
-            return False
-        # a configuration without the retrieval level (the n-gram drafter, priced by its shadow
-        # proposals) that is predicted to win is probed first, before a scoring spends the
-        # exploring share: the ones running the retrieval level wait for the next cycle's
-        known = b._known()
-        best = b.trust * min(known.values()) if known else 0.0
-        if any(r in c and b.waiting(c) and (p := self.predict(c)) is not None and p < best for c in b.configs):
-            b.later = {c for c in b.configs if r not in c}
-            return False
-        return True
+        return (r is not None and b.cycle_due() and r in b.current
+                and any(r not in c and b.waiting(c) for c in b.configs))
 
     def score(self, seq: list[int]):
         """Measure the bypassed retrieval level's acceptance without speculating: one forward
