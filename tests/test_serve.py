@@ -239,10 +239,29 @@ def test_metrics_are_prometheus_text(srv):
     text = httpx.get(base + "/metrics").text
     for name in ("requests_total", "prompt_tokens_total", "generation_tokens_total",
                  "time_to_first_token_seconds_count", "decode_ms_per_token_sum", "queue_depth",
-                 "reused_prefix_tokens_total", "host_kv_bytes", "acceptance"):
+                 "reused_prefix_tokens_total", "host_kv_bytes", "draft_tokens_total"):
         assert re.search(rf"^triforce_{name}[{{ ]", text, re.M), name
     assert metric(base, "triforce_host_kv_bytes") > 0
-    assert re.search(r'^triforce_acceptance\{level="ngram"\} [0-9.]+$', text, re.M)
+    # the acceptance gauge where a level drafted (the bypass starts plain: a short request
+    # may draft nothing), none where it did not
+    drafted = float(re.search(r'^triforce_draft_tokens_total\{level="ngram"\} (\S+)$', text, re.M)[1])
+    gauge = re.search(r'^triforce_acceptance\{level="ngram"\} ([0-9.]+)$', text, re.M)
+    assert (gauge is not None) == (drafted > 0)
+
+
+def test_acceptance_gauge_is_accepted_over_drafted():
+    from triforce_offload.server.metrics import Metrics
+    m = Metrics()
+    for drafted, accepted in ((10, 5), (6, 1)):
+        m.record({"prompt_tokens": 3, "new_tokens": 4, "decode_ms_per_token": 1.0,
+                  "acceptance": {"ngram": 0.0, "retrieval": 0.0},
+                  "levels": {"retrieval": {"drafted": drafted, "accepted": accepted},
+                             "full": {"drafted": 0, "accepted": 0}}},
+                 {"time_to_first_token_s": 0.1})
+    text = m.render({})
+    assert re.search(r'^triforce_acceptance\{level="ngram"\} 0.375$', text, re.M)  # 6 / 16
+    assert re.search(r'^triforce_draft_tokens_total\{level="retrieval"\} 0(\.0)?$', text, re.M)
+    assert not re.search(r'^triforce_acceptance\{level="retrieval"\}', text, re.M)  # drafted nothing
 
 
 def test_key_queue_limit_time_limit_and_sigterm(tmp_path):
