@@ -353,10 +353,9 @@ def test_torch_paths_softcap_match_reference(monkeypatch, cap):
 
 
 TRITON_SOFTCAP = r"""
-import sys, torch
+import torch
 from triforce_offload.kernels import triton_attention as ta
-sys.path.insert(0, "tests")
-from native_sweep import reference
+from native_sweep import reference  # tests/ is on PYTHONPATH (the caller sets it)
 assert ta.available(), ta.reason()
 g = torch.Generator().manual_seed(0)
 for cap in (2.0, 50.0):
@@ -383,9 +382,12 @@ def test_triton_softcap_matches_reference():
     import os
     import subprocess
     import sys
+    from pathlib import Path
     from triforce_offload.kernels import triton_attention as ta
     if ta.triton is None:
         pytest.skip(ta.reason())
     r = subprocess.run([sys.executable, "-c", TRITON_SOFTCAP], capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "TRITON_INTERPRET": "1"})
+                       env={**os.environ, "TRITON_INTERPRET": "1",
+                            "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent),
+                                                                        os.environ.get("PYTHONPATH")]))})
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
