@@ -118,9 +118,9 @@ def expected_tokens(a: float, g: int) -> float:
 
 class Acceptance:
     """One level's drafts as the levels above judge them: per-token acceptance as decayed
-    counts of accepted and rejected tokens, and the
-    mean length of its drafts (an n-gram lookup often proposes fewer than its gamma). The
-    prior is one accepted and two rejected tokens: a few early matches move it slowly."""
+    counts of accepted and rejected tokens, and the mean length of its drafts (an n-gram
+    lookup often proposes fewer than its gamma). The prior is one accepted and two rejected
+    tokens: a few early matches move it slowly."""
 
     def __init__(self, decay: float = 0.9):
         self.acc = self.rej = 0.0
@@ -458,7 +458,7 @@ class Engine:
             return
         mid, top, lo = self.levels[-2], self.top, self._behind
         self._behind = None
-        if mid.cache.room() < top.held - lo + sum(self.gammas) + 2:
+        if mid.cache.room() < top.held - lo + self._round_room():
             self.rebuild_retrieval()
             return
         mid.cache.absorb(top.cache, lo, top.held)
@@ -473,9 +473,12 @@ class Engine:
             self.gammas[-1] = self.agree(self.auto.update(g, k, t_draft, t_verify))
         cache = self.levels[-2].cache
         if isinstance(cache, RetrievalKV):
-            need = sum(self.gammas) + 2  # pending tokens of one round at most
-            if cache.room() < need or self.rebuild.due(self._since_build, self._acc_ema):
+            if cache.room() < self._round_room() or self.rebuild.due(self._since_build, self._acc_ema):
                 self.rebuild_retrieval()
+
+    def _round_room(self) -> int:
+        """Pending tokens one round may append to the retrieval cache, at most."""
+        return sum(self.gammas) + 2
 
     def rebuild_retrieval(self):
         """Re-select chunks from the full cache with the verifier's latest queries (its
@@ -592,8 +595,9 @@ class Engine:
                 hit = to_host((rows.argmax(-1) == truth).sum())
             else:
                 hit = to_host(probs(rows, self.sp).gather(1, truth[:, None]).sum())
-        self._timed(r, w, time.perf_counter() - t0)
-        self.bypass.explored(time.perf_counter() - t0)
+        dt = time.perf_counter() - t0
+        self._timed(r, w, dt)
+        self.bypass.explored(dt)
         if not top.cache.layer_major:
             lv.rollback(lo)
             lv.cache.absorb(top.cache, lo, end)
