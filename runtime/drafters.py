@@ -126,25 +126,84 @@ class NgramIndex:
         return self.at[n].get(gram)
 
 
+MATCH_BUCKETS = (2, 3, 4, 6, 10, 16)  # a suffix match of at least b tokens: bucket b
+
+
+class MatchAcceptance:
+    """Per-token acceptance of n-gram proposals by the length of the suffix match behind
+    them (a match of 12 tokens in a loop of the text predicts far better than one of two in
+    prose): decayed counts of accepted and rejected tokens per bucket of MATCH_BUCKETS, each
+    with a prior of one accepted and three rejected (a few lucky matches are no verdict;
+    below what a verification row costs on a CPU, so an unseen bucket does not draft)."""
+
+    def __init__(self, decay: float = 0.98):
+        self.counts = {b: [0.0, 0.0] for b in MATCH_BUCKETS}
+        self.decay = decay  # per token judged: the figures follow the latest ~50 tokens of a bucket
+
+    @staticmethod
+    def bucket(match: int) -> int:
+        return max(b for b in MATCH_BUCKETS if b <= max(match, MATCH_BUCKETS[0]))
+
+    def add(self, match: int, accepted: int, rejected: int):
+        c, d = self.counts[self.bucket(match)], self.decay ** (accepted + rejected)
+        c[0], c[1] = d * c[0] + accepted, d * c[1] + rejected
+
+    def rate(self, match: int) -> float:
+        a, r = self.counts[self.bucket(match)]
+        return (a + 1.0) / (a + r + 4.0)
+
+
+def draft_size(a: float, n: int, cost) -> int:
+    """How many of n proposed tokens to draft at per-token acceptance a, where a forward of
+    w tokens costs cost(w) forwards of one: the h that maximises the expected tokens of the
+    verification, 1 + a + ... + a^h, over its cost (h = 0: no draft, a plain decode)."""
+    best, best_h, tokens, p = 1.0 / cost(1), 0, 1.0, 1.0
+    for h in range(1, n + 1):
+        p *= a
+        tokens += p
+        if tokens / cost(h + 1) > best:
+            best, best_h = tokens / cost(h + 1), h
+    return best_h
+
+
 class NgramDrafter:
     """Prompt lookup: find the last n tokens earlier in the context, propose what followed.
 
-    Tries n = max_n .. min_n and takes the most recent match (single-token matches are
-    mostly noise on prose: they cost verification rows and are rarely accepted).
-    Deterministic, so q is one-hot. The drafts are host data (token lists): no device
-    read. The n-gram index grows with each appended token and is truncated on rollback
-    (`NgramIndex`), so a draft costs O(n) at any context length.
+    Tries n = max_n .. min_n; among the latest `candidates` occurrences of the longest
+    n-gram found it takes the one whose match extends furthest back (up to `reach` tokens;
+    the most recent on a tie): the suffix match length. (Single-token matches are mostly
+    noise on prose: they cost verification rows and are rarely accepted.) Deterministic,
+    so q is one-hot. The drafts are host data (token lists): no device read. The n-gram
+    index grows with each appended token and is truncated on rollback (`NgramIndex`), so
+    a draft costs O(n) at any context length.
+
+    Each draft is sized by what it is expected to pay (`draft_size`): the per-token
+    acceptance of proposals with that match length (`MatchAcceptance`) against what the
+    verifying level's wider forward costs (`price`, set by the engine from its measured
+    forwards). Every lookup's whole proposal is judged against the verified text once it
+    shows (`judge`), drafted or not, so the acceptance figures are measured at the cost of
+    lookups alone: the drafter drafts nothing where the text does not repeat (a decode
+    then costs what a plain one does) and long drafts in a loop of the text.
     """
 
     name = "ngram"
     cache = None  # model-free: no cache to absorb into, roll back or graph
     step = None
 
-    def __init__(self, vocab: int, max_n: int = 3, device="cpu", min_n: int = 2):
+    def __init__(self, vocab: int, max_n: int = 3, device="cpu", min_n: int = 2,
+                 candidates: int = 8, reach: int = 32, propose: int = 8):
         self.vocab, self.max_n, self.min_n, self.device = vocab, max_n, min_n, device
+        self.candidates, self.reach, self.propose = candidates, reach, propose
         self.time = 0.0  # seconds spent looking up
         self.index = NgramIndex(range(min_n, max_n + 1))
         self._seq = None  # the list indexed (the engine's shared token list)
+        self.accept = MatchAcceptance()
+        # (position, proposal, match, tokens judged) awaiting the text
+        self.pending: list[tuple[int, list[int], int, int]] = []
+        self.match = 0  # the suffix match length of the latest lookup (0: none)
+        # cost(w): a forward of w tokens of the level drafted for, in forwards of one (the engine's figures)
+        self.price = None
+        self.sized = [0, 0]  # drafts sized, tokens they drafted
 
     def sync(self, seq: list[int]):
         """Bring the index up to seq. Another list than last time: keep the index only if
@@ -154,31 +213,90 @@ class NgramDrafter:
             n = len(ix.toks)
             if len(seq) < n or seq[:n] != ix.toks:
                 self.index = ix = NgramIndex(list(ix.at))
+                self.pending.clear()
             self._seq = seq
         elif len(seq) < len(ix.toks):  # truncated without a rollback: forget the tail
             ix.truncate(len(seq))
         ix.extend(seq)
 
     def lookup(self, seq: list[int], g: int) -> list[int]:
+        """Up to g tokens that followed the best earlier match of seq's suffix; sets `match`."""
         self.sync(seq)
         L = len(seq)
+        self.match = 0
         for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
             i = self.index.last(n, tuple(seq[L - n:]))
-            if i is not None:
-                return seq[i + n: i + n + g]
+            if i is None:
+                continue
+            best, m_best, prev = i, -1, self.index.prev[n]
+            for _ in range(self.candidates):
+                m = n  # how far the match at start i extends back
+                while m < self.reach and i - 1 - (m - n) >= 0 and seq[i - 1 - (m - n)] == seq[L - 1 - m]:
+                    m += 1
+                if m > m_best:
+                    best, m_best = i, m
+                i = prev[i]
+                if i < 0 or m_best >= self.reach:
+                    break
+            self.match = m_best
+            return seq[best + n: best + n + g]
         return []
 
     def draft(self, seq, g, sp, gen) -> torch.Tensor:
         t0 = time.perf_counter()
-        toks = self.lookup(seq, g)
+        toks = self.lookup(seq, max(g, self.propose))
+        if toks:
+            if self.pending and self.pending[-1][0] == len(seq):  # drafting again at a position: judged once
+                self.pending.pop()
+            self.pending.append((len(seq), toks, self.match, 0))
+            cost = self.price or (lambda w: 1.0 + 0.25 * (w - 1))
+            toks = toks[:draft_size(self.accept.rate(self.match), min(g, len(toks)), cost)]
+            self.sized = [self.sized[0] + 1, self.sized[1] + len(toks)]
         seq.extend(toks)
         self.time += time.perf_counter() - t0
         return one_hot(toks, self.vocab, self.device)
 
+    def figures(self) -> dict:
+        """Drafts sized, tokens they drafted, and the acceptance per match-length bucket."""
+        return {"drafts": self.sized[0], "drafted": self.sized[1],
+                "acceptance_by_match": {f"{b}+": round(self.accept.rate(b), 3) for b in MATCH_BUCKETS}}
+
+    def judge(self, seq: list[int], n: int):
+        """seq[:n] is verified text: each pending proposal's tokens it shows are judged (a
+        match accepted, the first mismatch rejected, which ends the proposal)."""
+        left = []
+        for p in self.pending:
+            pos, prop, match, seen = p
+            k = seen
+            while k < len(prop) and pos + k < n and prop[k] == seq[pos + k]:
+                k += 1
+            done = k == len(prop) or pos + k < n  # its whole length, or a mismatch
+            self.accept.add(match, k - seen, int(k < len(prop) and done))
+            if not done:
+                left.append((pos, prop, match, k))
+        self.pending = left
+
+    def learn(self, seq: list[int], last: int = 256):
+        """Judge the proposals the drafter would have made at each of seq's last `last`
+        positions (a prompt: how repetitive its text is), the index growing token by token
+        as it would have: the acceptance figures start from the prompt, not the prior."""
+        head = seq[: max(len(seq) - last, 1)]  # one list, growing: each lookup indexes one token more
+        for p in range(len(head), len(seq)):
+            prop = self.lookup(head, self.propose)
+            head.append(seq[p])
+            if prop:
+                got = seq[p: p + len(prop)]
+                k = next((j for j, (a, t) in enumerate(zip(prop, got)) if a != t), len(got))
+                self.accept.add(self.match, k, int(k < len(got)))
+        self._seq = None  # the next list is checked against the indexed tokens
+
     def rollback(self, n: int):
-        """Positions from n on are forgotten (the engine truncates the shared list)."""
+        """Positions from n on are forgotten (the engine truncates the shared list); so are
+        proposals made past n (their context was not accepted)."""
         if n < len(self.index.toks):
             self.index.truncate(n)
+        if self.pending and self.pending[-1][0] > n:
+            self.pending = [p for p in self.pending if p[0] <= n]
 
 
 def check_vocab(target_tok, draft_tok, show: int = 5):

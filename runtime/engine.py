@@ -17,7 +17,7 @@ import torch
 from .errors import TriforceError
 from .hostread import READS, to_device, to_host
 from .options import Rebuild  # noqa: F401  (a policy value: parsed with the other options)
-from .protocols import RetrievalKV, VerifyingLevel
+from .protocols import RetrievalKV, SizingDrafter, VerifyingLevel
 from .sampling import SamplingParams, probs
 from .acceptance import accept, accept_greedy
 
@@ -118,22 +118,30 @@ def expected_tokens(a: float, g: int) -> float:
 
 class Acceptance:
     """One level's drafts as the levels above judge them: per-token acceptance as decayed
-    counts of accepted and rejected tokens, and the mean length of its drafts (an n-gram
-    lookup often proposes fewer than its gamma). The prior is one accepted and two rejected
-    tokens: a few early matches move it slowly."""
+    counts of accepted and rejected tokens, the mean length of its drafts (an n-gram lookup
+    often proposes fewer than its gamma, a sized one often none) and the mean tokens a
+    verification of them yields. The prior is one accepted and two rejected tokens: a few
+    early matches move it slowly."""
 
     def __init__(self, decay: float = 0.9):
         self.acc = self.rej = 0.0
         self.length: float | None = None
+        self.tokens: float | None = None  # tokens per verification (accepted + 1)
         self.n, self.decay = 0, decay
 
-    def add(self, accepted: float, rejected: float, drafted: int | None = None):
+    def add(self, accepted: float, rejected: float, drafted: int | None = None, tokens: int | None = None):
         if accepted or rejected:
             self.acc = self.decay * self.acc + accepted
             self.rej = self.decay * self.rej + rejected
             self.n += 1
         if drafted is not None:
-            self.length = drafted if self.length is None else 0.8 * self.length + 0.2 * drafted
+            self.length = self._ema(self.length, drafted)
+        if tokens is not None:
+            self.tokens = self._ema(self.tokens, tokens)
+
+    @staticmethod
+    def _ema(old: float | None, new: float) -> float:
+        return new if old is None else 0.8 * old + 0.2 * new
 
     @property
     def rate(self) -> float | None:
@@ -228,8 +236,8 @@ class Bypass:
 
     def _promising(self) -> list:
         """Between probe cycles: the configuration `predict` expects to beat the best
-        measured one by the margin (its acceptance measured as the text goes: shadow n-gram
-        proposals), probed at once; each at most once per `base` tokens (a prediction is an
+        measured one by the margin (its acceptance measured as the text goes: the n-gram
+        drafter's judged proposals, the retrieval level's scorings), probed at once; each at most once per `base` tokens (a prediction is an
         estimate: the probe's measurement decides)."""
         known = self._known()
         if not self.predict or not known:
@@ -362,7 +370,7 @@ class Engine:
     accept: dict = field(default_factory=dict)  # level index -> Acceptance of its drafts
     scores: int = 0  # teacher-forced scorings of the retrieval level (`score`)
     kappa: float = KAPPA["cpu"]  # the width cost prior of `cost` (KAPPA: by device)
-    _shadow: list = field(default_factory=list)  # (position, tokens) n-gram proposals awaiting the text
+    _sizing: bool = False  # levels[0] sizes its drafts (protocols.SizingDrafter): priced and shown the text
     _behind: int | None = None  # the bypassed retrieval level has absorbed up to here (None: all)
     _since_build: int = 0
     _acc_ema: float = 1.0
@@ -377,6 +385,7 @@ class Engine:
         self.stats = [LevelStats() for _ in self.levels[1:]]
         self.reads0 = dict(READS.count)
         self.accept = {j: Acceptance() for j in range(len(self.levels) - 1)}
+        self._sizing = isinstance(self.levels[0], SizingDrafter)
         if self.bypass is not None:
             self.bypass.bound = self.bypass.bound or self.best_case
             self.bypass.predict = self.bypass.predict or self.predict
@@ -413,6 +422,8 @@ class Engine:
             lv.cache.prefetch()  # the link is idle while lower levels draft
         t0 = time.perf_counter()
         j = next((j for j in range(i - 1, -1, -1) if j not in self.skip), None)  # who drafts
+        if j == 0 and self._sizing:
+            self.levels[0].price = self.relative(i)
         q = torch.zeros(0) if j is None else self.produce(j, seq, self.gammas[j])
         t1 = time.perf_counter()
         draft = seq[m:]
@@ -420,12 +431,14 @@ class Engine:
         self._timed(i, len(draft) + 1, time.perf_counter() - t1)
         k, x = (self.accept_fn or (accept_greedy if self.sp.greedy else accept))(draft, q, p, self.gen)
         if j is not None:
-            self.accept[j].add(k, int(k < len(draft)), len(draft))
+            self.accept[j].add(k, int(k < len(draft)), len(draft), k + 1)
         del seq[m + k:]
         seq.append(x)
         lv.commit(m + k)
         if top:  # the next verification streams while the levels below sync and draft
             lv.cache.prefetch()
+            if self._sizing:
+                self.levels[0].judge(seq, len(seq))
         self._sync_lower(i, f0, m + k)
         own = j == i - 1  # its own drafter drafted: the level's acceptance figures
         self.stats[i - 1].add(len(draft), k, own)
@@ -533,31 +546,12 @@ class Engine:
         c = b.configs[self.agree(b.configs.index(b.choose()))]
         if len(self.levels) - 2 not in c:
             self.catch_up()  # the level below the top runs again
-        shadow = 0 in c and self.levels[0].cache is None  # the model-free n-gram drafter
-        if shadow:  # what the bypassed n-gram drafter would have proposed here
-            self._shadow.append((len(seq), self.levels[0].lookup(seq, self.gammas[0])))
         self.skip, n0, t0 = c, len(seq), time.perf_counter()
         try:
             self.verify(len(self.levels) - 1, seq)
         finally:
             self.skip = frozenset()
         b.record(c, time.perf_counter() - t0, len(seq) - n0)
-        if self._shadow:
-            self._judge_shadow(seq)
-
-    def _judge_shadow(self, seq: list[int]):
-        """Judge the bypassed n-gram drafter's proposals against the verified text, each once
-        the text shows its first mismatch or its whole length: its acceptance, measured at
-        the cost of lookups alone."""
-        left = []
-        for pos, prop in self._shadow:
-            got = seq[pos: pos + len(prop)]
-            k = next((n for n, (a, t) in enumerate(zip(prop, got)) if a != t), len(got))
-            if k < len(got) or len(got) == len(prop):
-                self.accept[0].add(k, int(k < len(prop)), len(prop))
-            else:
-                left.append((pos, prop))
-        self._shadow = left
 
     def _scored(self) -> int | None:
         """The retrieval level (the one `score` measures), if the bypass may skip it."""
@@ -606,8 +600,12 @@ class Engine:
         self.scores += 1
 
     def _timed(self, i: int, width: int, seconds: float):
+        """Smoothed seconds of level i's forwards of `width` tokens: a faster one moves the
+        figure half way, a slower one a fifth (a stall of the machine is not the forward's
+        cost, and a width priced too high by one would not be drafted again to correct it)."""
         old = self.forward_s.get((i, width))
-        self.forward_s[(i, width)] = seconds if old is None else 0.5 * (old + seconds)
+        w = 0.5 if old is None or seconds < old else 0.2
+        self.forward_s[(i, width)] = seconds if old is None else (1 - w) * old + w * seconds
 
     def cost(self, i: int, w: int) -> float | None:
         """Seconds of a forward of w tokens by level i: measured, or scaled from its nearest
@@ -621,6 +619,14 @@ class Engine:
             return None
         u = min(mine, key=lambda u: (abs(u - w), u))
         return f[(i, u)] * self._width(w) / self._width(u)
+
+    def relative(self, i: int):
+        """cost(w): a forward of w tokens by level i in forwards of one (`cost`'s figures;
+        1 + kappa (w - 1) before level i ran one): what a sized draft weighs its rows by."""
+        def cost(w: int) -> float:
+            one, t = self.cost(i, 1), self.cost(i, w)
+            return t / one if one and t is not None else 1 + self.kappa * (w - 1)
+        return cost
 
     def _width(self, w: int) -> float:
         top = len(self.levels) - 1
@@ -647,6 +653,13 @@ class Engine:
                 t = self.cost(i, 1)
                 return None if t is None else want * t
             j = run[n - 1]
+            if self.levels[j].cache is None:  # sized n-gram drafts: tokens and width per verification as measured
+                y, wd = self.accept[j].tokens, self.accept[j].length
+                lo = None if wd is None else int(wd)
+                t0, t1 = (None, None) if lo is None else (self.cost(i, lo + 1), self.cost(i, lo + 2))
+                if y is None or t0 is None or t1 is None:
+                    return None
+                return want / y * (t0 + (wd - lo) * (t1 - t0))
             a, ln = self.accept[j].rate, self.accept[j].length
             g = self.gammas[j] if self.levels[j].cache is not None or ln is None else max(1, round(ln))
             t, below = self.cost(i, g + 1), make(n - 1, g)
@@ -672,6 +685,7 @@ class Engine:
             "host_reads": self.host_reads(),
             **(self.bypass.figures(names) if self.bypass else {}),
             **({"retrieval_scorings": self.scores} if self.scores else {}),
+            **({"sized_drafts": self.levels[0].figures()} if self._sizing else {}),
             **({"acceptance_estimate": {names[j]: round(a.rate, 3) for j, a in self.accept.items()
                                         if a.rate is not None}} if self.bypass else {}),
         }

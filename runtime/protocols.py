@@ -150,3 +150,16 @@ class VerifyingLevel(Level, Protocol):
 
     def forward(self, seq: list, rows: int) -> torch.Tensor: ...
     def commit(self, n: int) -> None: ...
+
+
+@runtime_checkable
+class SizingDrafter(Level, Protocol):
+    """A drafter that sizes each draft by what it is expected to pay (drafters.NgramDrafter):
+    the engine sets `price` (a forward of w tokens of the level it drafts for, in forwards
+    of one) before it drafts, and shows it the verified text after each top-level
+    verification (`judge`: seq[:n] is verified)."""
+
+    price: object
+
+    def judge(self, seq: list, n: int) -> None: ...
+    def figures(self) -> dict: ...  # for the stats: drafts sized, tokens drafted, acceptance

@@ -32,7 +32,7 @@ def make_drafter(o: GenerationOptions, loaded, prompt, full):
     """The bottom level: n-gram lookup, the target over a streaming cache, or a draft model."""
     if o.draft == "ngram":
         dr = NgramDrafter(loaded.cfg.vocab_size, o.ngram, loaded.device)
-        dr.sync(prompt)  # index the prompt while building, not in the first draft
+        dr.learn(prompt)  # index the prompt while building, not in the first draft, and judge its tail
         return dr
     mk = lambda cfg: StreamingCache(cfg, o.draft_sink, o.draft_window, max(64, o.gamma1 + 16),
                                     dtype=loaded.kv_dtype, device=loaded.device, ring_depth=rollback_depth(o))
@@ -173,15 +173,15 @@ EXPLORE = 0.03
 
 
 def bypass_for(levels, gammas, captures: bool = False) -> Bypass | None:
-    """The levels that may be skipped: the n-gram drafter and retrieval levels (both stay in
-    sync while skipped); a model drafter always runs (its streaming cache would fall behind).
-    Decoding starts plain (every optional level skipped): the first probe cycle comes after
-    γ+1 tokens of the bottom level, enough text to judge the n-gram drafter's proposals
-    and to score the retrieval level (Engine.score), so a level runs only where its
-    measured acceptance and costs predict that it pays (Engine.predict) or a probe shows it.
-    `captures`: CUDA graphs, whose first replay of a new width captures (not counted)."""
-    optional = [i for i, lv in enumerate(levels[:-1])
-                if isinstance(lv, NgramDrafter) or isinstance(lv.cache, RetrievalKV)]
+    """The levels that may be skipped: retrieval levels (they stay in sync while skipped).
+    The n-gram drafter sizes its own drafts (none where they would not pay: a lookup's
+    price) and a model drafter always runs (its streaming cache would fall behind).
+    Decoding starts plain (the retrieval level skipped): the first probe cycle comes after
+    γ+1 tokens of the bottom level, enough text to score the retrieval level
+    (Engine.score), so it runs only where its measured acceptance and costs predict that it
+    pays (Engine.predict) or a probe shows it. `captures`: CUDA graphs, whose first replay
+    of a new width captures (not counted)."""
+    optional = [i for i, lv in enumerate(levels[:-1]) if isinstance(lv.cache, RetrievalKV)]
     if not optional:
         return None
     return Bypass(optional, warm=gammas[0] + 1, first_per_config=captures, start_plain=True,

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from triforce_offload.runtime.drafters import NgramDrafter, check_vocab
+from triforce_offload.runtime.drafters import NgramDrafter, check_vocab, draft_size
 from triforce_offload.runtime.engine import AutoGamma, LevelStats, Rebuild
 from triforce_offload.runtime.errors import TriforceError
 from triforce_offload.runtime.options import RunOptions
@@ -89,9 +89,57 @@ def test_ngram_lookup_takes_most_recent_longest_match():
     assert dr.lookup([4, 5, 6, 4, 5], 4) == [6, 4, 5]
     assert dr.lookup([1, 2, 3], 2) == []
     assert dr.lookup([1, 2, 1], 2) == [] and NgramDrafter(10, min_n=1).lookup([1, 2, 1], 2) == [2, 1]
+    # the latest [1 2 3] follows 9 9; an earlier one follows 5 6 as the suffix does: the longer match
+    assert dr.lookup([5, 6, 1, 2, 3, 8, 9, 9, 1, 2, 3, 7, 5, 6, 1, 2, 3], 2) == [8, 9] and dr.match == 5
+    assert dr.lookup([1, 2, 3, 8, 1, 2, 3, 7, 1, 2, 3], 1) == [7] and dr.match == 3  # a tie: the most recent
+    dr.accept.counts = {b: [50.0, 0.0] for b in dr.accept.counts}  # everything accepted so far
     seq = [1, 2, 1, 2]
     q = dr.draft(seq, 5, None, None)
     assert seq == [1, 2, 1, 2, 1, 2] and q.shape == (2, 10) and q[0, 1] == 1
+
+
+def test_draft_size_weighs_expected_tokens_against_the_wider_forward():
+    flat = lambda w: 1.0 + 0.25 * (w - 1)  # noqa: E731
+    assert draft_size(0.15, 8, flat) == 0  # rarely accepted: a plain decode pays best
+    assert draft_size(0.95, 8, flat) == 8 and draft_size(0.95, 3, flat) == 3  # capped by the proposal
+    sizes = [draft_size(a, 8, flat) for a in (0.3, 0.5, 0.7, 0.9)]
+    assert sizes == sorted(sizes) and sizes[0] < sizes[-1]
+    assert draft_size(0.7, 8, lambda w: float(w)) == 0  # each row costs a forward: nothing pays
+    assert draft_size(0.7, 8, lambda w: 1.0) == 8  # rows free (a GPU's few rows): draft all
+
+
+def test_sized_ngram_drafter_learns_acceptance_by_match_length():
+    """Judged against the text, drafted or not: a loop's long matches earn long drafts, text
+    that does not continue its matches earns none (a lookup's price); proposals made past a
+    rollback's position are never judged (their context was rejected)."""
+    gen = torch.Generator().manual_seed(0)
+    loop = torch.randint(0, 50, (12,), generator=gen).tolist()
+    dr, seq = NgramDrafter(vocab=50), loop * 3
+    for t in range(40):  # the loop goes on: every proposal is right
+        n = len(seq)
+        dr.draft(seq, 4, None, None)
+        del seq[n:]
+        seq.append(loop[n % 12])
+        dr.judge(seq, len(seq))
+    assert dr.accept.rate(dr.match) > 0.9 and dr.match >= 16
+    n = len(seq)
+    dr.draft(seq, 4, None, None)
+    assert seq[n:] == [loop[(n + j) % 12] for j in range(4)]  # a full draft
+    del seq[n:]
+    rnd, seq2 = NgramDrafter(vocab=50), loop * 2
+    for t in torch.randint(0, 50, (300,), generator=gen).tolist():  # random text: matches by chance
+        n = len(seq2)
+        rnd.draft(seq2, 4, None, None)
+        del seq2[n:]
+        seq2.append(t)
+        rnd.judge(seq2, len(seq2))
+    assert rnd.accept.rate(2) < 0.15
+    n = len(seq2)
+    seq2 += [seq2[-3], seq2[-2]]  # a short match again
+    rnd.draft(seq2, 4, None, None)
+    assert len(seq2) == n + 2  # proposed and judged later, but nothing drafted
+    dr.rollback(len(seq) - 5)
+    assert all(p[0] <= len(seq) - 5 for p in dr.pending)
 
 
 def test_auto_gamma_grows_with_acceptance_and_shrinks_without():
