@@ -38,6 +38,9 @@ def stats_line(d: dict) -> str:
         parts.append(f"accept {k} {v:.2f}" + (f" ({per_token[k]:.2f}/judged tok)" if k in per_token else ""))
     if "mean_accepted" in d:
         parts.append(f"mean accepted {d['mean_accepted']:.2f}")
+    sized = d.get("sized_drafts")
+    if sized:  # the n-gram drafter drafts where its matches are expected to pay
+        parts.append(f"ngram drafted {sized['drafted']} tok from {sized['matches']} matches")
     skipped = {k: v for k, v in d.get("bypassed_tokens", {}).items() if v}
     if skipped:  # levels that did not pay, skipped for that many of the new tokens
         parts.append("bypassed " + ", ".join(f"{k} {v} tok" for k, v in skipped.items()))

@@ -203,7 +203,7 @@ class NgramDrafter:
         self.match = 0  # the suffix match length of the latest lookup (0: none)
         # cost(w): a forward of w tokens of the level drafted for, in forwards of one (the engine's figures)
         self.price = None
-        self.sized = [0, 0]  # drafts sized, tokens they drafted
+        self.sized = [0, 0]  # drafts sized (a lookup found a match), tokens they drafted
 
     def sync(self, seq: list[int]):
         """Bring the index up to seq. Another list than last time: keep the index only if
@@ -257,8 +257,9 @@ class NgramDrafter:
         return one_hot(toks, self.vocab, self.device)
 
     def figures(self) -> dict:
-        """Drafts sized, tokens they drafted, and the acceptance per match-length bucket."""
-        return {"drafts": self.sized[0], "drafted": self.sized[1],
+        """Lookups that found a match, tokens drafted from them, and the acceptance per
+        match-length bucket."""
+        return {"matches": self.sized[0], "drafted": self.sized[1],
                 "acceptance_by_match": {f"{b}+": round(self.accept.rate(b), 3) for b in MATCH_BUCKETS}}
 
     def judge(self, seq: list[int], n: int):

@@ -23,29 +23,23 @@ from .acceptance import accept, accept_greedy
 
 
 @dataclass
-class LevelStats:
-    verifications: int = 0  # verification passes this level ran (bypassed drafters too)
-    drafted: int = 0  # draft tokens it checked from its own drafter (the level below)
+class DraftStats:
+    """Draft tokens judged: one drafter's (whichever level verified them), or one verifier's
+    (whichever level drafted them: a bypass round's draft comes from further down)."""
+    drafted: int = 0  # draft tokens checked
     accepted: int = 0  # of which accepted
-    produced: int = 0  # tokens it emitted (accepted + corrected/bonus)
     rejected: int = 0  # verifications that rejected a draft token (k < g)
-    host_reads: int = 0  # blocking device-to-host reads of its verifications (the levels below not counted)
-    max_host_reads: int = 0  # the most in one verification (the goal: 1)
 
-    def add(self, g: int, k: int, own: bool = True):
-        """One verification kept k of g draft tokens; `own`: the level right below drafted
-        them (a bypass round's draft from further down is not this level's acceptance)."""
-        self.verifications += 1
-        self.produced += k + 1
-        if own:
-            self.drafted += g
-            self.accepted += k
-            self.rejected += k < g
+    def judged(self, g: int, k: int):
+        """One verification kept k of g draft tokens."""
+        self.drafted += g
+        self.accepted += k
+        self.rejected += k < g
 
-    def read(self, n: int):
-        """One verification made n blocking host reads."""
-        self.host_reads += n
-        self.max_host_reads = max(self.max_host_reads, n)
+    @property
+    def rate(self) -> float:
+        """accepted / drafted: TriForce's figure."""
+        return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
     def per_token(self) -> float:
@@ -55,6 +49,26 @@ class LevelStats:
         unjudged tail and so depends on gamma."""
         judged = self.accepted + self.rejected
         return self.accepted / judged if judged else 0.0
+
+
+@dataclass
+class LevelStats(DraftStats):
+    """A verifying level's passes: the drafts it judged, what it produced, its host reads."""
+    verifications: int = 0  # verification passes this level ran (bypassed drafters too)
+    produced: int = 0  # tokens it emitted (accepted + corrected/bonus)
+    host_reads: int = 0  # blocking device-to-host reads of its verifications (the levels below not counted)
+    max_host_reads: int = 0  # the most in one verification (the goal: 1)
+
+    def add(self, g: int, k: int):
+        """One verification kept k of g draft tokens."""
+        self.verifications += 1
+        self.produced += k + 1
+        self.judged(g, k)
+
+    def read(self, n: int):
+        """One verification made n blocking host reads."""
+        self.host_reads += n
+        self.max_host_reads = max(self.max_host_reads, n)
 
 
 GAMMA_MAX = 16  # AutoGamma's largest gamma
@@ -198,9 +212,10 @@ class Bypass:
         # x the decode time so far before another probe or scoring starts (None: no cap)
         self.explore, self.spent, self.elapsed = explore, 0.0, 0.0
 
-    def may_explore(self) -> bool:
-        """Exploring's cost so far is within its share of the time decoded so far."""
-        return self.explore is None or self.spent <= self.explore * self.elapsed
+    def may_explore(self, reserve: float = 0.0) -> bool:
+        """Exploring's cost so far, plus `reserve` seconds a step about to start is known to
+        cost, is within its share of the time decoded so far."""
+        return self.explore is None or self.spent + reserve <= self.explore * self.elapsed
 
     def explored(self, seconds: float):
         """Seconds of measuring outside the rounds (a scoring forward): all exploring."""
@@ -362,6 +377,7 @@ class Engine:
     accept_fn: object = None  # the acceptance rule; None: accept (accept_greedy when greedy), looked up per call
     agree: object = int  # makes a value every tensor-parallel rank's (spec_modes passes tp.agree)
     stats: list = field(default_factory=list)  # LevelStats per verifying level
+    drafts: list = field(default_factory=list)  # DraftStats per drafting level (levels[:-1])
     rebuilds: int = 0  # retrieval cache rebuilds
     reads0: dict = field(default_factory=dict)  # hostread.READS counts when the engine was made
     bypass: Bypass | None = None  # skip levels that do not pay (None: every level always runs)
@@ -383,6 +399,7 @@ class Engine:
             if not isinstance(lv, VerifyingLevel):
                 raise TypeError(f"level {lv.name!r} cannot verify: only levels[0] may be a drafter")
         self.stats = [LevelStats() for _ in self.levels[1:]]
+        self.drafts = [DraftStats() for _ in self.levels[:-1]]
         self.reads0 = dict(READS.count)
         self.accept = {j: Acceptance() for j in range(len(self.levels) - 1)}
         self._sizing = isinstance(self.levels[0], SizingDrafter)
@@ -440,10 +457,11 @@ class Engine:
             if self._sizing:
                 self.levels[0].judge(seq, len(seq))
         self._sync_lower(i, f0, m + k)
-        own = j == i - 1  # its own drafter drafted: the level's acceptance figures
-        self.stats[i - 1].add(len(draft), k, own)
-        if top:
-            self._after_top(len(draft), k, t1 - t0, time.perf_counter() - t1, own and not self.skip)
+        self.stats[i - 1].add(len(draft), k)
+        if j is not None:
+            self.drafts[j].judged(len(draft), k)
+        if top:  # the whole chain drafted (no level skipped): what AutoGamma and the rebuild policy learn from
+            self._after_top(len(draft), k, t1 - t0, time.perf_counter() - t1, j == i - 1 and not self.skip)
         return p[: k + 1]
 
     def _sync_lower(self, i: int, f0: int, n: int):
@@ -562,8 +580,14 @@ class Engine:
         """A probe cycle starts next and would judge a configuration running the retrieval
         level that `predict` cannot price from measurements since the last cycle."""
         r, b = self._scored(), self.bypass
+        # a scoring's cost, once measured, is reserved: only the first may overshoot the share
         return (r is not None and b.cycle_due() and r in b.current
+                and b.may_explore(self.forward_s.get((r, self._score_rows(r)), 0.0))
                 and any(r not in c and b.waiting(c) for c in b.configs))
+
+    def _score_rows(self, r: int) -> int:
+        """Rows of a scoring forward of level r: its verification width."""
+        return self.gammas[r - 1] + 1 if r else min(self.gammas[r], 8)
 
     def score(self, seq: list[int]):
         """Measure the bypassed retrieval level's acceptance without speculating: one forward
@@ -576,7 +600,7 @@ class Engine:
         r = self._scored()
         lv, top = self.levels[r], self.top
         end = top.held
-        w = min(self.gammas[r - 1] + 1 if r else min(self.gammas[r], 8), end - lv.cache.base)
+        w = min(self._score_rows(r), end - lv.cache.base)
         if w < 2:
             return
         lo = end - w
@@ -672,11 +696,11 @@ class Engine:
     def figures(self) -> dict:
         """Statistics for Stats.extra: acceptance per drafting level, mean accepted, times."""
         names = [lv.name for lv in self.levels]
-        acc = {names[i]: s.accepted / s.drafted if s.drafted else 0.0 for i, s in enumerate(self.stats)}
         top = self.stats[-1]
         return {
-            "acceptance": acc,
-            "acceptance_per_token": {names[i]: s.per_token for i, s in enumerate(self.stats)},
+            "acceptance": {names[j]: d.rate for j, d in enumerate(self.drafts)},  # by drafter
+            "acceptance_per_token": {names[j]: d.per_token for j, d in enumerate(self.drafts)},
+            "drafts": {names[j]: vars(d).copy() for j, d in enumerate(self.drafts)},
             "mean_accepted": top.produced / max(top.verifications, 1),
             "level_time_s": {n: round(lv.time, 3) for n, lv in zip(names, self.levels)},
             "levels": {names[i + 1]: vars(s).copy() for i, s in enumerate(self.stats)},

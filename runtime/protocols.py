@@ -162,4 +162,4 @@ class SizingDrafter(Level, Protocol):
     price: object
 
     def judge(self, seq: list, n: int) -> None: ...
-    def figures(self) -> dict: ...  # for the stats: drafts sized, tokens drafted, acceptance
+    def figures(self) -> dict: ...  # for the stats: matches found, tokens drafted, acceptance

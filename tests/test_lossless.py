@@ -48,13 +48,15 @@ def test_greedy_equals_autoregressive(arch, mode, extra):
     out, st = run(L, prompt, mode, 48, **extra)
     assert out == ref
     assert st.new_tokens == 48 and st.extra["mean_accepted"] >= 1
-    for name, lv in st.extra["levels"].items():  # both acceptance figures, from the same counts
-        lower = list(st.extra["acceptance"])[list(st.extra["levels"]).index(name)]
-        judged = lv["accepted"] + lv["rejected"]
-        assert st.extra["acceptance"][lower] == pytest.approx(lv["accepted"] / max(lv["drafted"], 1))
-        assert st.extra["acceptance_per_token"][lower] == pytest.approx(lv["accepted"] / max(judged, 1))
-        assert lv["rejected"] <= lv["verifications"] and judged <= lv["drafted"]
-        assert st.extra["acceptance_per_token"][lower] >= st.extra["acceptance"][lower]
+    for lv in st.extra["levels"].values():  # the drafts each verifier judged
+        assert lv["rejected"] <= lv["verifications"] and lv["accepted"] + lv["rejected"] <= lv["drafted"]
+    for name, d in st.extra["drafts"].items():  # by drafter: TriForce's figure and the per-token one
+        assert st.extra["acceptance"][name] == pytest.approx(d["accepted"] / max(d["drafted"], 1))
+        assert st.extra["acceptance_per_token"][name] == pytest.approx(d["accepted"] / max(d["accepted"] + d["rejected"], 1))
+        assert st.extra["acceptance_per_token"][name] >= st.extra["acceptance"][name]
+    for key in ("drafted", "accepted", "rejected"):  # each draft judged once, by one verifier
+        assert (sum(d[key] for d in st.extra["drafts"].values())
+                == sum(lv[key] for lv in st.extra["levels"].values()))
 
 
 def test_notes_for_small_prompt_and_rounded_budget():

@@ -165,7 +165,8 @@ class Bench:
         row = {"tokens": toks, "ms_per_token": 1000 * st.decode_s / max(len(toks) - 1, 1),
                "prefill_s": st.prefill_s}
         for k in ("acceptance", "mean_accepted", "overlap", "notes", "bypassed_tokens",
-                  "ms_per_token_by_skipped", "running", "exploring_ms", "retrieval_scorings"):
+                  "ms_per_token_by_skipped", "running", "exploring_ms", "retrieval_scorings", "drafts",
+                  "sized_drafts"):
             if st.extra.get(k) not in (None, [], {}):
                 row[k] = st.extra[k]
         return row
