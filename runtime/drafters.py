@@ -191,8 +191,9 @@ class NgramDrafter:
     step = None
 
     def __init__(self, vocab: int, max_n: int = 3, device="cpu", min_n: int = 2,
-                 candidates: int = 8, reach: int = 32, propose: int = 8):
+                 candidates: int = 8, reach: int = 32, propose: int = 8, size: bool = True):
         self.vocab, self.max_n, self.min_n, self.device = vocab, max_n, min_n, device
+        self.size = size  # size drafts (False: draft whatever the lookup finds, up to g; timing-free)
         self.candidates, self.reach, self.propose = candidates, reach, propose
         self.time = 0.0  # seconds spent looking up
         self.index = NgramIndex(range(min_n, max_n + 1))
@@ -250,7 +251,8 @@ class NgramDrafter:
                 self.pending.pop()
             self.pending.append((len(seq), toks, self.match, 0))
             cost = self.price or (lambda w: 1.0 + 0.25 * (w - 1))
-            toks = toks[:draft_size(self.accept.rate(self.match), min(g, len(toks)), cost)]
+            n = min(g, len(toks))
+            toks = toks[:draft_size(self.accept.rate(self.match), n, cost) if self.size else n]
             self.sized = [self.sized[0] + 1, self.sized[1] + len(toks)]
         seq.extend(toks)
         self.time += time.perf_counter() - t0

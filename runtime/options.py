@@ -125,15 +125,17 @@ class GenerationOptions(SamplingParams):
     ignore_eos: bool = opt(False, "Generate exactly max_new_tokens (benchmarks).", cli=False)
     draft: str = opt("ngram", "Bottom drafter: ngram (prompt lookup), self (the target over a "
                      "streaming cache) or a draft model path (same tokenizer).", check=_draft)
-    gamma1: int = opt(4, "Tokens the drafter proposes per check.", check=at_least(1))
+    gamma1: int = opt(4, "Tokens the drafter proposes per check (the n-gram drafter: at most, each "
+                      "draft sized by what it is expected to pay).", check=at_least(1))
     gamma2: str = opt("6", "Tokens the retrieval level proposes per verification, or 'auto' "
                       "(adapt to acceptance and cost).", check=_gamma2)
     draft_sink: int = opt(16, "Streaming draft cache: first tokens kept.", check=at_least(0))
     draft_window: int = opt(240, "Streaming draft cache: recent tokens kept.", check=at_least(1))
     ngram: int = opt(3, "Longest n-gram the prompt-lookup drafter matches.", check=at_least(1))
-    bypass: bool = opt(True, "Skip a draft level (n-gram, retrieval) while it does not pay, by measured "
-                       "seconds per token, and retry it later (--no-bypass: every level always runs, "
-                       "e.g. for seeded sampling that repeats run to run).")
+    bypass: bool = opt(True, "Size each n-gram draft by its measured acceptance and cost, and skip the "
+                       "retrieval level while it does not pay, retrying it later (--no-bypass: every "
+                       "level always runs and the n-gram drafter drafts what it finds, e.g. for seeded "
+                       "sampling that repeats run to run).")
 
     def __post_init__(self):
         self.gamma2 = str(self.gamma2)

@@ -31,7 +31,7 @@ from .tp import agree
 def make_drafter(o: GenerationOptions, loaded, prompt, full):
     """The bottom level: n-gram lookup, the target over a streaming cache, or a draft model."""
     if o.draft == "ngram":
-        dr = NgramDrafter(loaded.cfg.vocab_size, o.ngram, loaded.device)
+        dr = NgramDrafter(loaded.cfg.vocab_size, o.ngram, loaded.device, size=o.bypass)
         dr.learn(prompt)  # index the prompt while building, not in the first draft, and judge its tail
         return dr
     mk = lambda cfg: StreamingCache(cfg, o.draft_sink, o.draft_window, max(64, o.gamma1 + 16),

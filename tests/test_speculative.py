@@ -92,10 +92,13 @@ def test_ngram_lookup_takes_most_recent_longest_match():
     # the latest [1 2 3] follows 9 9; an earlier one follows 5 6 as the suffix does: the longer match
     assert dr.lookup([5, 6, 1, 2, 3, 8, 9, 9, 1, 2, 3, 7, 5, 6, 1, 2, 3], 2) == [8, 9] and dr.match == 5
     assert dr.lookup([1, 2, 3, 8, 1, 2, 3, 7, 1, 2, 3], 1) == [7] and dr.match == 3  # a tie: the most recent
-    dr.accept.counts = {b: [50.0, 0.0] for b in dr.accept.counts}  # everything accepted so far
     seq = [1, 2, 1, 2]
+    assert dr.draft(seq, 5, None, None).shape == (0, 10) and seq == [1, 2, 1, 2]  # the prior: no draft
+    dr.accept.counts = {b: [50.0, 0.0] for b in dr.accept.counts}  # everything accepted so far
     q = dr.draft(seq, 5, None, None)
     assert seq == [1, 2, 1, 2, 1, 2] and q.shape == (2, 10) and q[0, 1] == 1
+    seq = [1, 2, 1, 2]  # --no-bypass: unsized, whatever the lookup finds up to g
+    assert NgramDrafter(10, size=False).draft(seq, 1, None, None).shape == (1, 10) and seq == [1, 2, 1, 2, 1]
 
 
 def test_draft_size_weighs_expected_tokens_against_the_wider_forward():
