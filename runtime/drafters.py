@@ -153,17 +153,21 @@ class MatchAcceptance:
         return (a + 1.0) / (a + r + 4.0)
 
 
-def draft_size(a: float, n: int, cost) -> int:
+DRAFT_MARGIN = 1.1  # a draft must be expected to beat a plain decode by this much (estimates err)
+
+
+def draft_size(a: float, n: int, cost, margin: float = DRAFT_MARGIN) -> int:
     """How many of n proposed tokens to draft at per-token acceptance a, where a forward of
     w tokens costs cost(w) forwards of one: the h that maximises the expected tokens of the
-    verification, 1 + a + ... + a^h, over its cost (h = 0: no draft, a plain decode)."""
-    best, best_h, tokens, p = 1.0 / cost(1), 0, 1.0, 1.0
+    verification, 1 + a + ... + a^h, over its cost, if that beats a plain decode (h = 0) by
+    `margin`."""
+    best, best_h, tokens, p = 0.0, 0, 1.0, 1.0
     for h in range(1, n + 1):
         p *= a
         tokens += p
         if tokens / cost(h + 1) > best:
             best, best_h = tokens / cost(h + 1), h
-    return best_h
+    return best_h if best > margin / cost(1) else 0
 
 
 class NgramDrafter:

@@ -142,10 +142,12 @@ def model():
     return tiny(scale=3.0, seed=1)
 
 
-def test_sized_ngram_drafts_pay_where_the_text_repeats(model):
+def test_sized_ngram_drafts_pay_where_the_text_repeats(model, monkeypatch):
     """The n-gram drafter judges every lookup against the text: repetitive text gets long
-    drafts (several tokens per verification), and the run is lossless. (Random text that
+    drafts (several tokens per verification), and the run is lossless. Widths are priced
+    as a CPU's prior (a tiny model's sub-millisecond timings are noise). (Random text that
     earns no drafts: test_speculative; a tiny random model's output loops soon anyway.)"""
+    monkeypatch.setattr(E.Engine, "relative", lambda self, i: lambda w: 1 + 0.25 * (w - 1))
     rep = repetitive_prompt(200, model.cfg.vocab_size, seed=3)
     ref, _ = run(model, rep, "autoregressive", 48, ignore_eos=True)
     out, st = run(model, rep, "draft", 48, ignore_eos=True)
@@ -153,6 +155,30 @@ def test_sized_ngram_drafts_pay_where_the_text_repeats(model):
     sized = st.extra["sized_drafts"]
     assert sized["drafted"] >= 24 and st.extra["mean_accepted"] > 2
     assert max(sized["acceptance_by_match"].values()) > 0.8
+
+
+def test_widths_and_sized_ngram_drafts_are_priced_from_measured_forwards(model):
+    """Engine.relative: a forward of w rows in forwards of one (the prior 1 + kappa (w - 1)
+    until measured, then the line through the measured widths); Engine.predict prices the
+    sized n-gram drafter by its measured tokens per verification at its mean draft length."""
+    from triforce_offload.runtime.cache import FullCache
+    from triforce_offload.runtime.drafters import ModelLevel, NgramDrafter
+    from triforce_offload.runtime.sampling import SamplingParams
+    top = ModelLevel(model.model, FullCache(model.cfg, 64), "full")
+    eng = E.Engine([NgramDrafter(model.cfg.vocab_size), top], [4], SamplingParams(), torch.Generator())
+    assert eng._sizing and eng.relative(1)(3) == pytest.approx(1 + 2 * E.KAPPA["cpu"])
+    eng.forward_s = {(1, 1): 0.010, (1, 2): 0.012}
+    assert eng.relative(1)(2) == pytest.approx(1.2) and eng.relative(1)(4) == pytest.approx(1.6)
+    assert eng.predict(frozenset()) is None  # nothing verified yet
+    eng.accept[0].add(1, 0, 1, 2)  # one drafted token, accepted: 2 tokens for a forward of 2
+    assert eng.predict(frozenset()) == pytest.approx(0.012 / 2)
+    for _ in range(40):
+        eng.accept[0].add(0, 0, 0, 1)  # then no drafts: a plain decode's cost
+    assert eng.predict(frozenset()) == pytest.approx(0.010, rel=0.01)
+    eng._timed(1, 1, 0.030)  # a stall moves the figure a fifth, a faster forward half way
+    assert eng.forward_s[(1, 1)] == pytest.approx(0.014)
+    eng._timed(1, 1, 0.004)
+    assert eng.forward_s[(1, 1)] == pytest.approx(0.009)
 
 
 def test_scoring_measures_the_retrieval_level_and_restores_its_cache(model, monkeypatch):
