@@ -442,10 +442,10 @@ class Engine:
         if j == 0 and self._sizing:
             self.levels[0].price = self.relative(i)
         q = torch.zeros(0) if j is None else self.produce(j, seq, self.gammas[j])
-        t1 = time.perf_counter()
+        t1, cap = time.perf_counter(), self._capture_s(lv)
         draft = seq[m:]
         p = probs(lv.forward(seq, len(draft) + 1), self.sp)  # [g+1, V]
-        self._timed(i, len(draft) + 1, time.perf_counter() - t1)
+        self._timed(i, len(draft) + 1, time.perf_counter() - t1 - (self._capture_s(lv) - cap))
         k, x = (self.accept_fn or (accept_greedy if self.sp.greedy else accept))(draft, q, p, self.gen)
         if j is not None:
             self.accept[j].add(k, int(k < len(draft)), len(draft), k + 1)
@@ -605,7 +605,7 @@ class Engine:
             return
         lo = end - w
         lv.rollback(lo)
-        t0 = time.perf_counter()
+        t0, cap = time.perf_counter(), self._capture_s(lv)
         with READS.at(lv.name):
             rows = lv.forward(seq[:end], w)  # [w, V]: row j predicts position lo + 1 + j
             truth = to_device(seq[lo + 1: end + 1], rows.device)
@@ -614,7 +614,7 @@ class Engine:
             else:
                 hit = to_host(probs(rows, self.sp).gather(1, truth[:, None]).sum())
         dt = time.perf_counter() - t0
-        self._timed(r, w, dt)
+        self._timed(r, w, dt - (self._capture_s(lv) - cap))
         self.bypass.explored(dt)
         if not top.cache.layer_major:
             lv.rollback(lo)
@@ -622,6 +622,12 @@ class Engine:
         lv.commit(end)
         self.accept[r].add(hit, w - hit)
         self.scores += 1
+
+    @staticmethod
+    def _capture_s(lv) -> float:
+        """Seconds level lv's step has spent capturing CUDA graphs (not a forward's cost: a
+        width timed with its capture would be priced too high to be drafted again)."""
+        return lv.step.capture_s
 
     def _timed(self, i: int, width: int, seconds: float):
         """Smoothed seconds of level i's forwards of `width` tokens: a faster one moves the

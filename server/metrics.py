@@ -51,8 +51,7 @@ class Metrics:
         self.inc("reused_prefix_tokens_total", d.get("reused_tokens", 0))
         self.observe("time_to_first_token_seconds", figures["time_to_first_token_s"])
         self.observe("decode_ms_per_token", d["decode_ms_per_token"])
-        # levels is keyed by the verifying level, acceptance by the drafting one (same order)
-        for level, s in zip(d.get("acceptance", {}), d.get("levels", {}).values()):
+        for level, s in d.get("drafts", {}).items():  # by drafting level, whichever level verified
             self.inc("draft_tokens_total", s["drafted"], level=level)
             self.inc("accepted_tokens_total", s["accepted"], level=level)
 

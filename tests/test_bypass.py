@@ -181,6 +181,21 @@ def test_widths_and_sized_ngram_drafts_are_priced_from_measured_forwards(model):
     assert eng.forward_s[(1, 1)] == pytest.approx(0.009)
 
 
+def test_graph_captures_are_not_a_widths_cost(model, monkeypatch):
+    """A forward that captured a CUDA graph (step.capture_s grew) is timed without the
+    capture: a width priced by its capture would never be drafted again."""
+    from triforce_offload.runtime.drafters import ModelLevel
+    engines, orig = _spy(monkeypatch, "round"), ModelLevel.forward
+
+    def capturing(self, seq, rows):
+        self.step.capture_s += 1.0  # as if every forward captured for a second
+        return orig(self, seq, rows)
+    monkeypatch.setattr(ModelLevel, "forward", capturing)
+    rep = repetitive_prompt(200, model.cfg.vocab_size, seed=3)
+    out, _ = run(model, rep, "draft", 24, ignore_eos=True)
+    assert engines and engines[-1].forward_s and max(engines[-1].forward_s.values()) < 0.5
+
+
 def test_scoring_measures_the_retrieval_level_and_restores_its_cache(model, monkeypatch):
     """Engine.score: one teacher-forced forward of the retrieval level; afterwards its cache
     holds the full cache's exact KV again, bit for bit, and the output is the target's."""

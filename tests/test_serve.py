@@ -254,9 +254,8 @@ def test_acceptance_gauge_is_accepted_over_drafted():
     m = Metrics()
     for drafted, accepted in ((10, 5), (6, 1)):
         m.record({"prompt_tokens": 3, "new_tokens": 4, "decode_ms_per_token": 1.0,
-                  "acceptance": {"ngram": 0.0, "retrieval": 0.0},
-                  "levels": {"retrieval": {"drafted": drafted, "accepted": accepted},
-                             "full": {"drafted": 0, "accepted": 0}}},
+                  "drafts": {"ngram": {"drafted": drafted, "accepted": accepted, "rejected": 1},
+                             "retrieval": {"drafted": 0, "accepted": 0, "rejected": 0}}},
                  {"time_to_first_token_s": 0.1})
     text = m.render({})
     assert re.search(r'^triforce_acceptance\{level="ngram"\} 0.375$', text, re.M)  # 6 / 16
