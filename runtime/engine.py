@@ -387,6 +387,7 @@ class Engine:
     scores: int = 0  # teacher-forced scorings of the retrieval level (`score`)
     kappa: float = KAPPA["cpu"]  # the width cost prior of `cost` (KAPPA: by device)
     _sizing: bool = False  # levels[0] sizes its drafts (protocols.SizingDrafter): priced and shown the text
+    _retrieval: list = field(default_factory=list)  # per level: its cache is a protocols.RetrievalKV
     _behind: int | None = None  # the bypassed retrieval level has absorbed up to here (None: all)
     _since_build: int = 0
     _acc_ema: float = 1.0
@@ -403,6 +404,8 @@ class Engine:
         self.reads0 = dict(READS.count)
         self.accept = {j: Acceptance() for j in range(len(self.levels) - 1)}
         self._sizing = isinstance(self.levels[0], SizingDrafter)
+        # which levels run over a retrieval cache (a protocol isinstance costs ~25 us: not per round)
+        self._retrieval = [isinstance(lv.cache, RetrievalKV) for lv in self.levels]
         if self.bypass is not None:
             self.bypass.bound = self.bypass.bound or self.best_case
             self.bypass.predict = self.bypass.predict or self.predict
@@ -468,7 +471,7 @@ class Engine:
         for lv in self.levels[:i]:
             lv.rollback(n)
         lower = self.levels[i - 1]
-        if isinstance(lower.cache, RetrievalKV):
+        if self._retrieval[i - 1]:
             if i - 1 in self.skip and self._may_defer(i):
                 # bypassed: it takes the verified tokens in one copy when it runs again (catch_up)
                 self._behind = f0 if self._behind is None else min(self._behind, f0)
@@ -503,7 +506,7 @@ class Engine:
             # timings differ between tensor-parallel ranks: all take rank 0's choice
             self.gammas[-1] = self.agree(self.auto.update(g, k, t_draft, t_verify))
         cache = self.levels[-2].cache
-        if isinstance(cache, RetrievalKV):
+        if self._retrieval[-2]:
             if cache.room() < self._round_room() or self.rebuild.due(self._since_build, self._acc_ema):
                 self.rebuild_retrieval()
 
@@ -573,7 +576,7 @@ class Engine:
 
     def _scored(self) -> int | None:
         """The retrieval level (the one `score` measures), if the bypass may skip it."""
-        r = next((i for i, lv in enumerate(self.levels[:-1]) if isinstance(lv.cache, RetrievalKV)), None)
+        r = next((i for i, ret in enumerate(self._retrieval[:-1]) if ret), None)
         return r if r is not None and self.bypass is not None and any(r in c for c in self.bypass.configs) else None
 
     def _score_due(self) -> bool:
