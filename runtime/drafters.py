@@ -208,6 +208,7 @@ class NgramDrafter:
         self.match = 0  # the suffix match length of the latest lookup (0: none)
         # cost(w): a forward of w tokens of the level drafted for, in forwards of one (the engine's figures)
         self.price = None
+        self.agree = int  # makes a value every tensor-parallel rank's (the engine passes its own)
         self.sized = [0, 0]  # drafts sized (a lookup found a match), tokens they drafted
 
     def sync(self, seq: list[int]):
@@ -256,7 +257,9 @@ class NgramDrafter:
             self.pending.append((len(seq), toks, self.match, 0))
             cost = self.price or (lambda w: 1.0 + 0.25 * (w - 1))
             n = min(g, len(toks))
-            toks = toks[:draft_size(self.accept.rate(self.match), n, cost) if self.size else n]
+            # priced by local timings: tensor-parallel ranks take rank 0's size (the proposal,
+            # from the shared text, is every rank's)
+            toks = toks[:self.agree(draft_size(self.accept.rate(self.match), n, cost)) if self.size else n]
             self.sized = [self.sized[0] + 1, self.sized[1] + len(toks)]
         seq.extend(toks)
         self.time += time.perf_counter() - t0

@@ -404,6 +404,8 @@ class Engine:
         self.reads0 = dict(READS.count)
         self.accept = {j: Acceptance() for j in range(len(self.levels) - 1)}
         self._sizing = isinstance(self.levels[0], SizingDrafter)
+        if self._sizing:
+            self.levels[0].agree = self.agree  # its sizes, priced by local timings, are rank 0's
         # which levels run over a retrieval cache (a protocol isinstance costs ~25 us: not per round)
         self._retrieval = [isinstance(lv.cache, RetrievalKV) for lv in self.levels]
         if self.bypass is not None:

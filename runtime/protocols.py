@@ -156,10 +156,11 @@ class VerifyingLevel(Level, Protocol):
 class SizingDrafter(Level, Protocol):
     """A drafter that sizes each draft by what it is expected to pay (drafters.NgramDrafter):
     the engine sets `price` (a forward of w tokens of the level it drafts for, in forwards
-    of one) before it drafts, and shows it the verified text after each top-level
-    verification (`judge`: seq[:n] is verified)."""
+    of one) before it drafts and `agree` once, and shows it the verified text after each
+    top-level verification (`judge`: seq[:n] is verified)."""
 
     price: object
+    agree: object  # rank 0's value on every tensor-parallel rank (the size depends on timings)
 
     def judge(self, seq: list, n: int) -> None: ...
     def figures(self) -> dict: ...  # for the stats: matches found, tokens drafted, acceptance

@@ -118,6 +118,20 @@ def run_modes(prompt: list[int], n_new: int) -> list[dict]:
     return out
 
 
+def run_sized_by_rank(prompt: list[int], n_new: int) -> dict:
+    """draft mode where each rank prices verification widths differently (rank 0: rows
+    nearly free, the others: each row a whole forward), as local timings would: the n-gram
+    drafter's sizes must still be rank 0's on every rank."""
+    from triforce_offload.runtime import api, engine
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    engine.Engine.relative = lambda self, i: (lambda w: 1.0 + 0.01 * (w - 1)) if rank == 0 else float
+    m = build("llama-gqa")
+    loaded = tp.shard(api.Loaded(m, m.config, _NoTokenizer(), torch.device("cpu"), torch.float32))
+    opts = api.RunOptions.of(mode="draft", max_new_tokens=n_new, gamma1=4, ignore_eos=True)
+    toks, st = api.generate(loaded, prompt, opts)
+    return {"tokens": toks, "drafted": st.extra["drafts"]["ngram"]["drafted"]}
+
+
 def stall(victim: int):
     """Rank `victim` stops responding (alive, no collective); the others wait in one."""
     import time

@@ -164,6 +164,16 @@ def test_tp2_greedy_identical_in_every_mode():
         assert a["offloaded"] == (case[2].get("offload") == "on")
 
 
+def test_tp2_sized_drafts_are_rank_0s():
+    """The n-gram drafter sizes drafts by timings, which differ between ranks: rank 1 alone
+    would draft nothing where rank 0 drafts; both take rank 0's sizes (else their
+    verifications would differ in width and the collectives would not match)."""
+    two = distributed.launch(H.run_sized_by_rank, 2, (LONG, 16), threads=1, timeout=300)
+    one = H.run_modes(LONG, 16)[0]  # autoregressive, single process
+    assert two[0]["tokens"] == two[1]["tokens"] == one["tokens"]
+    assert two[0]["drafted"] == two[1]["drafted"] > 0
+
+
 def test_load_shards_on_the_host_before_the_move(tiny_model_dir, monkeypatch):
     """`api.load(shard=)`: the weights load on the host, the rank's slice is cut there, and
     only the slice moves to the device (a GPU never holds the whole model)."""
