@@ -35,6 +35,8 @@ def stats_line(d: dict) -> str:
              f"{d['new_tokens']} new", f"peak {d['peak_memory_gb']:.2f} GB"]
     per_token = d.get("acceptance_per_token", {})
     for k, v in d.get("acceptance", {}).items():  # no [brackets]: rich would read them as markup
+        if d.get("drafts", {}).get(k, {}).get("drafted") == 0:
+            continue  # drafted nothing (sized to none, or bypassed): no acceptance to show
         parts.append(f"accept {k} {v:.2f}" + (f" ({per_token[k]:.2f}/judged tok)" if k in per_token else ""))
     if "mean_accepted" in d:
         parts.append(f"mean accepted {d['mean_accepted']:.2f}")

@@ -40,3 +40,14 @@ def test_draft_model_path_and_flags(tiny_model_dir):
 ])
 def test_bad_speculative_flags(tiny_model_dir, flag, value, needle):
     assert_user_error(cli("run", "--model", tiny_model_dir, "--prompt", "hi", flag, value), needle)
+
+
+def test_stats_line_shows_sized_drafts_and_only_drafters_that_drafted():
+    from triforce_offload.cli.show import stats_line
+    line = stats_line({"prompt_tokens": 5, "prefill_s": 0.1, "decode_ms_per_token": 2.0, "tokens_per_s": 500.0,
+                       "new_tokens": 3, "peak_memory_gb": 0.1, "acceptance": {"ngram": 0.5, "retrieval": 0.0},
+                       "acceptance_per_token": {"ngram": 0.6, "retrieval": 0.0},
+                       "drafts": {"ngram": {"drafted": 4}, "retrieval": {"drafted": 0}},
+                       "sized_drafts": {"matches": 5, "drafted": 4}, "bypassed_tokens": {"retrieval": 3}})
+    assert "accept ngram 0.50 (0.60/judged tok)" in line and "accept retrieval" not in line
+    assert "ngram drafted 4 tok from 5 matches" in line and "bypassed retrieval 3 tok" in line
