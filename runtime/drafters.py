@@ -20,6 +20,7 @@ from .graphs import Step
 from .hostread import to_device, to_host
 from .sampling import draw, probs
 from .acceptance import one_hot
+from .engine import KAPPA
 
 
 class ModelLevel:
@@ -165,8 +166,9 @@ def draft_size(a: float, n: int, cost, margin: float = DRAFT_MARGIN) -> int:
     for h in range(1, n + 1):
         p *= a
         tokens += p
-        if tokens / cost(h + 1) > best:
-            best, best_h = tokens / cost(h + 1), h
+        pays = tokens / cost(h + 1)
+        if pays > best:
+            best, best_h = pays, h
     return best_h if best > margin / cost(1) else 0
 
 
@@ -255,7 +257,7 @@ class NgramDrafter:
             if self.pending and self.pending[-1][0] == len(seq):  # drafting again at a position: judged once
                 self.pending.pop()
             self.pending.append((len(seq), toks, self.match, 0))
-            cost = self.price or (lambda w: 1.0 + 0.25 * (w - 1))
+            cost = self.price or (lambda w: 1.0 + KAPPA["cpu"] * (w - 1))  # unpriced: the CPU prior
             n = min(g, len(toks))
             # priced by local timings: tensor-parallel ranks take rank 0's size (the proposal,
             # from the shared text, is every rank's)
@@ -272,19 +274,24 @@ class NgramDrafter:
                 "acceptance_by_match": {f"{b}+": round(self.accept.rate(b), 3) for b in MATCH_BUCKETS}}
 
     def judge(self, seq: list[int], n: int):
-        """seq[:n] is verified text: each pending proposal's tokens it shows are judged (a
-        match accepted, the first mismatch rejected, which ends the proposal)."""
+        """seq[:n] is verified text: each pending proposal's tokens it shows are judged."""
         left = []
-        for p in self.pending:
-            pos, prop, match, seen = p
-            k = seen
-            while k < len(prop) and pos + k < n and prop[k] == seq[pos + k]:
-                k += 1
-            done = k == len(prop) or pos + k < n  # its whole length, or a mismatch
-            self.accept.add(match, k - seen, int(k < len(prop) and done))
-            if not done:
+        for pos, prop, match, seen in self.pending:
+            k = self._judged(seq, n, pos, prop, match, seen)
+            if k is not None:
                 left.append((pos, prop, match, k))
         self.pending = left
+
+    def _judged(self, seq: list[int], n: int, pos: int, prop: list[int], match: int, seen: int = 0) -> int | None:
+        """Judge the tokens from `seen` on of a proposal made at `pos` against the verified
+        seq[:n] (a match accepted, the first mismatch rejected, which ends the proposal) into
+        the figures; the tokens judged so far where the text has not yet decided it, else None."""
+        k = seen
+        while k < len(prop) and pos + k < n and prop[k] == seq[pos + k]:
+            k += 1
+        done = k == len(prop) or pos + k < n  # its whole length, or a mismatch
+        self.accept.add(match, k - seen, int(k < len(prop) and done))
+        return None if done else k
 
     def learn(self, seq: list[int], last: int = 256):
         """Judge the proposals the drafter would have made at each of seq's last `last`
@@ -294,10 +301,8 @@ class NgramDrafter:
         for p in range(len(head), len(seq)):
             prop = self.lookup(head, self.propose)
             head.append(seq[p])
-            if prop:
-                got = seq[p: p + len(prop)]
-                k = next((j for j, (a, t) in enumerate(zip(prop, got)) if a != t), len(got))
-                self.accept.add(self.match, k, int(k < len(got)))
+            if prop:  # judged as far as the prompt shows (the rest of a proposal at its end: never)
+                self._judged(seq, len(seq), p, prop, self.match)
         self._seq = None  # the next list is checked against the indexed tokens
 
     def rollback(self, n: int):

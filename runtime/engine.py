@@ -658,8 +658,10 @@ class Engine:
     def relative(self, i: int):
         """cost(w): a forward of w tokens by level i in forwards of one (`cost`'s figures;
         1 + kappa (w - 1) before level i ran one): what a sized draft weighs its rows by."""
+        one = self.cost(i, 1)
+
         def cost(w: int) -> float:
-            one, t = self.cost(i, 1), self.cost(i, w)
+            t = self.cost(i, w)
             return t / one if one and t is not None else 1 + self.kappa * (w - 1)
         return cost
 
