@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .hostread import to_device, to_host
-from .sampling import sample
+from .sampling import argmax, sample
 
 
 def one_hot(tokens: list[int], vocab: int, device="cpu") -> torch.Tensor:
@@ -62,7 +62,7 @@ def greedy_verdict(draft: list[int], p: torch.Tensor) -> torch.Tensor:
     p's argmax, and the next token is the argmax of the first row not accepted (the
     residual of a one-hot p is p). The same result without random draws: a draw from a
     one-hot row costs an exponential per vocabulary entry."""
-    top = p.argmax(-1)  # [g+1]
+    top = argmax(p)  # [g+1]
     g = len(draft)
     k = ((top[:g] == to_device(draft, p.device)).long().cumprod(0).sum() if g
          else torch.zeros((), dtype=torch.long, device=p.device))
@@ -70,7 +70,8 @@ def greedy_verdict(draft: list[int], p: torch.Tensor) -> torch.Tensor:
 
 
 def accept_greedy(draft: list[int], q: torch.Tensor, p: torch.Tensor, gen=None) -> tuple[int, int]:
-    """`accept` for greedy decoding (p one-hot), with one blocking host read."""
+    """`accept` for greedy decoding (p one-hot, or the logits it is the one-hot of: only
+    each row's argmax is read; q is not read), with one blocking host read."""
     k, x = to_host(greedy_verdict(draft, p))
     return k, x
 

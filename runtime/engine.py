@@ -18,7 +18,7 @@ from .errors import TriforceError
 from .hostread import READS, to_device, to_host
 from .options import Rebuild  # noqa: F401  (a policy value: parsed with the other options)
 from .protocols import RetrievalKV, SizingDrafter, VerifyingLevel
-from .sampling import SamplingParams, probs
+from .sampling import SamplingParams, argmax, probs
 from .acceptance import accept, accept_greedy
 
 
@@ -121,6 +121,9 @@ class AutoGamma:
 # a forward of w tokens costs 1 + kappa (w - 1) of one, until the top measured two widths:
 # a CPU is compute-bound at a few rows (measured: 5 rows ~1.9x one), a GPU reads the weights once
 KAPPA = {"cpu": 0.25, "cuda": 0.02}
+# a retrieval level whose best case promises at least this speedup is scored at once; one
+# that promises less waits until the exploring share covers its scoring (Engine._eager)
+EAGER = 1.25
 
 
 def expected_tokens(a: float, g: int) -> float:
@@ -184,7 +187,8 @@ class Bypass:
     def __init__(self, optional: list[int], warm: int = 1, interval: int = 32, max_interval: int = 512,
                  probe_tokens: int = 8, probe_rounds: int = 3, margin: float = 0.97, decay: float = 0.8,
                  hopeless: float = 1.2, first_per_config: bool = False, bound=None, predict=None,
-                 start_plain: bool = False, trust: float = 0.85, explore: float | None = None):
+                 start_plain: bool = False, trust: float = 0.85, explore: float | None = None,
+                 unready=None):
         import itertools
         self.configs = [frozenset(c) for r in range(len(optional) + 1)
                         for c in itertools.combinations(optional, r)]
@@ -198,6 +202,7 @@ class Bypass:
         self.bound = bound  # bound(c): seconds per token c costs at best (None: unknown)
         self.predict = predict  # predict(c): seconds per token c is expected to cost (None: unknown)
         self.trust = trust  # probe what `predict` expects below trust x the best measured: its error margin
+        self.unready = unready  # unready(c): c may not be probed yet (a measurement of it is due first)
         self.rest = {c: [0, 0] for c in self.configs}  # a hopeless probe's: tokens to sit out, next wait
         self.interval = interval
         self.probes: list[frozenset] = []
@@ -320,7 +325,10 @@ class Bypass:
         """No probe for c when the best measured configuration beats it anyway: by its
         predicted seconds per token (measured acceptance and forward costs: skipped this
         cycle, and sits out for a while when `hopeless` times slower), or else even at full
-        acceptance (`bound`) by `hopeless` times (an estimate: it sits out for a while)."""
+        acceptance (`bound`) by `hopeless` times (an estimate: it sits out for a while).
+        An `unready` one is skipped this cycle (it does not sit out)."""
+        if self.unready and self.unready(c):
+            return True
         known = self._known()
         if not known:
             return False
@@ -386,6 +394,10 @@ class Engine:
     accept: dict = field(default_factory=dict)  # level index -> Acceptance of its drafts
     scores: int = 0  # teacher-forced scorings of the retrieval level (`score`)
     kappa: float = KAPPA["cpu"]  # the width cost prior of `cost` (KAPPA: by device)
+    # read_ratio(i): bytes a one-token forward of level i reads (weights and the KV it
+    # attends) over the top level's; prices a level that has not run yet (None: unknown)
+    read_ratio: object = None
+    _deferring: bool = False  # a scoring waits for the exploring share (`_score_due`)
     _sizing: bool = False  # levels[0] sizes its drafts (protocols.SizingDrafter): priced and shown the text
     _retrieval: list = field(default_factory=list)  # per level: its cache is a protocols.RetrievalKV
     _behind: int | None = None  # the bypassed retrieval level has absorbed up to here (None: all)
@@ -411,6 +423,7 @@ class Engine:
         if self.bypass is not None:
             self.bypass.bound = self.bypass.bound or self.best_case
             self.bypass.predict = self.bypass.predict or self.predict
+            self.bypass.unready = self.bypass.unready or self.unready
 
     @property
     def top(self):
@@ -428,7 +441,7 @@ class Engine:
 
     def verify(self, i: int, seq: list[int]) -> torch.Tensor:
         """Level i checks a draft of level i-1 appended to seq; returns probs of the kept
-        tokens. Its own blocking host reads (one: the accepted count and the next token
+        tokens (greedy: their logits, whose argmax is all `accept_greedy` reads of them). Its own blocking host reads (one: the accepted count and the next token
         together) are counted under its name; the levels below count theirs."""
         name = self.levels[i].name
         n0 = READS.count[name]
@@ -449,7 +462,9 @@ class Engine:
         q = torch.zeros(0) if j is None else self.produce(j, seq, self.gammas[j])
         t1, cap = time.perf_counter(), self._capture_s(lv)
         draft = seq[m:]
-        p = probs(lv.forward(seq, len(draft) + 1), self.sp)  # [g+1, V]
+        p = lv.forward(seq, len(draft) + 1)  # [g+1, V] logits
+        if not (self.sp.greedy and self.accept_fn is None):
+            p = probs(p, self.sp)  # greedy acceptance reads the argmax alone: no one-hot rows
         self._timed(i, len(draft) + 1, time.perf_counter() - t1 - (self._capture_s(lv) - cap))
         k, x = (self.accept_fn or (accept_greedy if self.sp.greedy else accept))(draft, q, p, self.gen)
         if j is not None:
@@ -583,12 +598,44 @@ class Engine:
 
     def _score_due(self) -> bool:
         """A probe cycle starts next and would judge a configuration running the retrieval
-        level that `predict` cannot price from measurements since the last cycle."""
+        level that `predict` cannot price from measurements since the last cycle, and the
+        exploring share covers the scoring: its measured cost, once there is one; before,
+        nothing where the level may pay a lot (`_eager`: only the first scoring may
+        overshoot), else the top level's forward of as many rows (an estimate from above: a
+        level that can at best pay a little waits until the run is long enough to afford
+        learning whether it does; `_deferring` holds its probes back meanwhile)."""
         r, b = self._scored(), self.bypass
-        # a scoring's cost, once measured, is reserved: only the first may overshoot the share
-        return (r is not None and b.cycle_due() and r in b.current
-                and b.may_explore(self.forward_s.get((r, self._score_rows(r)), 0.0))
-                and any(r not in c and b.waiting(c) for c in b.configs))
+        if not (r is not None and b.cycle_due() and r in b.current
+                and any(r not in c and b.waiting(c) for c in b.configs)):
+            return False
+        w = self._score_rows(r)
+        cost = self.forward_s.get((r, w))
+        if cost is None:
+            cost = 0.0 if self._eager(r) else self.cost(len(self.levels) - 1, w) or 0.0
+        ok = b.may_explore(cost)
+        self._deferring = not ok and self.accept[r].rate is None
+        return ok
+
+    def _eager(self, r: int) -> bool:
+        """Level r (drafting for the top, never run) may pay `EAGER` times or more: at its
+        best (every draft accepted) a round of its γ drafts and the top's verification
+        costs that much less per token than the top's one-token forward, its own forward
+        priced by what it reads (`read_ratio`: an estimate from below where compute, not
+        reading, sets the time, as on a CPU). True while a price is unknown."""
+        top = len(self.levels) - 1
+        t1, ratio = self.cost(top, 1), self.read_ratio(r) if self.read_ratio else None
+        if t1 is None or ratio is None or r != top - 1:
+            return True
+        g = self.gammas[r]
+        tr = self.cost(r, 1)
+        best = (g * (t1 * ratio if tr is None else tr) + self.cost(top, g + 1)) / (g + 1)
+        return t1 >= EAGER * best
+
+    def unready(self, c: frozenset) -> bool:
+        """c runs the retrieval level whose scoring waits (`_score_due`): no probe of it
+        before its acceptance is measured (a probe costs more than the scoring)."""
+        r = self._scored()
+        return self._deferring and r is not None and r not in c and self.accept[r].rate is None
 
     def _score_rows(self, r: int) -> int:
         """Rows of a scoring forward of level r: its verification width."""
@@ -615,7 +662,7 @@ class Engine:
             rows = lv.forward(seq[:end], w)  # [w, V]: row j predicts position lo + 1 + j
             truth = to_device(seq[lo + 1: end + 1], rows.device)
             if self.sp.greedy:
-                hit = to_host((rows.argmax(-1) == truth).sum())
+                hit = to_host((argmax(rows) == truth).sum())
             else:
                 hit = to_host(probs(rows, self.sp).gather(1, truth[:, None]).sum())
         dt = time.perf_counter() - t0

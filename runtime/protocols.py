@@ -85,6 +85,7 @@ class RetrievalKV(Cache, Protocol):
     """Selected chunks of a full cache + appended tokens (the middle level)."""
 
     base: int  # absolute position of the first appended token
+    n_retrieved: int  # slots holding selected tokens (all before `base`)
     ring: object | None  # cache.WindowRing of the window layers; None: every layer selected
 
     def build(self, full: FullKV, qs: dict, length: int) -> None: ...

@@ -20,6 +20,7 @@ from .graphs import combined, graphable, kept, room_for
 from .hostread import to_device, to_host
 from .offloaded import finish_stats, make_full_cache
 from .prefix_cache import lease
+from . import quantized
 from .retrieval import Recorder, RetrievalCache
 from .sampling import next_token
 from .streaming import StreamingCache
@@ -153,7 +154,8 @@ def speculate(kind: str, loaded, prompt, opts, full, logits, on_token=None):
     auto = AutoGamma(o.gamma2_start) if o.gamma2 == "auto" and kind != "draft" else None  # adapts gamma2
     eng = Engine(levels, gammas, sp, gen, auto, Rebuild.parse(opts.retrieval.rebuild), agree=agree,
                  kappa=KAPPA.get(loaded.device.type, KAPPA["cpu"]),
-                 bypass=bypass_for(levels, gammas, loaded.device.type == "cuda" and o.graphs) if o.bypass else None)
+                 bypass=bypass_for(levels, gammas, loaded.device.type == "cuda" and o.graphs) if o.bypass else None,
+                 read_ratio=read_ratio(levels, loaded))
     t1 = time.perf_counter()
     seq = list(prompt) + [to_host(next_token(logits[0], sp, gen))]  # counted as 'other'
     with torch.inference_mode():
@@ -170,6 +172,23 @@ def speculate(kind: str, loaded, prompt, opts, full, logits, on_token=None):
 # share of the decode time so far before another probe or scoring starts: within 64 tokens a
 # run pays for about one scoring and one probe, over hundreds the probe cycles run as before
 EXPLORE = 0.03
+
+
+def read_ratio(levels, loaded):
+    """ratio(i): bytes a one-token forward of level i reads over the top level's: the
+    weights (`quantized.token_weight_bytes`) plus the KV it attends (a retrieval level: its
+    selected tokens and those since; the top: all it holds). None for other levels."""
+    weights = quantized.token_weight_bytes(loaded.model)
+    per_token = loaded.cfg.kv_bytes_per_token(loaded.kv_dtype.itemsize)
+    top = levels[-1]
+
+    def ratio(i: int) -> float | None:
+        lv = levels[i]
+        if not isinstance(lv.cache, RetrievalKV) or lv.model is not top.model:
+            return None
+        attended = lv.cache.n_retrieved + max(top.held - lv.cache.base, 0)
+        return (weights + per_token * attended) / (weights + per_token * top.held)
+    return ratio
 
 
 def bypass_for(levels, gammas, captures: bool = False) -> Bypass | None:

@@ -199,6 +199,7 @@ def test_graph_captures_are_not_a_widths_cost(model, monkeypatch):
 def test_scoring_measures_the_retrieval_level_and_restores_its_cache(model, monkeypatch):
     """Engine.score: one teacher-forced forward of the retrieval level; afterwards its cache
     holds the full cache's exact KV again, bit for bit, and the output is the target's."""
+    monkeypatch.setattr(E, "EAGER", 0.0)  # scored at once, as a level that may pay much
     snaps = []
     orig = E.Engine.score
 
@@ -229,3 +230,37 @@ def test_scoring_with_an_offloaded_full_cache_is_lossless(model, monkeypatch):
     ref, _ = run(model, prompt, "autoregressive", 40, ignore_eos=True)
     out, st = run(model, prompt, "triforce", 40, ignore_eos=True, budget=64, offload="on", transfer_chunk=48)
     assert out == ref and st.extra.get("retrieval_scorings", 0) >= 1
+
+
+def test_an_unready_configuration_is_not_probed():
+    """Bypass.unready: a configuration whose measurement is due first (a scoring that
+    waits) is skipped by every probe cycle without sitting out; once ready it is probed."""
+    b, cost, toks = _plain_best()
+    ready = [False]
+    b.unready = lambda c: 1 not in c and not ready[0]  # configurations running level 1
+    _decode(b, lambda c, _: cost[c], lambda c, _: toks[c], 64)
+    assert b.seen[b.configs[0]] == b.seen[b.configs[1]] == 0 and b.seen[b.configs[2]] > 0
+    assert all(b.rest[c][0] <= 0 for c in b.configs)
+    ready[0] = True
+    b.since_probe = b.interval  # the next cycle
+    _decode(b, lambda c, _: cost[c], lambda c, _: toks[c], 64)
+    assert b.seen[b.configs[0]] + b.seen[b.configs[1]] > 0
+
+
+@pytest.mark.parametrize("ratio, explore, scored", [(0.99, 0.03, False), (0.01, 0.03, True), (0.99, None, True)])
+def test_a_retrieval_level_that_can_pay_little_is_scored_once_the_run_affords_it(model, monkeypatch, ratio,
+                                                                                  explore, scored):
+    """Engine._eager: a retrieval level whose best case (every draft accepted, its forward
+    priced by the bytes it reads) cannot pay EAGER times is neither scored nor probed until
+    the exploring share covers a scoring (40 tokens do not); one that may pay more is
+    scored at once; without a share (EXPLORE None) it is scored as before. Lossless alike."""
+    from triforce_offload.runtime import spec_modes
+    monkeypatch.setattr(spec_modes, "EXPLORE", explore)
+    monkeypatch.setattr(spec_modes, "read_ratio", lambda levels, loaded: lambda i: ratio)
+    prompt = torch.randint(0, model.cfg.vocab_size, (400,), generator=torch.Generator().manual_seed(5)).tolist()
+    ref, _ = run(model, prompt, "autoregressive", 40, ignore_eos=True)
+    out, st = run(model, prompt, "triforce", 40, ignore_eos=True, budget=64)
+    assert out == ref
+    assert (st.extra.get("retrieval_scorings", 0) >= 1) == scored
+    if not scored:  # never run (nor probed): every round with the retrieval level bypassed
+        assert st.extra["bypassed_tokens"]["retrieval"] >= len(out) - 1

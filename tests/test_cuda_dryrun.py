@@ -282,16 +282,16 @@ def test_a_non_blocking_copy_from_pageable_memory(model, prompt, monkeypatch):
 
 
 def test_a_blocking_read_the_decode_loop_does_not_count(model, prompt, monkeypatch):
-    plant(monkeypatch, acceptance, "greedy_verdict", "top = p.argmax(-1)  # [g+1]",
-          "top = p.argmax(-1); int(top[0])")
+    plant(monkeypatch, acceptance, "greedy_verdict", "top = argmax(p)  # [g+1]",
+          "top = argmax(p); int(top[0])")
     kinds, text = kinds_and_text(planted(model, prompt, opts("triforce")))
     assert kinds == {"read"} and "hostread.to_host does not count" in text
 
 
 def test_two_reads_in_one_verification(model, prompt, monkeypatch):
     """Each read counted, but two per verification of the top level."""
-    plant(monkeypatch, acceptance, "greedy_verdict", "top = p.argmax(-1)  # [g+1]",
-          "top = p.argmax(-1); to_host(top[0])")
+    plant(monkeypatch, acceptance, "greedy_verdict", "top = argmax(p)  # [g+1]",
+          "top = argmax(p); to_host(top[0])")
     kinds, text = kinds_and_text(planted(model, prompt, opts("triforce")))
     assert kinds == {"read"} and "blocking reads in one verification of the top level" in text
 
