@@ -36,8 +36,15 @@ class Recorder:
 
     def __init__(self, cache):
         self.inner = cache
-        self.q = {}  # layer -> [B, Hq, D] query of the last token of the last forward
+        # layer -> the last forward's last query: [B, Hq, D], or a one-token step's q
+        # [B, Hq, 1, D] as given (sliced when read: a decode step adds no op per layer)
+        self._q = {}
         self._static_q = {}  # layer -> the buffer graphed forwards write that query to
+
+    @property
+    def q(self) -> dict:
+        """layer -> [B, Hq, D] query of the last token of the last forward."""
+        return {layer: t if t.dim() == 3 else t[:, :, -1] for layer, t in self._q.items()}
 
     def attend(self, layer, q, k, v, start):
         if isinstance(start, torch.Tensor):  # a graphed step: a buffer its replays update
@@ -45,15 +52,15 @@ class Recorder:
             if buf is None:
                 buf = self._static_q[layer] = torch.empty_like(q[:, :, -1])
             buf.copy_(q[:, :, -1])
-            self.q[layer] = buf
-        else:
-            self.q[layer] = q[:, :, -1]
+            self._q[layer] = buf
+        else:  # a one-token step's q whole (nothing else of its activations kept alive)
+            self._q[layer] = q if q.shape[2] == 1 else q[:, :, -1]
         return self.inner.attend(layer, q, k, v, start)
 
     def on_replay(self):
         """A graph replay wrote the queries (no Python ran): they are the latest again,
         even if an eager forward pointed `q` elsewhere since the capture."""
-        self.q.update(self._static_q)
+        self._q.update(self._static_q)
         self.inner.on_replay()
 
     # the rest of protocols.FullKV, as the wrapped cache has it
