@@ -444,8 +444,9 @@ class Engine:
 
     def verify(self, i: int, seq: list[int]) -> torch.Tensor:
         """Level i checks a draft of level i-1 appended to seq; returns probs of the kept
-        tokens (greedy: their logits, whose argmax is all `accept_greedy` reads of them). Its own blocking host reads (one: the accepted count and the next token
-        together) are counted under its name; the levels below count theirs."""
+        tokens (greedy: their logits, whose argmax is all `accept_greedy` reads of them).
+        Its own blocking host reads (one: the accepted count and the next token together)
+        are counted under its name; the levels below count theirs."""
         name = self.levels[i].name
         n0 = READS.count[name]
         with READS.at(name):

@@ -150,7 +150,8 @@ def test_argmax_reads_numpy_only_from_cpu_tensors(monkeypatch):
     from triforce_offload.runtime.sampling import argmax
     calls = []
     real = torch.Tensor.numpy
-    monkeypatch.setattr(torch.Tensor, "numpy", lambda self, *a, **k: calls.append(self.device.type) or real(self, *a, **k))
+    monkeypatch.setattr(torch.Tensor, "numpy",
+                        lambda self, *a, **k: calls.append(self.device.type) or real(self, *a, **k))
     for x in (torch.randn(3, 100), torch.tensor([1.0, float("nan"), 3.0, float("nan")]),
               torch.tensor([[2.0, 2.0, 1.0]]), torch.full((2, 5), -float("inf")), torch.randn(4, 6)[:, ::2]):
         assert torch.equal(argmax(x), x.argmax(-1))
