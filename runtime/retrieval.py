@@ -46,6 +46,12 @@ class Recorder:
         """layer -> [B, Hq, D] query of the last token of the last forward."""
         return {layer: t if t.dim() == 3 else t[:, :, -1] for layer, t in self._q.items()}
 
+    @q.setter
+    def q(self, qs: dict):
+        """Queries to select with as if a forward had just recorded them (layer -> [B, Hq, D]):
+        a benchmark or test that decodes again from one prefill's cache."""
+        self._q = dict(qs)
+
     def attend(self, layer, q, k, v, start):
         if isinstance(start, torch.Tensor):  # a graphed step: a buffer its replays update
             buf = self._static_q.get(layer)
