@@ -200,14 +200,16 @@ def test_span_records_events_and_wait_until():
 def test_triforce_offload_trace_shows_prefetch(tiny_model_dir, tmp_path, depth):
     """A triforce+offload run: the verification's --profile trace holds copies that started
     before the forward's first compute span (the commit's/engine's prefetch, streamed while
-    the draft levels ran), on the `prefetch` thread; the forward's own copies on `copy`."""
+    the draft levels ran), on the `prefetch` thread; the forward's own copies on `copy`.
+    Every level runs (no bypass: a tiny model's retrieval level, which could pay little, is
+    not scored in 12 tokens, and without drafting levels the prefetch has no head start)."""
     loaded = api.load(str(tiny_model_dir), "float32", "cpu")
     prompt = torch.randint(5, 1000, (300,), generator=torch.Generator().manual_seed(4)).tolist()
     trace = tmp_path / "trace.json"
     opts = api.RunOptions.of(mode="triforce", max_new_tokens=12, prefill_chunk=128, ignore_eos=True,
                           sampling=SamplingParams(),
                           **{"offload": "on", "transfer_chunk": 16, "stage_depth": depth,
-                                 "profile": str(trace), "budget": 64})
+                                 "profile": str(trace), "budget": 64, "bypass": False})
     toks, st = api.generate(loaded, prompt, opts)
     assert len(toks) >= 12 and st.extra["offload"] and 0.0 <= st.extra["overlap"] <= 1.0
     ev = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
