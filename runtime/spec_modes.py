@@ -177,17 +177,20 @@ EXPLORE = 0.03
 def read_ratio(levels, loaded):
     """ratio(i): bytes a one-token forward of level i reads over the top level's: the
     weights (`quantized.token_weight_bytes`) plus the KV it attends (a retrieval level: its
-    selected tokens and those since; the top: all it holds). None for other levels."""
-    weights = quantized.token_weight_bytes(loaded.model)
+    selected tokens and those since; the top: all it holds). None for other levels. The
+    weights are counted at the first call (a walk over every module, ~4 ms on the bundled
+    model: not paid by runs that never price a level)."""
     per_token = loaded.cfg.kv_bytes_per_token(loaded.kv_dtype.itemsize)
-    top = levels[-1]
+    top, weights = levels[-1], []
 
     def ratio(i: int) -> float | None:
         lv = levels[i]
         if not isinstance(lv.cache, RetrievalKV) or lv.model is not top.model:
             return None
+        if not weights:
+            weights.append(quantized.token_weight_bytes(loaded.model))
         attended = lv.cache.n_retrieved + max(top.held - lv.cache.base, 0)
-        return (weights + per_token * attended) / (weights + per_token * top.held)
+        return (weights[0] + per_token * attended) / (weights[0] + per_token * top.held)
     return ratio
 
 
