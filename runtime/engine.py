@@ -466,11 +466,12 @@ class Engine:
         q = torch.zeros(0) if j is None else self.produce(j, seq, self.gammas[j])
         t1, cap = time.perf_counter(), self._capture_s(lv)
         draft = seq[m:]
+        rule = self.accept_fn or (accept_greedy if self.sp.greedy else accept)
         p = lv.forward(seq, len(draft) + 1)  # [g+1, V] logits
-        if not (self.sp.greedy and self.accept_fn is None):
-            p = probs(p, self.sp)  # greedy acceptance reads the argmax alone: no one-hot rows
+        if rule is not accept_greedy:  # it reads the argmax alone: no one-hot rows for it
+            p = probs(p, self.sp)
         self._timed(i, len(draft) + 1, time.perf_counter() - t1 - (self._capture_s(lv) - cap))
-        k, x = (self.accept_fn or (accept_greedy if self.sp.greedy else accept))(draft, q, p, self.gen)
+        k, x = rule(draft, q, p, self.gen)
         if j is not None:
             self.accept[j].add(k, int(k < len(draft)), len(draft), k + 1)
         del seq[m + k:]
