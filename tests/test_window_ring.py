@@ -145,14 +145,15 @@ def test_modes_over_rings_equal_transformers(qwen2_run, mode, extra):
 
 def test_too_shallow_rings_fail_loudly(qwen2_run, monkeypatch):
     """With rings shallower than the engine's rollbacks the run stops with the ring's error
-    rather than attending to overwritten keys."""
+    rather than attending to overwritten keys. The bypass is off: every level runs, so the
+    rollbacks happen whatever the run's timings say about the retrieval level."""
     from helpers_spec import run
     from triforce_offload.runtime import offloaded, spec_modes
     monkeypatch.setattr(offloaded, "rollback_depth", lambda g: 1)
     monkeypatch.setattr(spec_modes, "rollback_depth", lambda g: 1)
     hf, L, prompt, ref = qwen2_run
     with pytest.raises(TriforceError, match="window ring"):
-        run(L, prompt, "triforce", 24, budget=16, retrieval_chunk=4)
+        run(L, prompt, "triforce", 24, budget=16, retrieval_chunk=4, bypass=False)
 
 
 def test_offload_streams_global_layers_only(tmp_path):
