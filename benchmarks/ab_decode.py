@@ -1,14 +1,16 @@
 """Before/after: autoregressive decode ms/token of another commit and this checkout, in one process.
 
 Usage:
-    python benchmarks/ab_decode.py --base 67d8af4                        # 4K and 16K, bundled SmolLM2, fp32
-    python benchmarks/ab_decode.py --base main --contexts 4096 --tokens 17 --threads 1
+    python benchmarks/ab_decode.py --base 67d8af4                        # 4K and 16K, bundled SmolLM2
+    python benchmarks/ab_decode.py --base main --contexts 2048 --tokens 33 --threads 1
+    python benchmarks/ab_decode.py --base main --fp32                     # dense float32 weights and KV
 
 On a shared machine, timings taken minutes apart differ by more than a model change does.
 So both versions run in this one process: `--base` (a git revision, exported with `git
 archive` into a temp folder) and this checkout are imported under their own package names
-(a folder of symlinks each), each loads the bundled model (RoPE stretched linearly when a
-context exceeds its 8K). Per context one prefill (this checkout; `--prefill-chunk` tokens
+(a folder of symlinks each), each loads the bundled model as `run` does (the API's defaults:
+the GGUF's own precision, int8 activations and a bfloat16 KV where the CPU takes them;
+`--fp32`: dense float32 weights and KV; RoPE stretched linearly when a context exceeds its 8K). Per context one prefill (this checkout; `--prefill-chunk` tokens
 per forward) fills both caches (its KV copied into the base's), then each version takes
 `--tokens` greedy one-token steps, one step of each in turn (order swapped every step), so
 both see the same load. ms/token is the median of a version's steps, the first left out;
@@ -100,7 +102,7 @@ def interleaved(V, caches, first: int, n: int, tokens: int):
 
 def run_context(V, tok_ids, ctx: int, a) -> dict:
     n = len(tok_ids)
-    caches = {t: V[t]["cache"].FullCache(V[t]["cfg"], n + a.tokens + 8) for t in V}
+    caches = {t: V[t]["cache"].FullCache(V[t]["cfg"], n + a.tokens + 8, dtype=V[t]["kv"]) for t in V}
     t0 = time.perf_counter()
     first = prefill(V["this"], torch.tensor([tok_ids]), caches["this"], a.prefill_chunk)
     copy_kv(caches["this"], caches["base"], n)
@@ -120,6 +122,8 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=41, help="steps per version (the first is not timed)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--prefill-chunk", type=int, default=512)
+    ap.add_argument("--fp32", action="store_true",
+                    help="dense float32 weights and KV (default: the runtime's defaults, as `run` loads)")
     ap.add_argument("--out", default="results/ab_decode.jsonl")
     a = ap.parse_args(argv)
     if a.threads:
@@ -135,15 +139,20 @@ def main(argv=None):
         tmp = Path(tmp)
         for tag, src in (("base", export(a.base, tmp)), ("this", ROOT)):
             loader, cache = package(src, f"ab_{tag}", tmp)
-            model, cfg, tokenizer = loader.load_model(None, torch.float32, "cpu", rope)
-            V[tag] = {"model": model, "cfg": cfg, "cache": cache, "tokenizer": tokenizer}
+            if a.fp32:
+                model, cfg, tokenizer = loader.load_model(None, torch.float32, "cpu", rope, weights="fp32")
+                kv = torch.float32
+            else:  # what `run` loads: the API's defaults (weights, activations, KV dtype)
+                L = importlib.import_module(f"ab_{tag}.runtime.api").load(None, device="cpu", rope_scaling=rope)
+                model, cfg, tokenizer, kv = L.model, L.cfg, L.tokenizer, L.kv_dtype
+            V[tag] = {"model": model, "cfg": cfg, "cache": cache, "tokenizer": tokenizer, "kv": kv}
         data = importlib.import_module("ab_this.runtime.data")
         log(f"base {base_rev} against this checkout ({this_rev}), {torch.get_num_threads()} threads")
         rows = []
         for ctx in a.contexts:
             ids = data.essay_tokens(V["this"]["tokenizer"], ctx)
             row = {"bench": "ab_decode", "time": time.time(), "base": base_rev, "this": this_rev,
-                   "threads": torch.get_num_threads(), "rope": rope}
+                   "threads": torch.get_num_threads(), "rope": rope, "fp32": a.fp32}
             with torch.inference_mode():
                 row.update(run_context(V, ids, ctx, a))
             rows.append(row)
@@ -151,7 +160,8 @@ def main(argv=None):
             Path(a.out).parent.mkdir(parents=True, exist_ok=True)
             with open(a.out, "a") as f:
                 f.write(json.dumps(row) + "\n")
-    print(f"bundled SmolLM2 fp32, {rows[0]['threads']} threads; base {base_rev}, this {this_rev}\n")
+    what = "fp32" if a.fp32 else "at the runtime's defaults"
+    print(f"bundled SmolLM2 {what}, {rows[0]['threads']} threads; base {base_rev}, this {this_rev}\n")
     print("| context | base ms/token | this ms/token | base/this | paired base/this | same tokens |")
     print("|---|---|---|---|---|---|")
     for r in rows:

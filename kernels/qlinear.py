@@ -162,6 +162,7 @@ class QLinear(nn.Module):
     def __init__(self, parts: list[QPart], bias: torch.Tensor | None = None, act: str = "fp32"):
         super().__init__()
         self._calls = None  # the native calls (native_calls), kept while buffers and act stay
+        self._plans = {}  # (norm, glu) -> fused's plan (_plan), kept as long as _calls
         self.act = act  # "int8": x quantized per row and 32 inputs (see quantize_x), else float
         k = {p.in_features for p in parts}
         assert len(k) == 1, "parts of one linear share their inputs"
@@ -189,9 +190,12 @@ class QLinear(nn.Module):
         self._calls = None
         return super()._apply(fn, *args, **kwargs)
 
+    def __getstate__(self):  # native pointers and kernels stay with the original
+        return {**super().__getstate__(), "_calls": None, "_plans": {}}
+
     def __setstate__(self, state):  # a copy's buffers are new
         super().__setstate__(state)
-        self._calls = None
+        self._calls, self._plans = None, {}
 
     def native_calls(self) -> list | None:
         """Per part: (kernel, the part's own arguments, bias pointer, rows, first output column),
@@ -205,17 +209,35 @@ class QLinear(nn.Module):
                 calls.append((fn, p._args(), bias, p.out_features, col))
                 col += p.out_features
             self._calls = calls
+            self._plans = {}
         return self._calls
+
+    def _plan(self, norm, glu: bool):
+        """What `fused(x, norm, glu, ...)` calls, decided once per (norm, glu) while the
+        buffers and `act` stay (a decode step makes ~120 such calls: the checks that do not
+        depend on x are not repeated): (kernel, K, N, norm weight pointer, eps, per part
+        (arguments, bias, rows, column)), or False where the fused kernel does not take it."""
+        calls = self._calls or self.native_calls()
+        plan = False
+        if (calls is not None and self.act == "int8" and all(p.q8_ok() for p in self.parts)
+                and (norm is None or (not getattr(norm, "plus_one", True) and norm.weight.dtype == torch.float32))):
+            nw, eps = (norm.weight.data_ptr(), norm.eps) if norm is not None else (None, 0.0)
+            plan = (load().triforce_qlinear_q8x, self.in_features, self.out_features, nw, eps,
+                    tuple((args, bias, rows, col) for _, args, bias, rows, col in calls))
+        if self._calls is not None:
+            self._plans[(norm, glu)] = plan
+        return plan
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         calls = self._calls or self.native_calls()
         if calls is None or x.dtype != torch.float32 or x.device.type != "cpu" or torch.compiler.is_compiling():
             return self._reference(x)
         shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
+        K, N = self.in_features, self.out_features
+        x2 = x.reshape(-1, K)
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
-        M, N, K = x2.shape[0], self.out_features, self.in_features
+        M = x2.shape[0]
         out = torch.empty(M, N, dtype=torch.float32)
         xp, ld, op = x2.data_ptr(), x2.stride(0), out.data_ptr()
         for fn, args, bias, rows, col in calls:
@@ -230,24 +252,22 @@ class QLinear(nn.Module):
         into the int8 kernel's pass over each row (`triforce_qlinear_q8x`) instead of
         separate small ops. None where that kernel does not run (float activations, a part
         it does not take, a norm other than a plain RMSNorm): the caller composes the ops."""
-        calls = self._calls or self.native_calls()
-        K = self.in_features
-        if (calls is None or self.act != "int8" or not all(p.q8_ok() for p in self.parts)
-                or x.dtype != torch.float32 or x.device.type != "cpu" or torch.compiler.is_compiling()
-                or (norm is not None and (getattr(norm, "plus_one", True) or norm.weight.dtype != torch.float32))
-                or x.shape[-1] != (2 * K if glu else K) or not x.is_contiguous()
+        plan = self._plans.get((norm, glu)) if self._calls is not None else None
+        if plan is None:
+            plan = self._plan(norm, glu)
+        if (plan is False or x.dtype != torch.float32 or x.device.type != "cpu" or torch.compiler.is_compiling()
+                or x.shape[-1] != (2 * plan[1] if glu else plan[1]) or not x.is_contiguous()
                 or (residual is not None and (residual.dtype != torch.float32 or not residual.is_contiguous()))):
             return None
-        lib = load()
-        M, N = x.numel() // x.shape[-1], self.out_features
+        fn, K, N, nw, eps, parts = plan
+        M = x.numel() // x.shape[-1]
         out = torch.empty(M, N, dtype=torch.float32) if residual is None else \
             torch.empty(residual.shape, dtype=torch.float32).view(M, N)
-        nw, eps = (norm.weight.data_ptr(), norm.eps) if norm is not None else (None, 0.0)
         res = None if residual is None else residual.data_ptr()
-        xp, op = x.data_ptr(), out.data_ptr()
-        for _, args, bias, rows, col in calls:
-            rc = lib.triforce_qlinear_q8x(xp, M, K, x.shape[-1], *args, bias, rows, op + 4 * col, N,
-                                          nw, eps, int(glu), None if res is None else res + 4 * col, N)
+        xp, op, ldx = x.data_ptr(), out.data_ptr(), x.shape[-1]
+        for args, bias, rows, col in parts:
+            rc = fn(xp, M, K, ldx, *args, bias, rows, op + 4 * col, N, nw, eps, int(glu),
+                    None if res is None else res + 4 * col, N)
             if rc:
                 raise (MemoryError if rc == -2 else RuntimeError)(f"native quantized linear failed ({rc}) on {self}")
         return out.view(*x.shape[:-1], N)
