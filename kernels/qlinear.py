@@ -253,8 +253,8 @@ class QLinear(nn.Module):
         separate small ops. None where that kernel does not run (float activations, a part
         it does not take, a norm other than a plain RMSNorm): the caller composes the ops."""
         plan = self._plans.get((norm, glu)) if self._calls is not None else None
-        if plan is None:
-            plan = self._plan(norm, glu)
+        if plan is None or (plan and norm is not None and norm.weight.data_ptr() != plan[3]):
+            plan = self._plan(norm, glu)  # first call, or the norm's weight moved since
         if (plan is False or x.dtype != torch.float32 or x.device.type != "cpu" or torch.compiler.is_compiling()
                 or x.shape[-1] != (2 * plan[1] if glu else plan[1]) or not x.is_contiguous()
                 or (residual is not None and (residual.dtype != torch.float32 or not residual.is_contiguous()))):

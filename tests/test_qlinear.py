@@ -85,6 +85,31 @@ def test_fused_norm_swiglu_and_residual_are_the_ops_around_the_projection(glu):
     assert lin.fused(x[..., :K], gemma) is None and QLinear([_part(4, N, K, 32, True, True)]).fused(x[..., :K]) is None
 
 
+def test_fused_plan_is_kept_and_follows_a_replaced_norm_weight():
+    """fused() decides what to call once per (norm, SwiGLU) and keeps it; a norm whose weight
+    was replaced since (another tensor: the pointer the plan holds would be stale) is planned
+    again, and the result follows the new weight; moving the linear drops its plans."""
+    if qlinear.load() is None or not qlinear.vnni():
+        pytest.skip("the fused pass runs with int8 activations")
+    from triforce_offload.runtime.model import RMSNorm
+    K, N = 128, 24
+    lin = QLinear([_part(4, N, K, 32, True, True)], act="int8")
+    norm = RMSNorm(K, 1e-5)
+    x = torch.randn(3, K)
+    y1 = lin.fused(x, norm)
+    plan = lin._plans[(norm, False)]
+    assert lin.fused(x, norm) is not None and lin._plans[(norm, False)] is plan  # kept
+    norm.weight = torch.nn.Parameter(torch.rand(K) + 2.0)
+    y2 = lin.fused(x, norm)
+    assert lin._plans[(norm, False)] is not plan and lin._plans[(norm, False)][3] == norm.weight.data_ptr()
+    assert torch.allclose(y2, lin(norm(x)), rtol=2e-3, atol=2e-3) and not torch.allclose(y1, y2)
+    lin.act = "fp32"  # float activations: the fused kernel does not run, nothing stale is used
+    assert lin.fused(x, norm) is None
+    lin.act = "int8"
+    lin.to(torch.device("cpu"))  # _apply: the calls and plans are built again
+    assert lin._calls is None and torch.equal(lin.fused(x, norm), y2)
+
+
 def test_quantize_x_is_per_row_and_block():
     x = torch.randn(3, 64)
     x[1, 40] = 100.0  # one outlier: only its own block of row 1 gets the coarse scale
