@@ -8,9 +8,10 @@ Usage:
 On a shared machine, timings taken minutes apart differ by more than a model change does.
 So both versions run in this one process: `--base` (a git revision, exported with `git
 archive` into a temp folder) and this checkout are imported under their own package names
-(a folder of symlinks each), each loads the bundled model as `run` does (the API's defaults:
-the GGUF's own precision, int8 activations and a bfloat16 KV where the CPU takes them;
-`--fp32`: dense float32 weights and KV; RoPE stretched linearly when a context exceeds its 8K). Per context one prefill (this checkout; `--prefill-chunk` tokens
+(a folder of symlinks each), each loads the bundled model as `run` does (the API's
+defaults: the GGUF's own precision, int8 activations and a bfloat16 KV where the CPU takes
+them; `--fp32`: dense float32 weights and KV; RoPE stretched linearly when a context
+exceeds its 8K). Per context one prefill (this checkout; `--prefill-chunk` tokens
 per forward) fills both caches (its KV copied into the base's), then each version takes
 `--tokens` greedy one-token steps, one step of each in turn (order swapped every step), so
 both see the same load. ms/token is the median of a version's steps, the first left out;

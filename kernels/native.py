@@ -169,13 +169,6 @@ def visible_keys(q_pos0: int, T: int, G: int, k_pos0: int, S: int) -> torch.Tens
     return torch.tensor(row * G, dtype=torch.int64)
 
 
-def _check(rc: int, D: int, block: int):
-    if rc == -2:
-        raise MemoryError("native attention: no memory for its scratch buffers")
-    if rc != 0:
-        raise RuntimeError(f"native attention refused D={D}, block={block}")
-
-
 def attend(q, k, v, q_pos0: int, k_pos0: int = 0, scale: float | None = None, out_dtype=None,
            softcap: float | None = None):
     """Causal attention of q [1, Hq, T, D] over k, v [1, Hkv, S, D] -> (out [1, Hq, T, D]
@@ -198,23 +191,27 @@ def attend(q, k, v, q_pos0: int, k_pos0: int = 0, scale: float | None = None, ou
     # per-block partial results cost H * nb * (D + 2) floats per row: a prefill chunk of
     # thousands of rows goes through in slices that keep them under SCRATCH_BYTES
     rows = max(16, SCRATCH_BYTES // (H * nb * (D + 2) * 4))
+    part = torch.empty(H * nb * min(rows, R) * (D + 2), dtype=torch.float32)
     out = torch.empty(H, R, D, dtype=torch.float32)
     lse = torch.empty(H, R, dtype=torch.float32)
-    bf16, ks = int(k.dtype == torch.bfloat16), k.stride()
-    call = load().triforce_attend
+    lib, bf16, ks, cap = load(), int(k.dtype == torch.bfloat16), k.stride(), float(softcap or 0.0)
+
+    def call(qs, o, ls, nv):  # rows qs -> o, ls: the kernel over every key
+        rc = lib.triforce_attend(qs.data_ptr(), k.data_ptr(), v.data_ptr(), bf16, scale, cap, H, qs.shape[1],
+                                 D, S, ks[1], ks[2], nv.data_ptr(), block, part.data_ptr(), o.data_ptr(),
+                                 ls.data_ptr())
+        if rc == -2:
+            raise MemoryError("native attention: no memory for its scratch buffers")
+        if rc != 0:
+            raise RuntimeError(f"native attention refused D={D}, block={block}")
+
     if R <= rows:  # a decode or a verification: one call, no slices (the common case, per layer)
-        part = torch.empty(H * nb * R * (D + 2), dtype=torch.float32)
-        _check(call(qf.data_ptr(), k.data_ptr(), v.data_ptr(), bf16, scale, float(softcap or 0.0), H, R, D, S,
-                    ks[1], ks[2], nvis.data_ptr(), block, part.data_ptr(), out.data_ptr(), lse.data_ptr()),
-               D, block)
+        call(qf, out, lse, nvis)
     else:
-        part = torch.empty(H * nb * rows * (D + 2), dtype=torch.float32)
         for r0 in range(0, R, rows):
             r1 = min(R, r0 + rows)
-            qs, o, ls = qf[:, r0:r1].contiguous(), out[:, r0:r1].contiguous(), lse[:, r0:r1].contiguous()
-            _check(call(qs.data_ptr(), k.data_ptr(), v.data_ptr(), bf16, scale, float(softcap or 0.0), H, r1 - r0,
-                        D, S, ks[1], ks[2], nvis[r0:r1].data_ptr(), block, part.data_ptr(), o.data_ptr(),
-                        ls.data_ptr()), D, block)
+            o, ls = out[:, r0:r1].contiguous(), lse[:, r0:r1].contiguous()
+            call(qf[:, r0:r1].contiguous(), o, ls, nvis[r0:r1])
             out[:, r0:r1] = o
             lse[:, r0:r1] = ls
     return out.reshape(1, Hq, T, D).to(out_dtype or q.dtype), lse.reshape(1, Hq, T)
