@@ -49,13 +49,17 @@ def bench(
     contexts: str = typer.Option("2048", help="Contexts (prompt + new tokens), e.g. 2048,4096,8192."),
     new_tokens: int = typer.Option(64, help="Tokens generated per run (end-of-sequence ignored)."),
     temperatures: str = typer.Option("0", help="Temperatures, e.g. 0,0.6,1.0 (0 is greedy)."),
-    repeats: int = typer.Option(1, help="Runs per cell; the median ms/token is reported."),
+    repeats: int = typer.Option(1, help="Runs per cell; the median ms/token is reported, and the "
+                                "median of each repeat's ratio to autoregressive."),
     modes: str = typer.Option(",".join(DEFAULT_MODES), help="Contenders to run (comma-separated)."),
     baseline: str = typer.Option("", help="Extra peer rows (comma-separated): "
                                  f"{', '.join(EXTRA_BASELINES)} (real DeepSpeed ZeRO-Inference; "
                                  "needs CUDA and `pip install triforce-offload[deepspeed]`)."),
     builtin_prompt: str = typer.Option("summary", help="Built-in prompt: summary (essays + a summary "
                                        "request) or continue (essay text to continue)."),
+    fresh_prefill: bool = typer.Option(False, "--fresh-prefill", help="Prefill the prompt in every run "
+                                       "[default: once per context for our in-memory modes and "
+                                       "llama.cpp, each run decoding from that KV]."),
     seed: int = typer.Option(0, help="Sampling seed."),
     lookup: int = typer.Option(10, help="Prompt-lookup draft length of transformers and llama.cpp."),
     threads: int = typer.Option(0, help="CPU threads of every contender (torch and llama.cpp) "
@@ -72,7 +76,8 @@ def bench(
                      names + [b for b in extra if b not in names], seed, gguf=gguf,
                      spec=dict(draft=gen.draft, gamma1=gen.gamma1, gamma2=gen.gamma2,
                                budget=retrieval.budget, retrieval_chunk=retrieval.retrieval_chunk),
-                     lookup=lookup, threads=threads, prompt=check_builtin_prompt(builtin_prompt))
+                     lookup=lookup, threads=threads, prompt=check_builtin_prompt(builtin_prompt),
+                     reuse_prefill=not fresh_prefill)
     o.check()
     if threads:
         torch.set_num_threads(threads)  # the same CPU share for our modes and the peers
@@ -113,7 +118,7 @@ def run_meta(loaded, o: BenchOptions, model) -> dict:
             "dtype": str(loaded.dtype).replace("torch.", ""), "device": str(loaded.device),
             "kv_dtype": str(loaded.kv_dtype).replace("torch.", ""), "activations": loaded.activations,
             "torch_threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
-            "new_tokens": o.new_tokens, "spec": o.spec}
+            "new_tokens": o.new_tokens, "spec": o.spec, "reuse_prefill": o.reuse_prefill}
 
 
 def row_writer(path: Path, meta: dict):

@@ -31,7 +31,7 @@ def bench_cli(model, out, contexts, temperatures, *more):
 def bench_run(tiny_model_dir, tmp_path_factory):
     """A small `bench` then one over every contender, both into one results folder."""
     out = tmp_path_factory.mktemp("bench")
-    first = bench_cli(tiny_model_dir, out, "160", "0", "--modes", "autoregressive,triforce")
+    first = bench_cli(tiny_model_dir, out, "160", "0", "--modes", "autoregressive,triforce", "--fresh-prefill")
     assert first.returncode == 0, first.stderr
     r = bench_cli(tiny_model_dir, out, "160,256", "0,0.8")
     assert r.returncode == 0, r.stderr
@@ -97,6 +97,43 @@ def test_bench_appends_jsonl_and_writes_plots(bench_run):
     assert sorted(d["plots"]) == sorted(str(out / n) for n in ("bench_speed.png", "bench_acceptance.png"))
 
 
+def test_bench_prefills_once_per_context(bench_run):
+    """Our in-memory runs after the first at a (context) decode from the kept prompt KV (the
+    last prompt token prefilled again); offloaded ones and --fresh-prefill runs prefill all.
+    The tokens are the same either way."""
+    out, _, _ = bench_run
+    rows = [json.loads(x) for x in (out / "bench.jsonl").read_text().splitlines()]
+    fresh, shared = rows[:2], [r for r in rows[2:] if "skipped" not in r]
+    assert all("reused_tokens" not in r and r["reuse_prefill"] is False for r in fresh)
+    for ctx in (160, 256):
+        mem = [r for r in shared if r["context"] == ctx and runner.CONTENDERS[r["mode"]][2].get("offload") == "off"]
+        assert len(mem) == 4 * 2 and mem[0].get("reused_tokens", 0) == 0  # 4 modes x 2 temperatures
+        assert all(r["reused_tokens"] == r["prompt_tokens"] - 1 for r in mem[1:])
+        off = [r for r in shared if r["context"] == ctx and r["mode"].endswith("+offload")]
+        assert off and all("reused_tokens" not in r for r in off)
+    ref = {r["mode"]: r["tokens"] for r in shared if r["context"] == 160 and r["temperature"] == 0}
+    assert all(r["tokens"] == ref[r["mode"]] for r in fresh)
+
+
+def test_llama_cpp_keeps_its_context_only_when_reusing():
+    class Llm:
+        resets = 0
+
+        def reset(self):
+            self.resets += 1
+
+        def set_seed(self, seed):
+            pass
+
+        def generate(self, prompt, **kw):
+            yield from [5, 6, 7, 8]
+    llm = Llm()
+    assert peers.llama_cpp_generate(llm, [1, 2], 3, 0.0, 0, reuse=True).tokens == [5, 6, 7]
+    assert llm.resets == 0
+    peers.llama_cpp_generate(llm, [1, 2], 3, 0.0, 0)
+    assert llm.resets == 1
+
+
 def test_llama_cpp_missing_gives_a_note(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
@@ -122,6 +159,20 @@ def test_summarize_flags_a_lossy_mode_and_speedup():
     by = {x["mode"]: x for x in s}
     assert by["triforce"]["lossless"] is False and by["draft"]["lossless"] is True
     assert by["triforce"]["speedup"] == pytest.approx(2.0)
+
+
+def test_speedup_is_the_median_of_each_repeats_ratio():
+    """A drifting machine: each repeat's runs see the same speed, repeats differ. The ratio
+    of medians would say 20/18; each repeat's ratio says the mode is ~10% slower."""
+    row = lambda m, r, ms: {"mode": m, "context": 100, "temperature": 0.0, "ms_per_token": ms,
+                            "tokens": [1], "peak_gb": 0.1, "repeat": r}
+    rows = [row("autoregressive", r, ms) for r, ms in enumerate([10.0, 20.0, 30.0])]
+    rows += [row("triforce", r, ms) for r, ms in enumerate([11.0, 18.0, 40.0])]
+    by = {x["mode"]: x for x in runner.summarize(rows)}
+    assert by["triforce"]["speedup"] == pytest.approx(10 / 11)
+    assert by["triforce"]["ms_per_token"] == 18.0  # the median, as printed
+    # repeats that do not pair up (a run missing): the ratio of medians
+    assert runner.paired_ratio(rows[:3], rows[3:5]) == pytest.approx(20 / 14.5)
 
 
 def test_bench_cli_refuses_bad_list():

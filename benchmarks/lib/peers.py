@@ -93,10 +93,14 @@ def load_llama_cpp(gguf, n_ctx: int, threads: int, lookup: int = 0, seed: int = 
                  logits_all=bool(lookup), draft_model=draft, seed=seed, verbose=False)
 
 
-def llama_cpp_generate(llm, prompt: list[int], n: int, temperature: float, seed: int) -> PeerRun:
+def llama_cpp_generate(llm, prompt: list[int], n: int, temperature: float, seed: int,
+                       reuse: bool = False) -> PeerRun:
     """llama.cpp's raw token generator (it does not stop at end-of-sequence, like
-    ignore_eos); sampling filters off so temperature alone shapes the distribution."""
-    llm.reset()  # no prefix reuse between runs: every run prefills the same way
+    ignore_eos); sampling filters off so temperature alone shapes the distribution.
+    `reuse`: the context keeps the KV of an earlier run's prompt (llama-cpp-python's prefix
+    match evaluates the last prompt token again); else every run prefills all of it."""
+    if not reuse:
+        llm.reset()
     llm.set_seed(seed)
     toks, times = [], []
     gen = llm.generate(prompt, temp=temperature, top_k=0, top_p=1.0, min_p=0.0,

@@ -19,6 +19,14 @@ contender generates `new_tokens` tokens (end-of-sequence ignored) from the same 
 ms/token counts decode only (first new token to last). Peak memory is the peak RSS
 above the RSS before the run (sampled by a thread), so it shows what a run adds, not
 the weights every run shares. `lossless` compares greedy tokens with autoregressive's.
+
+One prefill per context (`reuse_prefill`): our in-memory contenders share the prompt's KV
+through a PrefixCache, as the server does (each run prefills the last prompt token again,
+for its queries), and llama.cpp keeps its context between runs (its own prefix reuse).
+Decoding is what is measured, and it starts from the same KV either way; runs of one
+repeat follow each other within seconds instead of a prefill apart, so the ratios between
+contenders (`speedup`: the median over repeats of each repeat's ratio) see the same
+machine. Offloaded contenders and the transformers/DeepSpeed peers prefill every run.
 Library code: returns rows, never prints.
 """
 from __future__ import annotations
@@ -34,6 +42,7 @@ from ..runtime import api
 from ..runtime.data import builtin_prompt, long_prompt
 from ..runtime.errors import TriforceError
 from ..runtime.loader import default_model_path, resolve
+from ..runtime.prefix_cache import ROOM, PrefixCache
 from ..runtime.sampling import SamplingParams
 from . import peers
 from . import zero_inference  # noqa: F401  (registers the `zero-inference` mode)
@@ -74,6 +83,7 @@ class BenchOptions:
     gguf: str | None = None  # GGUF for llama.cpp; None: the --model file or the bundled one
     threads: int = 0  # llama.cpp threads; 0: torch's thread count
     prompt: str = "summary"  # built-in prompt: summary (essays + a request) or continue (essay text)
+    reuse_prefill: bool = True  # one prefill per context for our in-memory contenders and llama.cpp (Bench.shared)
 
     def check(self):
         bad = [m for m in self.modes if m not in CONTENDERS]
@@ -124,6 +134,23 @@ class Bench:
         self.hf = None  # transformers model, loaded on first use
         self.llms = {}  # (context, variant) -> llama_cpp.Llama
         self.ds = None  # peers.DeepSpeedPeer, loaded on first use
+        self.store = None  # the PrefixCache our in-memory runs share (reuse_prefill)
+        self.store_ctx = None  # the context whose prompt it keeps
+
+    def shared(self, extra: dict):
+        """The PrefixCache a run of ours with flat options `extra` takes its prompt's KV
+        from (room for one context's full cache), or None: it prefills on its own."""
+        if not self.o.reuse_prefill or extra.get("offload") != "off" or self.loaded.prefix is not None:
+            return None
+        if self.store is None:
+            elem = torch.empty(0, dtype=self.loaded.kv_dtype).element_size()
+            room = max(self.o.contexts) + 2 * ROOM  # capacities round up to ROOM tokens
+            self.store = PrefixCache(2 * self.loaded.cfg.kv_bytes(room, elem, ring_depth=0))
+        return self.store
+
+    def close(self):
+        if self.store is not None:
+            self.store.clear()
 
     def gguf(self):
         """The GGUF file llama.cpp reads, or None when there is none."""
@@ -145,8 +172,19 @@ class Bench:
 
     def run(self, name: str, ctx: int, prompt: list[int], temp: float) -> dict:
         kind, variant, extra = CONTENDERS[name]
+        if self.store is not None and self.store_ctx != ctx:
+            self.store.clear()  # each context's first run prefills all of its prompt
+        self.store_ctx = ctx
+        store = self.shared(extra) if kind == "ours" else None
+        kept = store.nbytes() / 2**30 if store else 0.0  # the run takes it: counted as its own
         with PeakRSS() as mem:
-            if kind == "ours":
+            if kind == "ours" and store is not None:
+                self.loaded.prefix = store
+                try:
+                    row = self._ours(variant, extra, prompt, temp)
+                finally:
+                    self.loaded.prefix = None
+            elif kind == "ours":
                 row = self._ours(variant, extra, prompt, temp)
             elif kind == "transformers":
                 row = self._hf(variant, prompt, temp)
@@ -154,7 +192,7 @@ class Bench:
                 row = self._deepspeed(prompt, temp)
             else:
                 row = self._llama_cpp(variant, ctx, prompt, temp)
-        row["peak_gb"] = mem.gb
+        row["peak_gb"] = mem.gb + kept
         return row
 
     def _ours(self, mode: str, extra: dict, prompt, temp) -> dict:
@@ -164,7 +202,7 @@ class Bench:
         toks, st = api.generate(self.loaded, prompt, opts)
         row = {"tokens": toks, "ms_per_token": 1000 * st.decode_s / max(len(toks) - 1, 1),
                "prefill_s": st.prefill_s}
-        for k in ("acceptance", "mean_accepted", "overlap", "notes", "bypassed_tokens",
+        for k in ("reused_tokens", "acceptance", "mean_accepted", "overlap", "notes", "bypassed_tokens",
                   "ms_per_token_by_skipped", "running", "exploring_ms", "retrieval_scorings", "drafts",
                   "sized_drafts"):
             if st.extra.get(k) not in (None, [], {}):
@@ -194,7 +232,8 @@ class Bench:
             threads = self.o.threads or torch.get_num_threads()
             self.llms[key] = peers.load_llama_cpp(self.gguf(), ctx + 64, threads, lookup,
                                                   self.o.seed)
-        r = peers.llama_cpp_generate(self.llms[key], prompt, self.o.new_tokens, temp, self.o.seed)
+        r = peers.llama_cpp_generate(self.llms[key], prompt, self.o.new_tokens, temp, self.o.seed,
+                                     reuse=self.o.reuse_prefill)
         return {"tokens": r.tokens, "ms_per_token": r.ms_per_token,
                 "note": "quantized GGUF weights (not the same arithmetic)"}
 
@@ -234,6 +273,14 @@ def run_bench(loaded: api.Loaded, o: BenchOptions, model_path=None, progress=Non
     warm_up(loaded)
     rows, skipped = [], set()
     emit = lambda row: (rows.append(row), on_row and on_row(row))
+    try:
+        _runs(b, runs, prompts, progress, emit, skipped)
+    finally:
+        b.close()
+    return rows
+
+
+def _runs(b: Bench, runs, prompts, progress, emit, skipped):
     for i, (ctx, temp, rep, name) in enumerate(runs):
         if progress:
             progress(i, len(runs), f"{name} @ {ctx} T={temp:g}")
@@ -248,7 +295,6 @@ def run_bench(loaded: api.Loaded, o: BenchOptions, model_path=None, progress=Non
               "temperature": temp, "repeat": rep, "new_tokens": len(r["tokens"]), **r})
     if progress:
         progress(len(runs), len(runs), "done")
-    return rows
 
 
 def warm_up(loaded: api.Loaded):
@@ -270,7 +316,8 @@ def floors(loaded, contexts: list[int], bps: float) -> dict[int, float]:
 def summarize(rows: list[dict]) -> list[dict]:
     """One row per (mode, context, temperature): median ms/token over repeats, speedup over
     autoregressive (and, for contenders whose KV lives in host memory, `offload_speedup`
-    over autoregressive+offload), and lossless = greedy tokens equal autoregressive's (None
+    over autoregressive+offload; both the median over repeats of each repeat's ratio, whose
+    runs follow each other, so a machine's drift between repeats cancels), and lossless = greedy tokens equal autoregressive's (None
     if not greedy; for peers, `peer` is set: other kernels or quantized weights may flip
     near-ties)."""
     groups = {}
@@ -278,8 +325,8 @@ def summarize(rows: list[dict]) -> list[dict]:
         if "skipped" not in r:
             groups.setdefault((r["mode"], r["context"], r["temperature"]), []).append(r)
     med = {k: statistics.median(x["ms_per_token"] for x in g) for k, g in groups.items()}
-    base = {(c, t): ms for (m, c, t), ms in med.items() if m == BASELINE}
-    base_off = {(c, t): ms for (m, c, t), ms in med.items() if m == OFFLOAD_BASELINE}
+    base = {(c, t): g for (m, c, t), g in groups.items() if m == BASELINE}
+    base_off = {(c, t): g for (m, c, t), g in groups.items() if m == OFFLOAD_BASELINE}
     ref = {(c, t): g[0]["tokens"] for (m, c, t), g in groups.items() if m == BASELINE}
     out = []
     for (m, c, t), g in groups.items():
@@ -287,16 +334,30 @@ def summarize(rows: list[dict]) -> list[dict]:
         s = {"mode": m, "context": c, "temperature": t, "ms_per_token": ms,
              "tokens_per_s": 1000 / ms if ms else 0.0, "repeats": len(g),
              "peak_gb": max(x["peak_gb"] for x in g),
-             "speedup": base[(c, t)] / ms if (c, t) in base and ms else None,
+             "speedup": paired_ratio(base.get((c, t)), g),
              "lossless": (g[0]["tokens"] == ref[(c, t)]) if t == 0 and (c, t) in ref else None}
-        if CONTENDERS[m][2].get("offload") == "on" and (c, t) in base_off and ms:
-            s["offload_speedup"] = base_off[(c, t)] / ms
+        off = paired_ratio(base_off.get((c, t)), g) if CONTENDERS[m][2].get("offload") == "on" else None
+        if off is not None:
+            s["offload_speedup"] = off
         s.update(_mean_acceptance(g), peer=CONTENDERS[m][0] != "ours")
         s.update({k: g[0][k] for k in ("note",) if k in g[0]})
         out.append(s)
     order = list(CONTENDERS)
     out.sort(key=lambda s: (s["context"], s["temperature"], order.index(s["mode"])))
     return out + [{"mode": r["mode"], "skipped": r["skipped"]} for r in rows if "skipped" in r]
+
+
+def paired_ratio(base: list[dict] | None, g: list[dict]) -> float | None:
+    """The median over repeats of base's ms/token over g's in the same repeat (None without
+    a base; the ratio of medians where the repeats do not pair up)."""
+    if not base:
+        return None
+    ms = lambda rows: {x.get("repeat", i): x["ms_per_token"] for i, x in enumerate(rows)}
+    b, m = ms(base), ms(g)
+    if set(b) == set(m) and all(m.values()):
+        return statistics.median(b[r] / m[r] for r in b)
+    top = statistics.median(m.values())
+    return statistics.median(b.values()) / top if top else None
 
 
 def _mean_acceptance(g: list[dict]) -> dict:
