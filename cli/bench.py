@@ -118,7 +118,8 @@ def run_meta(loaded, o: BenchOptions, model) -> dict:
             "dtype": str(loaded.dtype).replace("torch.", ""), "device": str(loaded.device),
             "kv_dtype": str(loaded.kv_dtype).replace("torch.", ""), "activations": loaded.activations,
             "torch_threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
-            "new_tokens": o.new_tokens, "spec": o.spec, "reuse_prefill": o.reuse_prefill}
+            "new_tokens": o.new_tokens, "spec": o.spec, "prompt_kind": o.prompt,
+            "reuse_prefill": o.reuse_prefill}
 
 
 def row_writer(path: Path, meta: dict):

@@ -40,6 +40,7 @@ class Loaded:
     activations: str = ""  # what quantized linears multiply: int8 (per row and 32 inputs) or fp32
     activations_asked: str = "auto"  # --activations as given (auto yields to --offload on)
     kv_dtype: torch.dtype | None = None  # what every KV cache stores (None: dtype)
+    token_bytes: int | None = None  # quantized.token_weight_bytes(model), counted once (spec_modes.read_ratio)
 
     def __post_init__(self):
         self.kv_dtype = self.kv_dtype or self.dtype

@@ -178,8 +178,8 @@ def read_ratio(levels, loaded):
     """ratio(i): bytes a one-token forward of level i reads over the top level's: the
     weights (`quantized.token_weight_bytes`) plus the KV it attends (a retrieval level: its
     selected tokens and those since; the top: all it holds). None for other levels. The
-    weights are counted at the first call (a walk over every module, ~4 ms on the bundled
-    model: not paid by runs that never price a level)."""
+    weights are counted at the first call of the first run that prices a level (a walk over
+    every module, ~4 ms on the bundled model) and kept in `loaded.token_bytes`."""
     per_token = loaded.cfg.kv_bytes_per_token(loaded.kv_dtype.itemsize)
     top, weights = levels[-1], []
 
@@ -187,8 +187,10 @@ def read_ratio(levels, loaded):
         lv = levels[i]
         if not isinstance(lv.cache, RetrievalKV) or lv.model is not top.model:
             return None
-        if not weights:
-            weights.append(quantized.token_weight_bytes(loaded.model))
+        if not weights:  # the loaded model's, counted once (a walk over every module)
+            if getattr(loaded, "token_bytes", None) is None:
+                loaded.token_bytes = quantized.token_weight_bytes(loaded.model)
+            weights.append(loaded.token_bytes)
         attended = lv.cache.n_retrieved + max(top.held - lv.cache.base, 0)
         return (weights[0] + per_token * attended) / (weights[0] + per_token * top.held)
     return ratio

@@ -144,6 +144,14 @@ def test_llama_cpp_missing_gives_a_note(monkeypatch):
     assert b.skip_note("llama.cpp") == note and b.skip_note("hf") is None
 
 
+def test_runs_alternate_their_order_between_repeats():
+    o = runner.BenchOptions(contexts=[256], repeats=3, modes=["triforce", "llama.cpp", "autoregressive"])
+    runs = [(r, m) for _, _, r, m in runner.plan_runs(o)]
+    assert runs == [(0, "autoregressive"), (0, "triforce"), (0, "llama.cpp"),
+                    (1, "llama.cpp"), (1, "triforce"), (1, "autoregressive"),
+                    (2, "autoregressive"), (2, "triforce"), (2, "llama.cpp")]
+
+
 def test_bench_options_refuse_bad_values():
     with pytest.raises(TriforceError, match="--modes magic"):
         runner.BenchOptions(modes=["magic"]).check()

@@ -256,10 +256,13 @@ def bench_prompt(tokenizer, ctx: int, new_tokens: int, kind: str = "summary") ->
 
 
 def plan_runs(o: BenchOptions) -> list[tuple[int, float, int, str]]:
-    """(context, temperature, repeat, contender) in run order: the baseline first."""
+    """(context, temperature, repeat, contender) in run order: the baseline first in even
+    repeats and last in odd ones, so a place in the order (after a contender that left the
+    caches cold, or the machine's speed drifting through a repeat) weighs on every
+    contender alike over the repeats."""
     order = sorted(o.modes, key=lambda m: m != BASELINE)
     return [(c, t, r, m) for c in o.contexts for t in o.temperatures
-            for r in range(o.repeats) for m in order]
+            for r in range(o.repeats) for m in (order if r % 2 == 0 else order[::-1])]
 
 
 def run_bench(loaded: api.Loaded, o: BenchOptions, model_path=None, progress=None, on_row=None):
