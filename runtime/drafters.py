@@ -172,6 +172,9 @@ def draft_size(a: float, n: int, cost, margin: float = DRAFT_MARGIN) -> int:
     return best_h if best > margin / cost(1) else 0
 
 
+NO_ROWS = torch.zeros(0)  # the q of a greedy n-gram draft: never read
+
+
 class NgramDrafter:
     """Prompt lookup: find the last n tokens earlier in the context, propose what followed.
 
@@ -265,7 +268,8 @@ class NgramDrafter:
             self.sized = [self.sized[0] + 1, self.sized[1] + len(toks)]
         seq.extend(toks)
         self.time += time.perf_counter() - t0
-        return one_hot(toks, self.vocab, self.device)
+        # greedy verification reads the verifier's argmax alone (accept_greedy): no rows for it
+        return NO_ROWS if sp is not None and sp.greedy else one_hot(toks, self.vocab, self.device)
 
     def figures(self) -> dict:
         """Lookups that found a match, tokens drafted from them, and the acceptance per

@@ -8,7 +8,9 @@ from triforce_offload.runtime.drafters import NgramDrafter, check_vocab, draft_s
 from triforce_offload.runtime.engine import AutoGamma, LevelStats, Rebuild
 from triforce_offload.runtime.errors import TriforceError
 from triforce_offload.runtime.options import RunOptions
-from triforce_offload.runtime.acceptance import accept, accept_greedy, n_accepted, one_hot, residual
+from triforce_offload.runtime.acceptance import (accept, accept_greedy, greedy_verdict, n_accepted, one_hot,
+                                                  residual)
+from triforce_offload.runtime.hostread import to_host
 from triforce_offload.runtime.sampling import SamplingParams, draw, probs, sample
 
 
@@ -32,6 +34,8 @@ def test_greedy_rule_equals_the_sampling_rule_on_one_hot_rows():
                  for i in range(n)]
         q = one_hot(draft, 12) if trial % 2 else torch.softmax(torch.randn(n, 12, generator=g), -1)
         assert accept_greedy(draft, q, p) == accept(draft, q, p, torch.Generator().manual_seed(trial))
+        # on logits, the CPU's host-side verdict is the device path's (greedy_verdict)
+        assert accept_greedy(draft, None, logits) == tuple(to_host(greedy_verdict(draft, logits)))
 
 
 def test_draw_is_the_argmax_when_greedy_and_a_sample_otherwise():
@@ -99,6 +103,10 @@ def test_ngram_lookup_takes_most_recent_longest_match():
     assert seq == [1, 2, 1, 2, 1, 2] and q.shape == (2, 10) and q[0, 1] == 1
     seq = [1, 2, 1, 2]  # --no-bypass: unsized, whatever the lookup finds up to g
     assert NgramDrafter(10, size=False).draft(seq, 1, None, None).shape == (1, 10) and seq == [1, 2, 1, 2, 1]
+    # greedy: the verifier's argmax alone decides (accept_greedy), so no one-hot rows are built
+    seq = [1, 2, 1, 2]
+    greedy = NgramDrafter(10, size=False).draft(seq, 1, SamplingParams(0.0), None)
+    assert greedy.numel() == 0 and seq == [1, 2, 1, 2, 1]
 
 
 def test_draft_size_weighs_expected_tokens_against_the_wider_forward():
