@@ -144,12 +144,13 @@ def show_summary(summary: list[dict], o: BenchOptions, gbps: float):
                       + [skip_line(s) for s in summary if "skipped" in s])
     t = Table(title=f"bench: {o.new_tokens} new tokens per run, median of {o.repeats}",
               caption=Text(notes))  # Text: "[bench]" is not markup
+    peer = any("vs_llama_cpp" in s for s in summary)  # the column where llama.cpp ran
     for c in ("mode", "context", "T", "ms/token", "floor ms", "tok/s", "speedup", "vs AR+offload",
-              "acceptance", "mean acc.", "peak GB", "lossless"):
+              *(["vs llama.cpp"] if peer else []), "acceptance", "mean acc.", "peak GB", "lossless"):
         t.add_column(c, justify="left" if c in ("mode", "acceptance") else "right")
     for s in summary:  # skipped contenders last, their reasons in the caption
-        t.add_row(*([s["mode"], "-", "-", "skipped"] + ["-"] * 8 if "skipped" in s
-                    else summary_cells(s)))
+        t.add_row(*([s["mode"], "-", "-", "skipped"] + ["-"] * (8 + peer) if "skipped" in s
+                    else summary_cells(s, peer)))
     con = out if out.is_terminal else Console(width=160)  # files and pipes: no squeezed columns
     con.print(t)
 
@@ -158,13 +159,15 @@ def skip_line(s: dict) -> str:
     return f"{s['mode']}: skipped ({s['skipped']})"
 
 
-def summary_cells(s: dict) -> list[str]:
+def summary_cells(s: dict, peer: bool = False) -> list[str]:
+    """A summary row's cells; `peer`: with the vs-llama.cpp column (llama.cpp's time over ours)."""
     acc = " ".join(f"{k} {v:.2f}" for k, v in s.get("acceptance", {}).items())
     lossless = {None: "-", True: "yes", False: "NO"}[s["lossless"]]
     if s.get("peer") and s["lossless"] is not None:  # a reference, not a lossless claim
         lossless = "same" if s["lossless"] else "differs"
     return [s["mode"], str(s["context"]), f"{s['temperature']:g}", f"{s['ms_per_token']:.1f}",
             f"{s['floor_ms']:.1f}" if "floor_ms" in s else "-", f"{s['tokens_per_s']:.1f}", f"{s['speedup']:.2f}x" if s["speedup"] else "-",
-            f"{s['offload_speedup']:.2f}x" if "offload_speedup" in s else "-", acc or "-",
+            f"{s['offload_speedup']:.2f}x" if "offload_speedup" in s else "-",
+            *([f"{s['vs_llama_cpp']:.2f}x" if "vs_llama_cpp" in s else "-"] if peer else []), acc or "-",
             f"{s['mean_accepted']:.2f}" if "mean_accepted" in s else "-", f"{s['peak_gb']:.2f}",
             lossless]

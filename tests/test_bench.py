@@ -181,6 +181,11 @@ def test_speedup_is_the_median_of_each_repeats_ratio():
     assert by["triforce"]["ms_per_token"] == 18.0  # the median, as printed
     # repeats that do not pair up (a run missing): the ratio of medians
     assert runner.paired_ratio(rows[:3], rows[3:5]) == pytest.approx(20 / 14.5)
+    # beside llama.cpp, our rows say how they compare with it, paired the same way
+    rows += [row("llama.cpp", r, ms) for r, ms in enumerate([12.0, 30.0, 30.0])]
+    by = {x["mode"]: x for x in runner.summarize(rows)}
+    assert by["triforce"]["vs_llama_cpp"] == pytest.approx(12 / 11)  # of 12/11, 30/18, 30/40
+    assert by["autoregressive"]["vs_llama_cpp"] == pytest.approx(1.2) and "vs_llama_cpp" not in by["llama.cpp"]
 
 
 def test_bench_cli_refuses_bad_list():

@@ -66,6 +66,7 @@ CONTENDERS = {
 }
 BASELINE = "autoregressive"
 OFFLOAD_BASELINE = "autoregressive+offload"  # what the offloaded contenders are compared with
+PEER = "llama.cpp"  # what a user would otherwise pick: our rows get `vs_llama_cpp` beside it
 EXTRA_BASELINES = ["deepspeed"]  # opt-in peers (`--baseline`): not in the default modes
 DEFAULT_MODES = [m for m in CONTENDERS if m not in EXTRA_BASELINES]
 
@@ -319,8 +320,9 @@ def floors(loaded, contexts: list[int], bps: float) -> dict[int, float]:
 def summarize(rows: list[dict]) -> list[dict]:
     """One row per (mode, context, temperature): median ms/token over repeats, speedup over
     autoregressive (and, for contenders whose KV lives in host memory, `offload_speedup`
-    over autoregressive+offload; both the median over repeats of each repeat's ratio, whose
-    runs follow each other, so a machine's drift between repeats cancels), and lossless = greedy tokens equal autoregressive's (None
+    over autoregressive+offload; and, where llama.cpp ran, `vs_llama_cpp`: its time over
+    ours; each the median over repeats of each repeat's ratio, whose runs follow each
+    other, so a machine's drift between repeats cancels), and lossless = greedy tokens equal autoregressive's (None
     if not greedy; for peers, `peer` is set: other kernels or quantized weights may flip
     near-ties)."""
     groups = {}
@@ -330,6 +332,7 @@ def summarize(rows: list[dict]) -> list[dict]:
     med = {k: statistics.median(x["ms_per_token"] for x in g) for k, g in groups.items()}
     base = {(c, t): g for (m, c, t), g in groups.items() if m == BASELINE}
     base_off = {(c, t): g for (m, c, t), g in groups.items() if m == OFFLOAD_BASELINE}
+    peer = {(c, t): g for (m, c, t), g in groups.items() if m == PEER}
     ref = {(c, t): g[0]["tokens"] for (m, c, t), g in groups.items() if m == BASELINE}
     out = []
     for (m, c, t), g in groups.items():
@@ -342,6 +345,9 @@ def summarize(rows: list[dict]) -> list[dict]:
         off = paired_ratio(base_off.get((c, t)), g) if CONTENDERS[m][2].get("offload") == "on" else None
         if off is not None:
             s["offload_speedup"] = off
+        vs = paired_ratio(peer.get((c, t)), g) if CONTENDERS[m][0] == "ours" else None
+        if vs is not None:
+            s["vs_llama_cpp"] = vs  # llama.cpp's ms/token over ours, paired like speedup
         s.update(_mean_acceptance(g), peer=CONTENDERS[m][0] != "ours")
         s.update({k: g[0][k] for k in ("note",) if k in g[0]})
         out.append(s)
