@@ -98,19 +98,27 @@ def test_bench_appends_jsonl_and_writes_plots(bench_run):
 
 
 def test_bench_prefills_once_per_context(bench_run):
-    """Our in-memory runs after the first at a (context) decode from the kept prompt KV (the
-    last prompt token prefilled again); offloaded ones and --fresh-prefill runs prefill all.
-    The tokens are the same either way."""
+    """Our in-memory runs decode from the kept prompt KV (the last prompt token prefilled
+    again) where an in-memory run of ours at that context kept it; a run of ours with its
+    own KV (offloaded, zero-inference) drops it, as does a new context; --fresh-prefill
+    runs prefill all. The tokens are the same either way."""
     out, _, _ = bench_run
     rows = [json.loads(x) for x in (out / "bench.jsonl").read_text().splitlines()]
     fresh, shared = rows[:2], [r for r in rows[2:] if "skipped" not in r]
     assert all("reused_tokens" not in r and r["reuse_prefill"] is False for r in fresh)
-    for ctx in (160, 256):
-        mem = [r for r in shared if r["context"] == ctx and runner.CONTENDERS[r["mode"]][2].get("offload") == "off"]
-        assert len(mem) == 4 * 2 and mem[0].get("reused_tokens", 0) == 0  # 4 modes x 2 temperatures
-        assert all(r["reused_tokens"] == r["prompt_tokens"] - 1 for r in mem[1:])
-        off = [r for r in shared if r["context"] == ctx and r["mode"].endswith("+offload")]
-        assert off and all("reused_tokens" not in r for r in off)
+    kept, ctx, reused = False, None, 0
+    for r in shared:
+        kind, _, extra = runner.CONTENDERS[r["mode"]]
+        kept = kept and r["context"] == ctx
+        ctx = r["context"]
+        if kind == "ours" and extra.get("offload") == "off":
+            assert r.get("reused_tokens", 0) == (r["prompt_tokens"] - 1 if kept else 0), r["mode"]
+            reused += kept
+            kept = True
+        elif kind == "ours":
+            assert "reused_tokens" not in r, r["mode"]
+            kept = False
+    assert reused >= 8  # retrieval and triforce after draft, per context and temperature
     ref = {r["mode"]: r["tokens"] for r in shared if r["context"] == 160 and r["temperature"] == 0}
     assert all(r["tokens"] == ref[r["mode"]] for r in fresh)
 

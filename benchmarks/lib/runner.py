@@ -20,9 +20,10 @@ ms/token counts decode only (first new token to last). Peak memory is the peak R
 above the RSS before the run (sampled by a thread), so it shows what a run adds, not
 the weights every run shares. `lossless` compares greedy tokens with autoregressive's.
 
-One prefill per context (`reuse_prefill`): our in-memory contenders share the prompt's KV
-through a PrefixCache, as the server does (each run prefills the last prompt token again,
-for its queries), and llama.cpp keeps its context between runs (its own prefix reuse).
+One prefill per context (`reuse_prefill`): on the CPU our in-memory contenders share the
+prompt's KV through a PrefixCache, as the server does (each run prefills the last prompt
+token again, for its queries; a run of ours with its own KV drops it first), and llama.cpp
+keeps its context between runs (its own prefix reuse).
 Decoding is what is measured, and it starts from the same KV either way; runs of one
 repeat follow each other within seconds instead of a prefill apart, so the ratios between
 contenders (`speedup`: the median over repeats of each repeat's ratio) see the same
@@ -140,14 +141,19 @@ class Bench:
 
     def shared(self, extra: dict):
         """The PrefixCache a run of ours with flat options `extra` takes its prompt's KV
-        from (room for one context's full cache), or None: it prefills on its own."""
-        if not self.o.reuse_prefill or extra.get("offload") != "off" or self.loaded.prefix is not None:
+        from (room for one context's full cache), or None: it prefills on its own. Only on
+        the CPU: on a GPU the kept KV would hold memory the other contenders need."""
+        if (not self.o.reuse_prefill or extra.get("offload") != "off" or self.loaded.prefix is not None
+                or self.loaded.device.type != "cpu"):
             return None
         if self.store is None:
-            elem = torch.empty(0, dtype=self.loaded.kv_dtype).element_size()
             room = max(self.o.contexts) + 2 * ROOM  # capacities round up to ROOM tokens
-            self.store = PrefixCache(2 * self.loaded.cfg.kv_bytes(room, elem, ring_depth=0))
+            self.store = PrefixCache(2 * self.kv_bytes(room))
         return self.store
+
+    def kv_bytes(self, tokens: int) -> int:
+        elem = torch.empty(0, dtype=self.loaded.kv_dtype).element_size()
+        return self.loaded.cfg.kv_bytes(tokens, elem, ring_depth=0)
 
     def close(self):
         if self.store is not None:
@@ -173,11 +179,15 @@ class Bench:
 
     def run(self, name: str, ctx: int, prompt: list[int], temp: float) -> dict:
         kind, variant, extra = CONTENDERS[name]
-        if self.store is not None and self.store_ctx != ctx:
-            self.store.clear()  # each context's first run prefills all of its prompt
-        self.store_ctx = ctx
         store = self.shared(extra) if kind == "ours" else None
-        kept = store.nbytes() / 2**30 if store else 0.0  # the run takes it: counted as its own
+        if self.store is not None and (self.store_ctx != ctx or (kind == "ours" and store is None)):
+            # each context's first run prefills all of its prompt; a run of ours with its
+            # own KV (offloaded: a host store as large) does not hold two copies
+            self.store.clear()
+        self.store_ctx = ctx
+        # a run that takes the kept KV counts what its own cache would hold (the prompt and
+        # the new tokens); the prefill's working memory is left out (--fresh-prefill has it)
+        kept = self.kv_bytes(len(prompt) + self.o.new_tokens) / 2**30 if store and store.entries else 0.0
         with PeakRSS() as mem:
             if kind == "ours" and store is not None:
                 self.loaded.prefix = store
