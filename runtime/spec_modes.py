@@ -188,7 +188,7 @@ def read_ratio(levels, loaded):
         if not isinstance(lv.cache, RetrievalKV) or lv.model is not top.model:
             return None
         if not weights:  # the loaded model's, counted once (a walk over every module)
-            if getattr(loaded, "token_bytes", None) is None:
+            if loaded.token_bytes is None:
                 loaded.token_bytes = quantized.token_weight_bytes(loaded.model)
             weights.append(loaded.token_bytes)
         attended = lv.cache.n_retrieved + max(top.held - lv.cache.base, 0)
