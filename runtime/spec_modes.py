@@ -181,18 +181,17 @@ def read_ratio(levels, loaded):
     weights are counted at the first call of the first run that prices a level (a walk over
     every module, ~4 ms on the bundled model) and kept in `loaded.token_bytes`."""
     per_token = loaded.cfg.kv_bytes_per_token(loaded.kv_dtype.itemsize)
-    top, weights = levels[-1], []
+    top = levels[-1]
 
     def ratio(i: int) -> float | None:
         lv = levels[i]
         if not isinstance(lv.cache, RetrievalKV) or lv.model is not top.model:
             return None
-        if not weights:  # the loaded model's, counted once (a walk over every module)
-            if loaded.token_bytes is None:
-                loaded.token_bytes = quantized.token_weight_bytes(loaded.model)
-            weights.append(loaded.token_bytes)
+        if loaded.token_bytes is None:  # the loaded model's, counted once (a walk over every module)
+            loaded.token_bytes = quantized.token_weight_bytes(loaded.model)
+        w = loaded.token_bytes
         attended = lv.cache.n_retrieved + max(top.held - lv.cache.base, 0)
-        return (weights[0] + per_token * attended) / (weights[0] + per_token * top.held)
+        return (w + per_token * attended) / (w + per_token * top.held)
     return ratio
 
 

@@ -148,12 +148,8 @@ class Bench:
             return None
         if self.store is None:
             room = max(self.o.contexts) + 2 * ROOM  # capacities round up to ROOM tokens
-            self.store = PrefixCache(2 * self.kv_bytes(room))
+            self.store = PrefixCache(2 * kv_bytes(self.loaded, room))
         return self.store
-
-    def kv_bytes(self, tokens: int) -> int:
-        elem = torch.empty(0, dtype=self.loaded.kv_dtype).element_size()
-        return self.loaded.cfg.kv_bytes(tokens, elem, ring_depth=0)
 
     def close(self):
         if self.store is not None:
@@ -187,16 +183,15 @@ class Bench:
         self.store_ctx = ctx
         # a run that takes the kept KV counts what its own cache would hold (the prompt and
         # the new tokens); the prefill's working memory is left out (--fresh-prefill has it)
-        kept = self.kv_bytes(len(prompt) + self.o.new_tokens) / 2**30 if store and store.entries else 0.0
+        kept = kv_bytes(self.loaded, len(prompt) + self.o.new_tokens) / 2**30 if store and store.entries else 0.0
         with PeakRSS() as mem:
-            if kind == "ours" and store is not None:
-                self.loaded.prefix = store
+            if kind == "ours":
+                prev = self.loaded.prefix  # a caller's own PrefixCache stays (shared() is None then)
+                self.loaded.prefix = prev if store is None else store
                 try:
                     row = self._ours(variant, extra, prompt, temp)
                 finally:
-                    self.loaded.prefix = None
-            elif kind == "ours":
-                row = self._ours(variant, extra, prompt, temp)
+                    self.loaded.prefix = prev
             elif kind == "transformers":
                 row = self._hf(variant, prompt, temp)
             elif kind == "deepspeed":
@@ -323,8 +318,12 @@ def floors(loaded, contexts: list[int], bps: float) -> dict[int, float]:
     of the window in a sliding-window layer) over `bps`."""
     from ..runtime.quantized import token_weight_bytes
     w = token_weight_bytes(loaded.model)
-    elem = torch.empty(0, dtype=loaded.kv_dtype).element_size()
-    return {c: 1000 * (w + loaded.cfg.kv_bytes(c, elem, ring_depth=0)) / bps for c in contexts}
+    return {c: 1000 * (w + kv_bytes(loaded, c)) / bps for c in contexts}
+
+
+def kv_bytes(loaded, tokens: int) -> int:
+    """Bytes of `tokens` tokens' KV at the cache's dtype (a window layer: its window's)."""
+    return loaded.cfg.kv_bytes(tokens, loaded.kv_dtype.itemsize, ring_depth=0)
 
 
 def summarize(rows: list[dict]) -> list[dict]:
