@@ -4,7 +4,7 @@ from setuptools import setup
 # One import root: package/ is `triforce_offload` itself (a checkout-root folder named
 # triforce_offload would shadow the installed package), the top-level folders are mapped
 # into it, and the benchmark library beside the benchmark scripts becomes `triforce_offload.bench`.
-SUBPACKAGES = {"runtime": "runtime", "offload": "offload", "kernels": "kernels", "cli": "cli",
+SUBPACKAGES = {"runtime": "runtime", "runtime.batch": "runtime/batch", "offload": "offload", "kernels": "kernels", "cli": "cli",
                "server": "server", "bench": "benchmarks/lib"}
 
 setup(

@@ -222,6 +222,40 @@ int triforce_qlinear(const float *x, int64_t M, int64_t K, int64_t ldx, const ui
     return failed ? -2 : 0;
 }
 
+/* The same for a dense float32 W [N, K] (rows ldw apart): out = x @ W^T (+ bias). Tiles of NT
+ * rows are read in place (nothing to dequantize); each row of x is dotted with a tile in
+ * the order above, so a row's result never depends on M or on the other rows: the
+ * row-exact float32 linear that lets a verification equal its decodes, and rows of
+ * several sequences share a forward (runtime/batch), bit for bit. */
+int triforce_linear_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const float *W, int64_t ldw,
+                        const float *bias, int64_t N, float *out, int64_t ldo) {
+    if (K <= 0 || N <= 0 || M < 0 || K % 16 || ldx < K || ldw < K || ldo < N) return -1;
+    const int64_t tiles = (N + NT - 1) / NT;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t n0 = t * NT, nt = N - n0 < NT ? N - n0 : NT;
+        const float *w[NT];
+        for (int j = 0; j < NT; j++) w[j] = W + (n0 + (j < nt ? j : 0)) * ldw; /* last tile: repeat a row */
+        for (int64_t r = 0; r < M; r++) {
+            const float *xr = x + r * ldx;
+            v16 acc[NT];
+            for (int j = 0; j < NT; j++) acc[j] = (v16){};
+            for (int64_t k = 0; k < K; k += 16) {
+                v16 xv;
+                memcpy(&xv, xr + k, sizeof xv);
+                for (int j = 0; j < NT; j++) {
+                    v16 wv;
+                    memcpy(&wv, w[j] + k, sizeof wv);
+                    acc[j] += wv * xv;
+                }
+            }
+            for (int64_t j = 0; j < nt; j++)
+                out[r * ldo + n0 + j] = hsum(acc[j]) + (bias ? bias[n0 + j] : 0.0f);
+        }
+    }
+    return 0;
+}
+
 /* Rows `ids` of W dequantized into out [n_ids, K] (an embedding lookup in the same format). */
 int triforce_qrows(const int64_t *ids, int64_t n_ids, int64_t K, const uint8_t *q, int bits, int64_t G,
                    const void *scale, const void *minv, int f16, int64_t N, float *out) {

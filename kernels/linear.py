@@ -10,14 +10,26 @@ CUDA already use the fast path through `F.linear` and stay on it.
 The choice is probed once: when the op is missing (a torch built without oneDNN, a
 non-x86 wheel) or disagrees with `F.linear`, everything uses `F.linear`.
 `TRIFORCE_OFFLOAD_LINEAR=torch` forces `F.linear` (for comparisons).
+
+Row-exact: oneDNN's (and MKL's) GEMM sums a row differently depending on how many rows
+the call has, so a 7-row verification's rows differ from 7 one-row decodes in the last
+bits, and rows of several sequences in one call from each alone. Up to `EXACT_ROWS` rows
+(decodes, verifications, draft steps), and for any number inside `exact_rows()` (a
+batch's ragged forward), float32 projections on the CPU run the native kernel's dense
+path instead (`triforce_linear_f32`, kernels/cpu_linear.c), whose every row is summed in
+one fixed order whatever the call: a sequence's tokens then never depend on its
+verification widths or on the batch. Prefill chunks (more rows) stay on oneDNN.
 """
 from __future__ import annotations
 
+import threading
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from ..settings import env
+from .native_linear import load
 
 _onednn: bool | None = None
 
@@ -46,12 +58,62 @@ def onednn_enabled() -> bool:
     return _onednn
 
 
+EXACT_ROWS = 64  # float32 CPU projections of up to this many rows run the row-exact kernel
+_forced = threading.local()  # exact_rows() is on in this thread
+
+
+@contextmanager
+def exact_rows():
+    """Inside the block every float32 CPU projection of this thread runs the row-exact
+    kernel, whatever its number of rows (a batch's ragged forward)."""
+    outer, _forced.on = getattr(_forced, "on", False), True
+    try:
+        yield
+    finally:
+        _forced.on = outer
+
+
+def _exact_lib():
+    """The native library with the dense row-exact kernel, or None (no compiler, disabled,
+    TRIFORCE_OFFLOAD_LINEAR=torch)."""
+    if env("linear") == "torch":
+        return None
+    return load()
+
+
+def exact_ok(weight: torch.Tensor) -> bool:
+    """Whether projections by `weight` can run the row-exact kernel."""
+    return (weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.dim() == 2
+            and weight.stride(1) == 1 and weight.shape[1] % 16 == 0 and _exact_lib() is not None)
+
+
+def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight^T (+ bias) on the row-exact kernel (float32 CPU; `exact_ok(weight)`)."""
+    K, N = weight.shape[1], weight.shape[0]
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape[0], N, dtype=torch.float32)
+    b = None if bias is None else bias.contiguous()
+    rc = _exact_lib().triforce_linear_f32(x2.data_ptr(), x2.shape[0], K, x2.stride(0), weight.data_ptr(),
+                                          weight.stride(0), None if b is None else b.data_ptr(), N,
+                                          out.data_ptr(), N)
+    if rc:
+        raise RuntimeError(f"row-exact linear refused a {N}x{K} weight ({rc})")
+    return out.view(*x.shape[:-1], N)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, routed to oneDNN for float32 on the CPU when no gradient is wanted."""
+    """F.linear; float32 on the CPU without a gradient: the row-exact kernel for up to
+    EXACT_ROWS rows (any number inside `exact_rows()`), else oneDNN."""
     if (x.dtype == torch.float32 and x.device.type == "cpu" and weight.dtype == torch.float32
-            and weight.is_contiguous() and not (torch.is_grad_enabled() and weight.requires_grad)
-            and not torch.compiler.is_compiling() and onednn_enabled()):  # inductor lowers F.linear
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+            and not (torch.is_grad_enabled() and weight.requires_grad)
+            and not torch.compiler.is_compiling()):  # inductor lowers F.linear
+        if ((x.numel() <= EXACT_ROWS * x.shape[-1] or getattr(_forced, "on", False)) and exact_ok(weight)
+                and (bias is None or bias.dtype == torch.float32)):
+            return exact_linear(x, weight, bias)
+        if weight.is_contiguous() and onednn_enabled():
+            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 

@@ -26,51 +26,13 @@ Activations are quantized per row or not at all, so no kernel's row depends on o
 """
 from __future__ import annotations
 
-import ctypes
-from pathlib import Path
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import native
-from ..settings import env
-from .linear import linear
+from .linear import Linear, exact_ok, linear
 
-SOURCE = Path(__file__).with_name("cpu_linear.c")
-_lib = None  # ctypes handle, False once the build failed
-_error = ""
-
-
-def load():
-    """The native library, or None (the reason in `reason()`)."""
-    global _lib, _error
-    if _lib is None:
-        if env("native") == "0":
-            _lib, _error = False, "disabled by TRIFORCE_OFFLOAD_NATIVE=0"
-        else:
-            try:
-                lib = ctypes.CDLL(str(native.build(SOURCE)))
-                P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-                lib.triforce_qlinear.restype = I
-                lib.triforce_qlinear.argtypes = [P, I64, I64, I64, P, I, I64, P, P, I, P, I64, P, I64]
-                lib.triforce_qrows.restype = I
-                lib.triforce_qrows.argtypes = [P, I64, I64, P, I, I64, P, P, I, I64, P]
-                lib.triforce_linear_vector_bits.restype = I
-                lib.triforce_qlinear_q8.restype = I
-                lib.triforce_qlinear_q8.argtypes = lib.triforce_qlinear.argtypes
-                lib.triforce_qlinear_q8x.restype = I
-                lib.triforce_qlinear_q8x.argtypes = lib.triforce_qlinear.argtypes + [P, ctypes.c_float, I, P, I64]
-                lib.triforce_linear_vnni.restype = I
-                _lib = lib
-            except (OSError, RuntimeError, AttributeError) as e:
-                _lib, _error = False, str(e)
-    return _lib or None
-
-
-def reason() -> str:
-    load()
-    return _error
+from .native_linear import load, reason  # noqa: F401  (the library: qlinear.load() as before)
 
 
 def vnni() -> bool:
@@ -348,3 +310,18 @@ def quantize(w: torch.Tensor, bits: int, group: int | None = None) -> QPart:
     minv = lo.half()
     q = ((g - minv.float()[..., None]) / scale.float()[..., None]).round().clamp(0, 15)
     return QPart(pack4(q.reshape(n, K)), scale, minv, 4, G, K)
+
+
+def rows_exact(model) -> bool:
+    """Whether every projection of `model` computes each row independently of the other
+    rows of its call (float32 dense on the row-exact kernel, quantized on the native one):
+    rows of several sequences may then share a forward (runtime/batch)."""
+    for m in model.modules():
+        if isinstance(m, QLinear):
+            if load() is None or m.parts[0].q.device.type != "cpu":
+                return False
+        elif isinstance(m, torch.nn.Linear) and not (isinstance(m, Linear) and exact_ok(m.weight)):
+            return False
+    p = next(model.parameters(), None)
+    return p is not None and p.device.type == "cpu" and any(
+        t.dtype == torch.float32 for t in model.parameters())  # the activations are float32

@@ -56,6 +56,7 @@ from ..kernels.attention import fallback_notes
 from ..settings import env
 from .cache import FullCache, depth_of
 from .retrieval import Recorder
+from .batch import member
 from .distributed import world_size
 
 TP_NOTE = ("CUDA graphs off under tensor parallelism: a captured graph would not replay the "
@@ -126,6 +127,11 @@ class Step:
 
 
     def __call__(self, ids: torch.Tensor, start: int, last_only: bool = False) -> torch.Tensor:
+        b = member.current()  # a sequence of a batch: the forward waits for its round
+        return self.alone(ids, start, last_only) if b is None else b.ask(self, ids, start, last_only)
+
+    def alone(self, ids: torch.Tensor, start: int, last_only: bool = False) -> torch.Tensor:
+        """This step's forward by itself (a batch's round runs it so where it cannot share)."""
         if not self.static:
             return self.model(ids, start, self.cache, last_only)
         self.cache.check_end(start + ids.shape[1])  # on the host: the graph cannot check
@@ -267,6 +273,12 @@ def graphable(device) -> bool:
     return torch.device(device).type == "cuda" or bool(env("static"))
 
 
+def keeps(device) -> bool:
+    """Whether a run on `device` takes its static caches from the model's `Kept`: where
+    steps are fixed-shape, and not in a batch (its sequences' caches are their own)."""
+    return graphable(device) and member.current() is None
+
+
 class Kept:
     """One model's static caches and the Steps captured over them, kept across runs so a
     second run with the same shapes captures nothing (module docstring). It holds at most
@@ -286,6 +298,8 @@ class Kept:
         """The kept Step over `cache` (per-run figures zeroed), or a new one; kept when the
         cache is. A static full cache (or Recorder over one) not kept yet, such as one a
         prefix store handed back, becomes the kept one: its graphs serve the next runs."""
+        if member.current() is not None:  # a sequence of a batch: its caches are its own
+            return Step(model, cache, graphs, compile)
         if not self.holds(cache):
             base = cache.inner if isinstance(cache, Recorder) else cache
             if not (isinstance(base, FullCache) and base.static and graphable(base.k[0].device)):

@@ -14,14 +14,16 @@ device=cuda)` copies from pageable memory, which blocks the host until the copy 
 """
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from contextlib import contextmanager
 
 import torch
 
 
-class HostReads:
-    """Blocking reads so far, per level name (`count`), and the level reading now."""
+class HostReads(threading.local):
+    """Blocking reads so far, per level name (`count`), and the level reading now; per
+    thread (the sequences of a batch each run in their own: runtime/batch)."""
 
     def __init__(self):
         self.count = Counter()  # level name -> reads

@@ -233,6 +233,18 @@ class Transformer(nn.Module):
         cache.end_forward()
         return self.head(x, last_only)
 
+    def forward_rows(self, ids: torch.Tensor, pos: torch.Tensor, cache, keep: torch.Tensor) -> torch.Tensor:
+        """ids [1, N] of tokens at positions pos [N], which need not follow each other
+        (rows of several sequences: `cache` tells them apart, runtime/batch/rows.py) ->
+        logits [1, len(keep), V] of the rows `keep`. The cache's attend gets start None."""
+        x = self.embed(ids)
+        cos, sin = self.rotary(pos, x.dtype)
+        cache.begin_forward(None, ids.shape[1])
+        for i in range(len(self.model.layers)):
+            x = self.layer_step(i, x, cos, sin, None, cache)
+        cache.end_forward()
+        return self.head(x[:, keep])
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token ids [B, T] -> hidden states [B, T, H] (Gemma: times sqrt(H), rounded to
         the dtype first as HF does)."""

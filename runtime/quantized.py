@@ -7,6 +7,7 @@ it is read), so loading never holds a float copy of the whole model.
 """
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from typing import Iterable
 
@@ -113,23 +114,42 @@ def set_activations(model: torch.nn.Module, mode: str, device) -> str:
     return act
 
 
+_ACT_LOCK = threading.Lock()
+
+
 @contextmanager
 def activations_set(model: torch.nn.Module, act: str):
-    """Every quantized linear multiplies `act` inside the block, then what it did before."""
-    lins = [m for m in model.modules() if isinstance(m, QLinear)] if act else []
-    before = [m.act for m in lins]
-    for m in lins:
-        if m.act != act:
-            m.act = act
-    now = getattr(model, "activations_now", "")
-    model.activations_now = act  # what KV this run writes was computed with (prefix reuse matches it)
+    """Every quantized linear multiplies `act` inside the block, then what it did before.
+    Blocks of several threads (the sequences of a batch, runtime/batch) nest: the first
+    sets, the last restores, and one asking for another precision meanwhile is refused."""
+    with _ACT_LOCK:
+        held = model.__dict__.get("_act_held")  # [act, blocks inside, restore]
+        if held is not None:
+            if held[0] != act:
+                raise TriforceError(f"this model runs {held[0] or 'float'} activations for the sequences "
+                                    f"running now; a sequence asking for {act or 'float'} ones (--offload on "
+                                    "keeps float activations) waits for them or runs in another batch")
+            held[1] += 1
+        else:
+            lins = [m for m in model.modules() if isinstance(m, QLinear)] if act else []
+            restore = ([(m, m.act) for m in lins], getattr(model, "activations_now", ""))
+            for m in lins:
+                if m.act != act:
+                    m.act = act
+            model.activations_now = act  # what KV this run writes was computed with (prefix reuse matches it)
+            model.__dict__["_act_held"] = held = [act, 1, restore]
     try:
         yield
     finally:
-        model.activations_now = now
-        for m, a in zip(lins, before):
-            if m.act != a:
-                m.act = a
+        with _ACT_LOCK:
+            held[1] -= 1
+            if held[1] == 0:
+                del model.__dict__["_act_held"]
+                lins, now = held[2]
+                model.activations_now = now
+                for m, a in lins:
+                    if m.act != a:
+                        m.act = a
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

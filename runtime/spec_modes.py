@@ -16,7 +16,7 @@ from .drafters import ModelLevel, NgramDrafter, check_vocab
 from .engine import KAPPA, AutoGamma, Bypass, Engine, Rebuild, rollback_depth
 from .errors import TriforceError
 from .generate import Stats, capacity, peak_memory_gb, prefill, stop_ids
-from .graphs import combined, graphable, kept, room_for
+from .graphs import combined, graphable, keeps, kept, room_for
 from .hostread import to_device, to_host
 from .offloaded import finish_stats, make_full_cache
 from .prefix_cache import lease
@@ -73,7 +73,7 @@ def retrieval_slots(kind, loaded, n: int, opts) -> int:
 def retrieval_cache(loaded, budget: int, chunk: int, slots: int, depth: int | None = None):
     """The model's kept retrieval cache of `slots` slots (and window rings of `depth`),
     reset (graphs.Kept), or a new one."""
-    k = kept(loaded.model) if graphable(loaded.device) else None
+    k = kept(loaded.model) if keeps(loaded.device) else None
     ret = k.retrieval_cache(slots, depth) if k else None
     if ret is not None:
         ret.reset(budget, chunk)

@@ -1,0 +1,47 @@
+"""The native linear library (cpu_linear.c): built once by kernels/native.py, loaded with
+ctypes, its entry points typed here. Both the quantized linears (qlinear.py) and the
+row-exact float32 path of linear.py call it."""
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+from . import native
+from ..settings import env
+
+SOURCE = Path(__file__).with_name("cpu_linear.c")
+_lib = None  # ctypes handle, False once the build failed
+_error = ""
+
+
+def load():
+    """The native library, or None (the reason in `reason()`)."""
+    global _lib, _error
+    if _lib is None:
+        if env("native") == "0":
+            _lib, _error = False, "disabled by TRIFORCE_OFFLOAD_NATIVE=0"
+        else:
+            try:
+                lib = ctypes.CDLL(str(native.build(SOURCE)))
+                P, I64, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+                lib.triforce_qlinear.restype = I
+                lib.triforce_qlinear.argtypes = [P, I64, I64, I64, P, I, I64, P, P, I, P, I64, P, I64]
+                lib.triforce_qrows.restype = I
+                lib.triforce_qrows.argtypes = [P, I64, I64, P, I, I64, P, P, I, I64, P]
+                lib.triforce_linear_vector_bits.restype = I
+                lib.triforce_qlinear_q8.restype = I
+                lib.triforce_qlinear_q8.argtypes = lib.triforce_qlinear.argtypes
+                lib.triforce_qlinear_q8x.restype = I
+                lib.triforce_qlinear_q8x.argtypes = lib.triforce_qlinear.argtypes + [P, ctypes.c_float, I, P, I64]
+                lib.triforce_linear_vnni.restype = I
+                lib.triforce_linear_f32.restype = I
+                lib.triforce_linear_f32.argtypes = [P, I64, I64, I64, P, I64, P, I64, P, I64]
+                _lib = lib
+            except (OSError, RuntimeError, AttributeError) as e:
+                _lib, _error = False, str(e)
+    return _lib or None
+
+
+def reason() -> str:
+    load()
+    return _error

@@ -1,0 +1,90 @@
+"""The ragged forward: rows of many sequences through one model forward.
+
+A `Row` set is what one sequence asks of a model this round: T token ids at positions
+start.., attending over its own cache, and whether it needs the logits of its last row
+only. `forward(model, sets)` runs them all as one forward of N = sum(T) rows: the
+embedding, every linear and norm over all rows at once (the weights are read once per
+forward, not once per sequence), RoPE per row at its own position, and attention per
+sequence through `Ragged`, which hands each sequence's slice of q, k, v to that
+sequence's cache exactly as its solo forward would (`cache.attend(layer, q, k, v, start)`
+with the same shapes). What a row computes depends on its own values alone where the
+linears are row-exact (`exact(model)`), so each sequence gets the logits its solo forward
+gives, bit for bit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...kernels.linear import exact_rows
+from ...kernels.qlinear import rows_exact
+
+
+@dataclass
+class Rows:
+    """One sequence's part of a ragged forward."""
+    ids: torch.Tensor  # [1, T] token ids
+    start: int  # position of the first
+    cache: object  # the sequence's cache (a protocols.Cache)
+    last_only: bool = False  # logits of the last row only
+
+    @property
+    def n(self) -> int:
+        return self.ids.shape[1]
+
+
+class Ragged:
+    """The caches of a ragged forward's sequences behind the one cache interface the model
+    calls: each layer's q [1, Hq, N, D], k, v [1, Hkv, N, D] are cut into the sequences'
+    row slices, each attended by its own cache at its own start, and put back in order.
+    Lengths stay the sequences' own (each commits or rolls back its cache itself)."""
+
+    def __init__(self, sets: list[Rows]):
+        self.sets = sets
+        self.bounds = []  # (first row, rows) per set
+        a = 0
+        for s in sets:
+            self.bounds.append((a, s.n))
+            a += s.n
+
+    def begin_forward(self, start, n_tokens: int):
+        for s in self.sets:
+            s.cache.begin_forward(s.start, s.n)
+
+    def attend(self, layer, q, k, v, start):
+        outs = [s.cache.attend(layer, q[:, :, a: a + n], k[:, :, a: a + n], v[:, :, a: a + n], s.start)
+                for s, (a, n) in zip(self.sets, self.bounds)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, 2)  # [1, Hq, N, D]
+
+    def end_forward(self):
+        for s in self.sets:
+            s.cache.end_forward()
+
+
+def exact(model) -> bool:
+    """Whether `model`'s rows are computed independently of the other rows of a forward
+    (every projection on a row-exact kernel: `kernels.qlinear.rows_exact`), so that rows of
+    several sequences may share a forward without changing any sequence's output."""
+    v = model.__dict__.get("_rows_exact")
+    if v is None:
+        v = model.__dict__["_rows_exact"] = rows_exact(model)
+    return v
+
+
+@torch.inference_mode()
+def forward(model, sets: list[Rows]) -> list[torch.Tensor]:
+    """One forward of every set's rows; per set its logits [1, T, V] ([1, 1, V] with
+    last_only), as `model(ids, start, cache, last_only)` gives them alone."""
+    ids = torch.cat([s.ids for s in sets], 1)  # [1, N]
+    dev = ids.device
+    pos = torch.cat([torch.arange(s.start, s.start + s.n, device=dev) for s in sets])  # [N]
+    keep, ends = [], []
+    a = 0
+    for s in sets:
+        keep.extend(range(a + s.n - 1, a + s.n) if s.last_only else range(a, a + s.n))
+        ends.append(len(keep))
+        a += s.n
+    with exact_rows():
+        logits = model.forward_rows(ids, pos, Ragged(sets), torch.tensor(keep, device=dev))  # [1, R, V]
+    return list(torch.tensor_split(logits, ends[:-1], dim=1))

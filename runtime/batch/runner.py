@@ -1,0 +1,237 @@
+"""A batch of sequences: each runs the solo code path in a member thread; their model
+forwards meet at a rendezvous and run together.
+
+Each sequence is a `Member`: `api.generate` for its prompt and options (any mode: its own
+caches, drafter, retrieval level, acceptance, γ, bypass, sampling generator, stop
+callback), run in its own thread. A model forward of that thread (`graphs.Step`, where
+every decode, verification and draft step goes) is handed to the `Batcher` and waits. The
+thread that drives the batch (`Batch.drain`, `Batch.step`) waits until every running
+member has handed in a forward or finished, then runs them: forwards of one model whose
+rows are row-exact (`rows.exact`) as one ragged forward (`rows.forward`), the others
+(fixed-shape steps, a model without row-exact kernels) one after another as they would
+run alone. So at most one thread computes at a time, the weights are read once per round
+for every sequence at that model, and a sequence's tokens do not depend on the others.
+
+Sequences join at any time (`Batch.add`, also from an `on_token` callback) and leave when
+they finish: the next round simply has more or fewer forwards. Prefill runs in the member
+thread, alone, while the others wait (chunked prefill inside rounds is the serving step).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import TriforceError
+from . import member
+from .rows import Rows, exact, forward
+
+
+@dataclass
+class Ask:
+    """One member's model forward, waiting for its round."""
+    step: object  # the graphs.Step it came through (model, cache)
+    ids: torch.Tensor  # [1, T]
+    start: int
+    last_only: bool
+    out: torch.Tensor | None = None  # logits, as step(ids, start, last_only) returns them
+    error: BaseException | None = None
+    done: bool = False
+
+    def mergeable(self) -> bool:
+        """Whether it can share a ragged forward: a dynamic-shape step on a row-exact model."""
+        return not self.step.static and self.ids.device.type == "cpu" and exact(self.step.model)
+
+
+class Batcher:
+    """The rendezvous: members `ask` for forwards and wait; the driving thread runs a round
+    once every running member is waiting (`round`). Counts rounds, rows and forwards."""
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._running = 0  # members whose thread has not finished
+        self._asks: list[Ask] = []
+        self.rounds = 0  # rounds run
+        self.forwards = Counter()  # "ragged" (shared forwards), "alone" (forwards run by themselves)
+        self.rows = 0  # rows computed in ragged forwards
+        self.merged = 0  # sequence forwards that ran inside ragged forwards
+        self.forward_s = 0.0
+
+    def join(self):
+        with self._cv:
+            self._running += 1
+
+    def leave(self):
+        with self._cv:
+            self._running -= 1
+            self._cv.notify_all()
+
+    @property
+    def running(self) -> int:
+        return self._running
+
+    def ask(self, step, ids, start: int, last_only: bool):
+        """A member's forward: wait for its round; its logits (or its error, raised here)."""
+        a = Ask(step, ids, start, last_only)
+        with self._cv:
+            self._asks.append(a)
+            self._cv.notify_all()
+            while not a.done:
+                self._cv.wait()
+        if a.error is not None:
+            raise a.error
+        return a.out
+
+    def round(self, timeout: float | None = None) -> bool:
+        """Wait until every running member has asked (or none runs), run their forwards;
+        False once no member runs and nothing is asked."""
+        with self._cv:
+            ok = self._cv.wait_for(lambda: len(self._asks) >= self._running, timeout)
+            if not ok:
+                return True  # a member is still busy (prefill): come back
+            asks, self._asks = self._asks, []
+        if not asks:
+            return self._running > 0
+        t0 = time.perf_counter()
+        try:
+            self._run(asks)
+        finally:
+            self.forward_s += time.perf_counter() - t0
+            self.rounds += 1
+            with self._cv:
+                for a in asks:
+                    a.done = True
+                self._cv.notify_all()
+        return True
+
+    @torch.inference_mode()
+    def _run(self, asks: list[Ask]):
+        groups: dict[int, list[Ask]] = {}
+        for a in asks:
+            if a.mergeable():
+                groups.setdefault(id(a.step.model), []).append(a)
+            else:
+                self._alone(a)
+        for g in groups.values():
+            if len(g) == 1:
+                self._alone(g[0])
+                continue
+            try:
+                for a in g:  # refused before the forward: one sequence's error is its own
+                    a.step.cache.check_end(a.start + a.ids.shape[1])
+            except Exception:  # noqa: BLE001 - each runs alone: the failing one gets its error
+                for a in g:
+                    self._alone(a)
+                continue
+            outs = forward(g[0].step.model, [Rows(a.ids, a.start, a.step.cache, a.last_only) for a in g])
+            for a, o in zip(g, outs):
+                a.out = o
+            self.forwards["ragged"] += 1
+            self.rows += sum(a.ids.shape[1] for a in g)
+            self.merged += len(g)
+
+    def _alone(self, a: Ask):
+        self.forwards["alone"] += 1
+        try:
+            a.out = a.step.alone(a.ids, a.start, a.last_only)
+        except BaseException as e:  # noqa: BLE001 - the member raises it in its own thread
+            a.error = e
+
+    def figures(self) -> dict:
+        """For Stats.extra: how the batch ran (shared across its members)."""
+        f = self.forwards["ragged"]
+        return {"batch_rounds": self.rounds, "batch_forwards_shared": f,
+                "batch_forwards_alone": self.forwards["alone"],
+                "batch_seqs_per_forward": round(self.merged / f, 2) if f else 0.0,
+                "batch_rows_per_forward": round(self.rows / f, 2) if f else 0.0}
+
+
+@dataclass
+class Member:
+    """One sequence of a batch: its prompt, options and result."""
+    prompt: list[int]
+    opts: object  # RunOptions
+    on_token: object = None
+    progress: object = None
+    tokens: list[int] | None = None  # the result (new token ids)
+    stats: object = None  # its Stats
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+    joined_round: int = 0  # the batch round it joined at
+
+    def result(self):
+        """(tokens, Stats), or the error it ended with."""
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.tokens, self.stats
+
+
+class Batch:
+    """Sequences decoding together on one loaded model. `add` a sequence (any thread), then
+    `drain` (run rounds until every member finished) or `step` rounds from a serving loop."""
+
+    def __init__(self, loaded, generate=None):
+        from .. import api  # the mode runners; api imports nothing of this package
+        self.loaded, self.generate = loaded, generate or api.generate
+        self.batcher = Batcher()
+        self.members: list[Member] = []
+        # OpenMP's thread count is per thread: a member's prefill runs with the creator's
+        self.threads = torch.get_num_threads()
+
+    def add(self, prompt: list[int], opts, on_token=None, progress=None) -> Member:
+        """Start a sequence; it joins the next round."""
+        m = Member(list(prompt), opts, on_token, progress, joined_round=self.batcher.rounds)
+        self.members.append(m)
+        self.batcher.join()  # before the thread starts: a round never runs without it
+        threading.Thread(target=self._body, args=(m,), daemon=True,
+                         name=f"triforce-seq-{len(self.members)}").start()
+        return m
+
+    def _body(self, m: Member):
+        member.enter(self.batcher)
+        torch.set_num_threads(self.threads)
+        try:
+            with torch.inference_mode():
+                m.tokens, m.stats = self.generate(self.loaded, m.prompt, m.opts, m.on_token, m.progress)
+        except BaseException as e:  # noqa: BLE001 - handed to whoever reads the result
+            m.error = e
+        finally:
+            member.leave()
+            self.batcher.leave()
+            m.done.set()
+
+    def step(self, timeout: float | None = None) -> bool:
+        """Run one round (waiting up to `timeout` for the members); False when none runs."""
+        return self.batcher.round(timeout)
+
+    def drain(self):
+        """Run rounds until every member finished; add the batch's figures to their Stats."""
+        while self.batcher.round(0.05) or self.batcher.running:
+            pass
+        for m in self.members:
+            m.done.wait()
+            if m.stats is not None:
+                m.stats.extra.update(self.batcher.figures(), batch_size=len(self.members))
+
+
+def generate_batch(loaded, prompts: list[list[int]], opts, on_token=None) -> list:
+    """Each prompt's (new token ids, Stats), generated together. `opts`: one RunOptions for
+    all, or one per prompt; `on_token(i, t)`: sequence i produced t (True ends it). Raises
+    the first sequence's error after every sequence ended (the others' results stand)."""
+    if not prompts:
+        raise TriforceError("the batch is empty: give at least one prompt")
+    per = opts if isinstance(opts, (list, tuple)) else [opts] * len(prompts)
+    if len(per) != len(prompts):
+        raise TriforceError(f"{len(prompts)} prompts but {len(per)} option sets")
+    b = Batch(loaded)
+    ms = [b.add(p, o, None if on_token is None else (lambda t, i=i: on_token(i, t)))
+          for i, (p, o) in enumerate(zip(prompts, per))]
+    b.drain()
+    for m in ms:
+        if m.error is not None:
+            raise m.error
+    return [m.result() for m in ms]

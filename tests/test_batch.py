@@ -1,0 +1,235 @@
+"""The batched engine: each sequence of a batch equals its solo run token for token, in
+every mode, at fp32 and at quantized precision (int8 activations, bf16 KV), with mixed
+prompt lengths, sequences ending at different times and joining between rounds; the
+rows of a shared forward equal their solo forwards bit for bit; and the forwards really
+are shared (weights read once per round for the whole batch)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from triforce_offload.kernels.linear import EXACT_ROWS, exact_rows, linear
+from triforce_offload.kernels.qlinear import load as native_linear, rows_exact
+from triforce_offload.runtime.api import Loaded, RunOptions, generate
+from triforce_offload.runtime.batch.rows import Rows, forward
+from triforce_offload.runtime.batch.runner import Batch, generate_batch
+from triforce_offload.runtime.cache import FullCache
+from triforce_offload.runtime.config import ModelConfig
+from triforce_offload.runtime.errors import TriforceError
+from triforce_offload.runtime.model import Transformer
+from triforce_offload.runtime.quantized import quantize_model, set_activations, weights_name
+from triforce_offload.runtime.sampling import SamplingParams
+
+from helpers_spec import repetitive_prompt, tiny
+
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.skipif(native_linear() is None, reason="needs the native linear kernel (a C compiler)")]
+
+
+def quantized(L: Loaded, weights: str = "int4") -> Loaded:
+    """L at int4 weights, int8 activations per row and a bfloat16 KV (the GGUF precision's
+    defaults on a CPU with VNNI; without VNNI the int8 kernel is the portable one)."""
+    L = copy.copy(L)
+    L.model = quantize_model(copy.deepcopy(L.model), weights)
+    L.weights = weights_name(L.model)
+    L.activations = set_activations(L.model, "int8", "cpu")
+    L.kv_dtype = torch.bfloat16
+    return L
+
+
+def windowed(seed: int = 3) -> Loaded:
+    """A tiny model with a sliding-window layer (window 12) before a global one."""
+    torch.manual_seed(seed)
+    cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=64, intermediate_size=128, n_layers=2,
+                      n_heads=4, n_kv_heads=2, max_position_embeddings=4096,
+                      layer_types=["sliding_attention", "full_attention"], sliding_window=12)
+    model = Transformer(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3.0)
+    return Loaded(model, cfg, tiny().tokenizer, torch.device("cpu"), torch.float32)
+
+
+MODELS = {
+    "fp32": lambda: tiny(scale=3.0, seed=1, dim=64),
+    "int4:int8": lambda: quantized(tiny(scale=3.0, seed=1, dim=64)),
+    "qwen2-int8": lambda: quantized(tiny(scale=3.0, seed=2, heads=6, kv=2, layers=3, dim=96, arch="qwen2"), "int8"),
+    "window": windowed,
+}
+
+MODES = [
+    ("autoregressive", {}),
+    ("draft", {}),
+    ("retrieval", {"budget": 32}),
+    ("triforce", {"budget": 32}),
+    ("triforce", {"budget": 32, "bypass": False, "gamma2": "auto"}),
+    ("triforce", {"budget": 16, "retrieval_chunk": 4, "draft": "self", "draft_window": 8}),
+    # offloaded: streamed attention merges a verification's rows in another order than their
+    # decodes (docs/offload.md), so its tokens follow the speculative path taken; a fixed
+    # path (no bypass, no draft sizing: both timing-driven) makes the batch equal solo exactly
+    ("triforce", {"budget": 32, "offload": "on", "transfer_chunk": 24, "bypass": False}),
+    ("autoregressive", {"offload": "on", "transfer_chunk": 24}),
+]
+
+LENGTHS, NEW = [40, 97, 150, 61], [20, 33, 12, 25]  # mixed prompts, ending at different times
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    return [repetitive_prompt(n, vocab, seed=i) for i, n in enumerate(LENGTHS)]
+
+
+def shared(stats) -> float:
+    return stats.extra["batch_seqs_per_forward"]
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("mode,extra", MODES)
+def test_each_sequence_equals_its_solo_run(model, mode, extra):
+    L = MODELS[model]()
+    ps = prompts(L.cfg.vocab_size)
+    opts = [RunOptions.of(mode=mode, max_new_tokens=n, **extra) for n in NEW]
+    solo = [generate(L, p, o)[0] for p, o in zip(ps, opts)]
+    got = generate_batch(L, ps, opts)
+    assert [t for t, _ in got] == solo
+    assert [len(t) for t in solo] == NEW  # every sequence ran to its own length
+    if "offload" not in extra:  # an offloaded cache's rows share forwards as well, but not always
+        assert shared(got[0][1]) > 1.5, got[0][1].extra  # rows of several sequences in one forward
+
+
+def test_sampled_sequences_follow_their_own_seeds():
+    L = MODELS["int4:int8"]()
+    ps = prompts(L.cfg.vocab_size)
+    opts = [RunOptions.of(mode=m, max_new_tokens=24, budget=32,
+                          sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=s))
+            for m, s in zip(["triforce", "autoregressive", "draft", "triforce"], [1, 2, 3, 1])]
+    solo = [generate(L, p, o)[0] for p, o in zip(ps, opts)]
+    assert [t for t, _ in generate_batch(L, ps, opts)] == solo
+    assert solo[0] != solo[3]  # the same seed on other prompts: other text (no shared generator)
+
+
+def test_sequences_join_between_rounds_and_stop_early():
+    """A sequence joins after another's 5th token, one stops itself after 7 tokens (a stop
+    string or a hang-up), another at an end-of-sequence id: each equals its solo run."""
+    L = MODELS["fp32"]()
+    ps = prompts(L.cfg.vocab_size)
+    opts = RunOptions.of(mode="triforce", max_new_tokens=30, budget=32)
+    eos_run = copy.copy(L)
+    solo = [generate(L, p, opts)[0] for p in ps]
+    eos = solo[2][9]  # sequence 2's 10th token as its end-of-sequence (every run ends at it)
+    eos_run.cfg = copy.copy(L.cfg)
+    eos_run.cfg.eos_token_ids = [eos]
+    want2 = generate(eos_run, ps[2], opts)[0]
+    assert want2 == solo[2][:solo[2].index(eos) + 1]
+
+    b = Batch(L)
+    joined = []
+
+    def on0(t, seen=[]):
+        seen.append(t)
+        if len(seen) == 5:
+            joined.append(b.add(ps[3], opts))
+        return False
+
+    def on1(t, seen=[]):
+        seen.append(t)
+        return len(seen) == 7  # stop after 7 tokens
+
+    m0 = b.add(ps[0], opts, on0)
+    m1 = b.add(ps[1], opts, on1)
+    b2 = Batch(eos_run)  # another model config: its own batch (sequences of a batch share a Loaded)
+    m2 = b2.add(ps[2], opts)
+    b.drain()
+    b2.drain()
+    assert m0.result()[0] == solo[0]
+    assert m1.result()[0] == solo[1][:7]
+    assert joined and joined[0].result()[0] == solo[3] and joined[0].joined_round > 0
+    assert m2.result()[0] == want2
+
+
+def test_one_sequence_failing_leaves_the_others_running():
+    L = MODELS["fp32"]()
+    ps = prompts(L.cfg.vocab_size)
+    too_long = list(range(60)) * 80  # 4800 tokens: past the model's 4096
+    opts = RunOptions.of(mode="triforce", max_new_tokens=16, budget=32)
+    b = Batch(L)
+    ms = [b.add(p, opts) for p in (ps[0], too_long, ps[1])]
+    b.drain()
+    with pytest.raises(TriforceError, match="does not fit"):
+        ms[1].result()
+    assert ms[0].result()[0] == generate(L, ps[0], opts)[0]
+    assert ms[2].result()[0] == generate(L, ps[1], opts)[0]
+    with pytest.raises(TriforceError, match="does not fit"):
+        generate_batch(L, [ps[0], too_long], opts)
+
+
+def test_ragged_forward_rows_equal_solo_forwards_bit_for_bit():
+    """Decode, verification and prefill-chunk rows of four sequences at different positions,
+    in one forward: each sequence's logits and the KV written equal its forward alone."""
+    for L in (MODELS["fp32"](), MODELS["int4:int8"](), MODELS["window"]()):
+        assert rows_exact(L.model)
+        g = torch.Generator().manual_seed(0)
+        lens, widths = [30, 75, 12, 50], [1, 7, 1, 20]
+
+        def made():
+            cs = []
+            for n in lens:
+                c = FullCache(L.cfg, 256, dtype=L.kv_dtype, ring_depth=8)
+                with torch.inference_mode():
+                    L.model(torch.randint(0, 64, (1, n), generator=torch.Generator().manual_seed(n)), 0, c)
+                c.commit(n)
+                cs.append(c)
+            return cs
+        ids = [torch.randint(0, 64, (1, w), generator=g) for w in widths]
+        alone, together = made(), made()
+        with torch.inference_mode():
+            want = [L.model(i, n, c, last_only=w == 20) for i, n, c, w in zip(ids, lens, alone, widths)]
+        got = forward(L.model, [Rows(i, n, c, w == 20) for i, n, c, w in zip(ids, lens, together, widths)])
+        for w, o in zip(want, got):
+            assert torch.equal(w, o)
+        for a, t, n, w in zip(alone, together, lens, widths):
+            for layer in a.full_layers:
+                assert torch.equal(a.k[layer][:, :, : n + w], t.k[layer][:, :, : n + w])
+
+
+def test_float32_linear_rows_do_not_depend_on_the_call():
+    torch.manual_seed(0)
+    for N, K in [(576, 576), (100, 48), (1536, 64), (7, 32)]:
+        w, b, x = torch.randn(N, K), torch.randn(N), torch.randn(EXACT_ROWS + 9, K)
+        with torch.inference_mode():
+            one = torch.cat([linear(x[i: i + 1], w, b) for i in range(len(x))])
+            for M in (2, 7, EXACT_ROWS):
+                assert torch.equal(linear(x[:M], w, b), one[:M])
+            with exact_rows():
+                assert torch.equal(linear(x, w, b), one)
+            torch.testing.assert_close(one, torch.nn.functional.linear(x.double(), w.double(), b.double()).float(),
+                                       rtol=1e-4, atol=1e-4)
+
+
+def test_models_without_row_exact_kernels_run_each_forward_alone():
+    """bf16 dense weights on the CPU (torch's GEMM sums a row by the call's shape): the
+    batch runs each sequence's forward by itself, still equal to its solo run."""
+    L = tiny(scale=3.0, seed=1, dim=64)
+    L = copy.copy(L)
+    L.model = copy.deepcopy(L.model).to(torch.bfloat16)
+    L.dtype = L.kv_dtype = torch.bfloat16
+    assert not rows_exact(L.model)
+    ps = prompts(L.cfg.vocab_size)[:3]
+    opts = RunOptions.of(mode="triforce", max_new_tokens=12, budget=32)
+    got = generate_batch(L, ps, opts)
+    assert [t for t, _ in got] == [generate(L, p, opts)[0] for p in ps]
+    assert got[0][1].extra["batch_forwards_shared"] == 0
+
+
+@pytest.mark.slow
+def test_bundled_model_batch_at_its_gguf_precision(one_thread):
+    from triforce_offload.runtime import api
+    from triforce_offload.runtime.data import long_prompt
+    L = api.load()  # int4/int8 weights, int8 activations, bf16 KV (with VNNI)
+    base = long_prompt(L.tokenizer, 1200)
+    ps = [base[:1100 - 97 * i] for i in range(4)]
+    for mode in ("autoregressive", "triforce"):
+        opts = RunOptions.of(mode=mode, max_new_tokens=24, budget=256)
+        got = generate_batch(L, ps, opts)
+        assert [t for t, _ in got] == [generate(L, p, opts)[0] for p in ps], mode
+        assert shared(got[0][1]) > 1.5
