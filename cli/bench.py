@@ -67,10 +67,20 @@ def bench(
     out_dir: Path = typer.Option(Path("results"), "--out", help="Folder for bench.jsonl and PNGs."),
     plots: bool = typer.Option(True, "--plots/--no-plots", help="Write the PNG plots."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON object."),
+    batch: str = typer.Option("", help="Batch sizes, e.g. 1,4,8: that many sequences at once, each its "
+                              "own prompt of the context less --new-tokens; aggregate decode tokens/s "
+                              "of our modes (autoregressive, triforce, retrieval, draft among --modes) "
+                              "against llama.cpp's batched decoding (llama-batched-bench)."),
+    llama_batched_bench: Optional[str] = typer.Option(None, help="The llama-batched-bench binary for "
+                                                      "--batch [default: $LLAMA_CPP_BIN/, else PATH]."),
 ):
     """Run the modes side by side; table, JSONL (appended) and PNG plots."""
     extra = check_baselines(parse_list(baseline, str, "--baseline") if baseline else [])
     names = parse_list(modes, str, "--modes")
+    if batch:
+        return bench_batch(model, gen, retrieval, parse_list(batch, int, "--batch"), names,
+                           parse_list(contexts, int, "--contexts"), new_tokens, threads, gguf,
+                           llama_batched_bench, out_dir, as_json)
     o = BenchOptions(parse_list(contexts, int, "--contexts"), new_tokens,
                      parse_list(temperatures, float, "--temperatures"), repeats,
                      names + [b for b in extra if b not in names], seed, gguf=gguf,
@@ -101,6 +111,58 @@ def bench(
     show_summary(summary, o, meta["copy_gbps"])
     err.print(f"appended {len(rows)} rows to {out_dir / 'bench.jsonl'}"
               + "".join(f"; wrote {p}" for p in pngs), highlight=False)
+
+
+def bench_batch(model: ModelOptions, gen, retrieval, sizes: list[int], names: list[str], contexts: list[int],
+                new_tokens: int, threads: int, gguf, binary, out_dir: Path, as_json: bool):
+    """`bench --batch`: our batched modes against llama-batched-bench, one table."""
+    from ..bench.batch import OURS, run_batch_bench, summarize_batch
+    from ..runtime.loader import default_model_path
+    bad = [n for n in names if n not in OURS and n != "llama.cpp"]
+    if bad:
+        raise TriforceError(f"--modes {','.join(bad)}: with --batch allowed are "
+                            f"{', '.join(OURS)}, llama.cpp")
+    if len(contexts) != 1 or contexts[0] < new_tokens + 64 or min(sizes) < 1 or new_tokens < 2:
+        raise TriforceError("--batch takes one --contexts value of at least --new-tokens + 64, "
+                            "batch sizes >= 1 and --new-tokens >= 2")
+    if threads:
+        torch.set_num_threads(threads)
+    loaded = api.load(model, progress=lambda m: err.print(m))
+    gguf = gguf or (model.model if str(model.model or "").endswith(".gguf") else
+                    None if model.model else default_model_path())
+    if "llama.cpp" in names and gguf is None:
+        raise TriforceError("--batch with llama.cpp needs a GGUF: give --gguf")
+    spec = {k: v for k, v in dict(draft=gen.draft, gamma1=gen.gamma1, gamma2=gen.gamma2, budget=retrieval.budget,
+                                  retrieval_chunk=retrieval.retrieval_chunk).items() if v is not None}
+    meta = {**run_meta(loaded, BenchOptions(contexts, new_tokens, modes=["autoregressive"]), model.model),
+            "bench": "batch", "gguf": str(gguf)}
+    with runs_bar() as progress:
+        rows = run_batch_bench(loaded, sizes, contexts[0], new_tokens, names, spec,
+                               threads or torch.get_num_threads(), gguf, binary, progress=progress,
+                               on_row=row_writer(out_dir / "bench.jsonl", meta))
+    summary = summarize_batch(rows)
+    if as_json:
+        print(json.dumps({"meta": meta, "summary": summary}))
+        return
+    t = Table(title=f"bench --batch: {contexts[0] - new_tokens}-token prompts, {new_tokens} new tokens per "
+              f"sequence, {meta['torch_threads']} threads",
+              caption=Text("S_TG: tokens produced after every sequence had its first one, over that time "
+                           "(llama-batched-bench's S_TG); T_PP: until then"))
+    for c in ("mode", "batch", "T_PP s", "T_TG s", "S_TG tok/s", "ms/token per seq", "vs batch 1",
+              "vs llama.cpp", "seqs/forward", "same as solo"):
+        t.add_column(c, justify="left" if c == "mode" else "right")
+    for s in summary:
+        if "skipped" in s:
+            err.print(skip_line(s), markup=False, highlight=False)
+            continue
+        same = {None: "-", True: "yes", False: "NO"}[s.get("same_as_solo")]
+        t.add_row(s["mode"], str(s["batch"]), f"{s['t_pp']:.2f}", f"{s['t_tg']:.2f}", f"{s['speed_tg']:.1f}",
+                  f"{s['per_seq_ms']:.1f}" if s.get("per_seq_ms") else "-",
+                  f"{s['vs_batch1']:.2f}x" if "vs_batch1" in s else "-",
+                  f"{s['vs_llama_cpp']:.2f}x" if "vs_llama_cpp" in s else "-",
+                  f"{s['seqs_per_forward']:.2f}" if "seqs_per_forward" in s else "-", same)
+    (out if out.is_terminal else Console(width=160)).print(t)
+    err.print(f"appended {len(rows)} rows to {out_dir / 'bench.jsonl'}", highlight=False)
 
 
 @contextmanager

@@ -153,8 +153,8 @@ def write_and_attend(K, V, q, k, v, slots: tuple, window: int | None = None,
     the whole buffers up to its length (a sliding layer: over the last `window` slots of
     each query, slots being consecutive positions); `softcap`: soft-capped scores."""
     pos, length, shared = slots
-    K.index_copy_(2, pos, k)
-    V.index_copy_(2, pos, v)
+    K.index_copy_(2, pos, k.to(K.dtype))  # the KV dtype (--kv-dtype), whatever the compute dtype
+    V.index_copy_(2, pos, v.to(V.dtype))
     if window is not None:
         return static_window_attention(q, K, V, length, window, shared, softcap)
     return static_attention(q, K, V, length, shared, softcap)

@@ -16,7 +16,7 @@ import time
 import torch
 
 from .errors import TriforceError
-from .graphs import Step
+from .graphs import Step, run_model
 from .hostread import to_device, to_host
 from .sampling import draw, probs
 from .acceptance import one_hot
@@ -75,7 +75,7 @@ class ModelLevel:
         t0 = time.perf_counter()
         for s in range(0, len(prompt), prefill_chunk):
             ids = to_device([prompt[s: s + prefill_chunk]], self.device)
-            self.model(ids, s, self.cache, last_only=True)
+            run_model(self.model, self.cache, ids, s, last_only=True)
             self.cache.commit(min(s + prefill_chunk, len(prompt)))
         self.cache.prefetch()
         self.held = len(prompt)

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .errors import TriforceError
-from .graphs import Step, kept
+from .graphs import Step, kept, run_model
 from .hostread import to_device, to_host
 from .offloaded import prefill_layer_major
 from .sampling import SamplingParams, next_token
@@ -99,7 +99,7 @@ def _prefill_chunks(model, cache, ids, start, prefill_chunk, progress):
     logits = None
     for s in range(0, T, prefill_chunk):
         e = min(s + prefill_chunk, T)
-        logits = model(ids[:, s:e], start + s, cache, last_only=True)[:, -1]
+        logits = run_model(model, cache, ids[:, s:e], start + s, last_only=True)[:, -1]  # in a batch's round
         cache.commit(start + e)
         if progress:
             progress(e, T)

@@ -267,6 +267,25 @@ def kept(model) -> "Kept":
     return k
 
 
+class Direct:
+    """`model(ids, start, cache, last_only)` as a one-off step (a prefill chunk): run at
+    once, or in its batch's round when the thread's sequence belongs to one."""
+
+    static = False  # the dynamic-shape forward (an int start), whatever the cache
+
+    def __init__(self, model, cache):
+        self.model, self.cache = model, cache
+
+    def alone(self, ids: torch.Tensor, start: int, last_only: bool = False) -> torch.Tensor:
+        return self.model(ids, start, self.cache, last_only)
+
+
+def run_model(model, cache, ids: torch.Tensor, start: int, last_only: bool = False) -> torch.Tensor:
+    """`model(ids, start, cache, last_only)`; in a batch, inside its round (runtime/batch)."""
+    b = member.current()
+    return model(ids, start, cache, last_only) if b is None else b.ask(Direct(model, cache), ids, start, last_only)
+
+
 def graphable(device) -> bool:
     """Whether Steps over static caches on `device` run the fixed-shape forward (CUDA, or
     TRIFORCE_OFFLOAD_STATIC=1): only then are caches and Steps kept across runs."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...kernels.linear import exact_rows
+from ...kernels.linear import EXACT_ROWS, exact_rows
 from ...kernels.qlinear import rows_exact
 
 
@@ -62,14 +62,17 @@ class Ragged:
             s.cache.end_forward()
 
 
-def exact(model) -> bool:
-    """Whether `model`'s rows are computed independently of the other rows of a forward
-    (every projection on a row-exact kernel: `kernels.qlinear.rows_exact`), so that rows of
-    several sequences may share a forward without changing any sequence's output."""
+def exact(model, rows: int = 1) -> bool:
+    """Whether a forward of `rows` rows of `model` computes each row independently of the
+    other rows (every projection on a row-exact kernel: `kernels.qlinear.rows_exact`), so
+    that it may share a forward with other sequences' rows without changing any output.
+    Past EXACT_ROWS rows (a prefill chunk) a float32 dense projection runs oneDNN alone,
+    so such a forward shares only where every projection is quantized."""
     v = model.__dict__.get("_rows_exact")
     if v is None:
-        v = model.__dict__["_rows_exact"] = rows_exact(model)
-    return v
+        dense = any(isinstance(m, torch.nn.Linear) for m in model.modules())
+        v = model.__dict__["_rows_exact"] = (rows_exact(model), not dense)
+    return v[0] and (rows <= EXACT_ROWS or v[1])
 
 
 @torch.inference_mode()

@@ -14,7 +14,9 @@ for every sequence at that model, and a sequence's tokens do not depend on the o
 
 Sequences join at any time (`Batch.add`, also from an `on_token` callback) and leave when
 they finish: the next round simply has more or fewer forwards. Prefill runs in the member
-thread, alone, while the others wait (chunked prefill inside rounds is the serving step).
+thread: its chunks (`--prefill-chunk` tokens each) are forwards like the others, so a
+prompt prefills a chunk per round beside the running sequences' decodes, in the same
+forward where the model allows (`rows.exact`).
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ class Ask:
 
     def mergeable(self) -> bool:
         """Whether it can share a ragged forward: a dynamic-shape step on a row-exact model."""
-        return not self.step.static and self.ids.device.type == "cpu" and exact(self.step.model)
+        return not self.step.static and self.ids.device.type == "cpu" and exact(self.step.model, self.ids.shape[1])
 
 
 class Batcher:

@@ -1,0 +1,148 @@
+"""`bench --batch`: many sequences at once, each its own prompt; aggregate decode throughput
+against llama.cpp's batched decoding (`llama-batched-bench`), in one run.
+
+For a batch of B sequences of P prompt tokens and N new tokens each, both sides are timed
+the way `llama-batched-bench` reports itself: the prompts' prefill (T_PP: until the last
+sequence has its first token) apart from the decode (T_TG: from then until the last
+token), and S_TG = the tokens produced in T_TG over T_TG. Our side runs
+`runtime.batch.generate_batch` (each sequence its own window of the essays, end of
+sequence ignored) and timestamps every token; llama.cpp runs `llama-batched-bench -npp P
+-ntg N -npl B` on the same GGUF and threads (its tokens are random: a plain decode's
+speed does not depend on them; speculative modes' does, and they are labelled so).
+
+Our batched greedy output is checked against each sequence's solo run where `check` asks
+(the identity the batched engine guarantees).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+
+from ..runtime import api
+from ..runtime.batch.runner import Batch
+from ..runtime.data import essay_tokens, with_bos
+from ..runtime.errors import TriforceError
+
+
+def batch_prompts(tokenizer, n: int, tokens: int) -> list[list[int]]:
+    """n prompts of `tokens` tokens, each its own stretch of the essays (no two alike)."""
+    text = essay_tokens(tokenizer, n * tokens + 64)
+    return [with_bos(tokenizer, text[i * tokens: (i + 1) * tokens])[:tokens] for i in range(n)]
+
+
+def run_ours(loaded, prompts: list[list[int]], opts) -> dict:
+    """One batch of `prompts` under `opts`: its T_PP, T_TG, S_TG and per-sequence tokens."""
+    stamps = [[] for _ in prompts]
+    b = Batch(loaded)
+    t0 = time.perf_counter()
+    members = [b.add(p, opts, lambda t, s=s: s.append(time.perf_counter()) and False) for p, s in zip(prompts, stamps)]
+    b.drain()
+    toks = [m.result()[0] for m in members]
+    first = max(s[0] for s in stamps)  # every sequence has its first token: prefill is over
+    last = max(s[-1] for s in stamps)
+    tg = sum(1 for s in stamps for t in s if t > first)
+    st = members[0].stats.extra
+    return {"t_pp": first - t0, "t_tg": last - first, "tg_tokens": tg,
+            "speed_tg": tg / (last - first) if last > first else 0.0,
+            "tokens": toks, "seqs_per_forward": st.get("batch_seqs_per_forward", 0.0),
+            "rows_per_forward": st.get("batch_rows_per_forward", 0.0),
+            "acceptance": {k: v for k, v in members[0].stats.extra.items() if k.startswith("acceptance")}}
+
+
+def llama_batched_bench(path: str | None = None) -> str | None:
+    """The llama-batched-bench binary: `path`, else $LLAMA_CPP_BIN/llama-batched-bench, else
+    one on PATH; None where there is none."""
+    for cand in (path, os.path.join(os.environ.get("LLAMA_CPP_BIN", ""), "llama-batched-bench"),
+                 shutil.which("llama-batched-bench")):
+        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+def run_llama_cpp(binary: str, gguf: str, batch: list[int], prompt: int, new: int, threads: int) -> dict:
+    """`llama-batched-bench` over every batch size: {B: its JSONL row} (t_pp, t_tg, speed_tg).
+    Its KV is split evenly between sequences (no unified KV), so -c gives each room."""
+    ctx = max(batch) * (-(-(prompt + new + 64) // 256) * 256)
+    cmd = [binary, "-m", gguf, "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(prompt),
+           "-ntg", str(new), "-npl", ",".join(map(str, batch)), "-t", str(threads),
+           "--output-format", "jsonl"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    rows = {}
+    for line in r.stdout.splitlines():
+        if line.startswith("{"):
+            row = json.loads(line)
+            rows[row["pl"]] = row
+    if r.returncode or not rows:
+        tail = (r.stderr or r.stdout).strip().splitlines()[-3:]
+        raise TriforceError(f"llama-batched-bench failed ({r.returncode}): {' / '.join(tail)}")
+    return rows
+
+
+def solo_equal(loaded, prompts, opts, got: list[list[int]]) -> bool:
+    """Whether each sequence's batched tokens equal its run alone."""
+    return all(api.generate(loaded, p, opts)[0] == t for p, t in zip(prompts, got))
+
+
+OURS = ("autoregressive", "triforce", "retrieval", "draft")  # the modes a batch runs
+
+
+def run_batch_bench(loaded, sizes: list[int], context: int, new: int, modes: list[str], spec: dict,
+                    threads: int, gguf: str | None, binary: str | None, check: bool = True,
+                    progress=None, on_row=None) -> list[dict]:
+    """Per batch size, each of our `modes` then llama.cpp (when in `modes` and found), back
+    to back: rows with t_pp, t_tg, speed_tg (aggregate decode tokens/s) and, for ours, whether
+    every sequence equals its solo run (`check`, greedy). Ratios: `summarize_batch`."""
+    prompt = context - new
+    ours = [m for m in modes if m in OURS]
+    peer = "llama.cpp" in modes
+    exe = llama_batched_bench(binary) if peer else None
+    prompts = batch_prompts(loaded.tokenizer, max(sizes), prompt)
+    rows, steps = [], len(sizes) * (len(ours) + peer)
+
+    def emit(row):
+        rows.append(row)
+        if on_row:
+            on_row(row)
+    if peer and exe is None:
+        emit({"mode": "llama.cpp", "skipped": "no llama-batched-bench (give --llama-batched-bench PATH or "
+              "set LLAMA_CPP_BIN; docs/benchmarks.md says how to build it)"})
+    for b in sizes:
+        for m in ours:
+            if progress:
+                progress(len(rows), steps, f"{m} x{b}")
+            opts = api.RunOptions.of(mode=m, max_new_tokens=new, ignore_eos=True, **spec)
+            r = run_ours(loaded, prompts[:b], opts)
+            same = solo_equal(loaded, prompts[:b], opts, r["tokens"]) if check else None
+            emit({"mode": m, "batch": b, "prompt_tokens": prompt, "new_tokens": new,
+                  **{k: v for k, v in r.items() if k != "tokens"}, "same_as_solo": same})
+        if exe:
+            if progress:
+                progress(len(rows), steps, f"llama.cpp x{b}")
+            r = run_llama_cpp(exe, gguf, [b], prompt, new, threads)[b]
+            emit({"mode": "llama.cpp", "batch": b, "prompt_tokens": prompt, "new_tokens": new,
+                  "t_pp": r["t_pp"], "t_tg": r["t_tg"], "tg_tokens": b * new, "speed_tg": r["speed_tg"],
+                  "flash_attn": r.get("flash_attn")})
+    return rows
+
+
+def summarize_batch(rows: list[dict]) -> list[dict]:
+    """Rows with `vs_batch1` (S_TG over the same mode's at batch 1) and `vs_llama_cpp` (ours
+    over llama.cpp's at the same batch size)."""
+    by = {(r["mode"], r["batch"]): r for r in rows if "batch" in r}
+    out = []
+    for r in rows:
+        if "batch" not in r:
+            out.append(r)
+            continue
+        s = dict(r, per_seq_ms=1000 * r["batch"] / r["speed_tg"] if r["speed_tg"] else None)
+        one = by.get((r["mode"], 1))
+        if one and one["speed_tg"]:
+            s["vs_batch1"] = r["speed_tg"] / one["speed_tg"]
+        peer = by.get(("llama.cpp", r["batch"]))
+        if peer and r["mode"] != "llama.cpp" and peer["speed_tg"]:
+            s["vs_llama_cpp"] = r["speed_tg"] / peer["speed_tg"]
+        out.append(s)
+    return out
