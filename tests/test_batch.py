@@ -163,6 +163,23 @@ def test_one_sequence_failing_leaves_the_others_running():
         generate_batch(L, [ps[0], too_long], opts)
 
 
+def test_a_batch_that_does_not_fit_is_refused_before_anything_is_allocated(monkeypatch):
+    from triforce_offload.runtime.batch import memory
+    L = MODELS["fp32"]()
+    ps = prompts(L.cfg.vocab_size) * 2  # 8 sequences
+    opts = RunOptions.of(mode="triforce", max_new_tokens=32, budget=32)
+    one = sum(memory.sequence_bytes(L, p, opts)[0] for p in ps)
+    assert one > 0
+    started = []
+    monkeypatch.setattr(Batch, "add", lambda *a, **k: started.append(a))
+    with pytest.raises(TriforceError, match=r"a batch of 8 sequences needs .* GB of KV caches but .* given"):
+        generate_batch(L, ps, opts, memory=one - 1)
+    assert started == []  # refused before any sequence started (nothing allocated)
+    # offloaded sequences price their full KV on the host, not the device budget
+    off = RunOptions.of(mode="autoregressive", max_new_tokens=32, offload="on")
+    assert memory.sequence_bytes(L, ps[0], off)[0] == 0 < memory.sequence_bytes(L, ps[0], off)[1]
+
+
 def test_ragged_forward_rows_equal_solo_forwards_bit_for_bit():
     """Decode, verification and prefill-chunk rows of four sequences at different positions,
     in one forward: each sequence's logits and the KV written equal its forward alone."""

@@ -29,6 +29,8 @@ import torch
 
 from ..errors import TriforceError
 from . import member
+from ..distributed import world_size
+from .memory import check_batch
 from .rows import Rows, exact, forward
 
 
@@ -181,8 +183,6 @@ class Batch:
         self.loaded, self.generate = loaded, generate or api.generate
         self.batcher = Batcher()
         self.members: list[Member] = []
-        # OpenMP's thread count is per thread: a member's prefill runs with the creator's
-        self.threads = torch.get_num_threads()
 
     def add(self, prompt: list[int], opts, on_token=None, progress=None) -> Member:
         """Start a sequence; it joins the next round."""
@@ -195,7 +195,10 @@ class Batch:
 
     def _body(self, m: Member):
         member.enter(self.batcher)
-        torch.set_num_threads(self.threads)
+        # a member thread samples and keeps its engine's books; the forwards run in the
+        # driving thread. One thread: an OpenMP team per member thread would spin beside
+        # the forwards (libgomp keeps a team per thread that starts parallel regions)
+        torch.set_num_threads(1)
         try:
             with torch.inference_mode():
                 m.tokens, m.stats = self.generate(self.loaded, m.prompt, m.opts, m.on_token, m.progress)
@@ -220,15 +223,20 @@ class Batch:
                 m.stats.extra.update(self.batcher.figures(), batch_size=len(self.members))
 
 
-def generate_batch(loaded, prompts: list[list[int]], opts, on_token=None) -> list:
+def generate_batch(loaded, prompts: list[list[int]], opts, on_token=None, memory: int | None = None) -> list:
     """Each prompt's (new token ids, Stats), generated together. `opts`: one RunOptions for
-    all, or one per prompt; `on_token(i, t)`: sequence i produced t (True ends it). Raises
-    the first sequence's error after every sequence ended (the others' results stand)."""
+    all, or one per prompt; `on_token(i, t)`: sequence i produced t (True ends it). The
+    batch's caches are priced first (`memory.check_batch`: `memory` bytes, default what is
+    free): one that does not fit is refused before anything is allocated. Raises the first
+    sequence's error after every sequence ended (the others' results stand)."""
     if not prompts:
         raise TriforceError("the batch is empty: give at least one prompt")
     per = opts if isinstance(opts, (list, tuple)) else [opts] * len(prompts)
     if len(per) != len(prompts):
         raise TriforceError(f"{len(prompts)} prompts but {len(per)} option sets")
+    if world_size() > 1:
+        raise TriforceError("a batch under --tp is not supported yet: run the sequences one by one")
+    check_batch(loaded, [p for p in prompts if p], per, memory)
     b = Batch(loaded)
     ms = [b.add(p, o, None if on_token is None else (lambda t, i=i: on_token(i, t)))
           for i, (p, o) in enumerate(zip(prompts, per))]
