@@ -50,7 +50,7 @@ def serve(
     loaded.prefix = prefix_store(reuse, loaded, memory=True, save_later=True,
                                  note=lambda m: err.print(m, highlight=False))
     opts, metrics = RunOptions(gen, retrieval, offload), Metrics()
-    worker = Worker(loaded, srv.max_queue, metrics)
+    worker = Worker(loaded, srv.max_queue, metrics, srv.max_batch)
     name = srv.served_model_name or model_name(model.model)
     served = Served(loaded, opts, name, worker, metrics, srv.api_key, srv.request_timeout, int(time.time()),
                     None if srv.max_body == "auto" else parse_size(srv.max_body))

@@ -254,6 +254,9 @@ class ServeOptions(Options):
                                         "(default: the model's file or folder name).")
     api_key: str | None = opt(None, "Require 'Authorization: Bearer KEY' (401 without).")
     max_queue: int = opt(16, "Requests that may wait for the model; more get 429.", check=at_least(1))
+    max_batch: int = opt(1, "Requests generating at once: their forwards share rounds (each answer "
+                         "stays equal to its answer alone); a request joins when one leaves "
+                         "(docs/batching.md).", check=at_least(1))
     request_timeout: float = opt(600.0, "Seconds a request may take from arrival; generation then "
                                  "stops (finish_reason length).",
                                  check=lambda v: None if v > 0 else "must be > 0")

@@ -62,6 +62,9 @@ class PrefixCache:
         self.entries: list[Entry] = []  # least recently used first
         self.unsaved: list[tuple] = []  # (cache, ids, activations) to write to disk
         self.lock = threading.Lock()  # /metrics reads nbytes from another thread
+        # take / keep / save one at a time: the runs of a batch (runtime/batch) lease from
+        # the store from their own threads
+        self.busy = threading.RLock()
 
     def nbytes(self) -> int:
         with self.lock:
@@ -129,6 +132,10 @@ class PrefixCache:
 
     def save(self):
         """Write the queued KV to disk (before the cache can be taken again)."""
+        with self.busy:
+            self._save()
+
+    def _save(self):
         while self.unsaved:
             cache, ids, act = self.unsaved.pop(0)
             self.disk.save(cache, ids, act)
@@ -169,7 +176,8 @@ def lease(loaded, prompt: list[int], capacity: int, make):
         return
     t0 = time.perf_counter()
     act = getattr(loaded.model, "activations_now", "")  # quantized.activations_set: this run's
-    cache, start, source = store.take(prompt, capacity, make, act)
+    with store.busy:
+        cache, start, source = store.take(prompt, capacity, make, act)
     if cache.ring is not None:  # the entry saved to disk then serves this prompt again too
         cache.ring.mark(len(prompt) if store.disk is not None else None)
     out = Lease(cache, start, prompt, source, time.perf_counter() - t0)
@@ -177,4 +185,5 @@ def lease(loaded, prompt: list[int], capacity: int, make):
     try:
         yield out
     finally:
-        store.keep(out.cache, out.ids, act)
+        with store.busy:
+            store.keep(out.cache, out.ids, act)

@@ -132,9 +132,12 @@ def build(s: Served) -> FastAPI:
     @app.get("/metrics")
     def metrics():
         store = s.loaded.prefix
-        gauges = {"queue_depth": s.worker.depth(), "running": int(s.worker.current is not None),
+        gauges = {"queue_depth": s.worker.depth(), "running": s.worker.running_count(),
                   "host_kv_bytes": store.nbytes() if store else 0,
                   "kv_entries": len(store.entries) if store else 0}
+        b = s.worker.batch.batcher.figures()
+        gauges.update(batch_rounds=b["batch_rounds"], batch_forwards_shared=b["batch_forwards_shared"],
+                      batch_seqs_per_forward=b["batch_seqs_per_forward"])
         return PlainTextResponse(s.metrics.render(gauges), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/chat/completions")

@@ -19,9 +19,12 @@ SERIES = {  # name: (type, help)
     "accepted_tokens_total": ("counter", "draft tokens each speculative level accepted"),
     "acceptance": ("gauge", "accepted / drafted tokens per level since start"),
     "queue_depth": ("gauge", "requests waiting for the model"),
-    "running": ("gauge", "generations running (0 or 1)"),
+    "running": ("gauge", "generations running (at most --max-batch)"),
     "host_kv_bytes": ("gauge", "bytes of the KV caches kept for reuse"),
     "kv_entries": ("gauge", "KV caches kept for reuse"),
+    "batch_rounds": ("gauge", "rounds the worker ran (each: every running request's forwards)"),
+    "batch_forwards_shared": ("gauge", "forwards that served several requests at once"),
+    "batch_seqs_per_forward": ("gauge", "requests per shared forward, on average since start"),
 }
 
 

@@ -1,11 +1,15 @@
-"""One generation at a time: a bounded FIFO queue, the worker thread that owns the model,
-and the request's way back to the event loop.
+"""Up to --max-batch generations at once: a bounded FIFO queue, the worker thread that owns
+the model and drives the batch's rounds, and each request's way back to the event loop.
 
-A request is a `Job`. The worker runs `api.generate` with an `on_token` that decodes the
-text, holds back what may begin a stop string, and hands each new piece to the job's
-asyncio queue; it returns True (end generation) on a stop string, a cancel (the client
-hung up, the server stops) or the time limit, so generation ends within one verification.
-A cancel during the prefill ends it at the next prefill chunk (the progress callback).
+A request is a `Job`. Each running job is a member of one `runtime.batch.Batch`: its thread
+runs `api.generate` with an `on_token` that decodes the text, holds back what may begin a
+stop string, and hands each new piece to the job's asyncio queue; it returns True (end
+generation) on a stop string, a cancel (the client hung up, the server stops) or the time
+limit, so generation ends within one verification. A cancel during the prefill ends it at
+the next prefill chunk (the progress callback). The worker thread admits queued jobs
+while fewer than --max-batch run (a job joins at the next round) and runs the rounds, in
+which the running jobs' forwards share one forward per model; each answer equals its
+answer alone (docs/batching.md). With --max-batch 1 it is one generation at a time.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from dataclasses import dataclass, field
 
 from ..offload.errors import OffloadError
 from ..runtime import api
+from ..runtime.batch.runner import Batch
 from ..runtime.errors import TriforceError
 from .metrics import Metrics
 
@@ -99,14 +104,19 @@ class TextStream:
 
 
 class Worker:
-    def __init__(self, loaded: api.Loaded, max_queue: int, metrics: Metrics):
-        self.loaded, self.metrics = loaded, metrics
+    def __init__(self, loaded: api.Loaded, max_queue: int, metrics: Metrics, max_batch: int = 1):
+        self.loaded, self.metrics, self.max_batch = loaded, metrics, max_batch
         self.queue: queue.Queue = queue.Queue(maxsize=max_queue)
-        self.current: Job | None = None
+        self.running: list[Job] = []  # jobs generating now (their member threads run)
+        self.lock = threading.Lock()  # `running` is changed by member threads
+        self.batch = Batch(loaded)
         self.closing = False
-        # this thread alone uses loaded.tokenizer (decoding): requests encode with a copy
+        # the generating threads alone use loaded.tokenizer (decoding): requests encode with a copy
         self.thread = threading.Thread(target=self._loop, name="generation", daemon=True)
         self.thread.start()
+
+    def running_count(self) -> int:
+        return len(self.running)
 
     def submit(self, job: Job):
         """Queue the job; queue.Full when --max-queue jobs wait already."""
@@ -120,8 +130,9 @@ class Worker:
     def shutdown(self):
         """Cancel the running job and every queued one; the thread ends."""
         self.closing = True
-        if self.current is not None:
-            self.current.cancel()
+        with self.lock:
+            for job in list(self.running):
+                job.cancel()
         while True:
             try:
                 job = self.queue.get_nowait()
@@ -138,23 +149,39 @@ class Worker:
         self.thread.join(timeout)
 
     def _loop(self):
-        while (job := self.queue.get()) is not None:
-            if job.cancelled.is_set():
-                continue  # hung up while queued
-            self.current = job
-            try:
-                self._run(job)
-            except Cancelled as e:
-                self.metrics.inc("timeouts_total" if e.status == 504 else "cancelled_total")
-                job.emit("error", (e.status, str(e)))
-            except (TriforceError, OffloadError) as e:
-                job.emit("error", (400, str(e)))
-            except Exception as e:  # the server keeps serving
-                log.exception("generation failed")
-                job.emit("error", (500, f"generation failed: {type(e).__name__}: {e}"))
-            finally:
-                self.current = None
-            self._save()
+        """Admit queued jobs while fewer than max_batch run (waiting for one when none
+        runs), run a round, again; ends after `shutdown` once the running jobs ended."""
+        ending = False
+        while not ending or self.running:
+            while not ending and len(self.running) < self.max_batch:
+                try:
+                    job = self.queue.get(block=not self.running)
+                except queue.Empty:
+                    break
+                if job is None:
+                    ending = True
+                elif not job.cancelled.is_set():  # else it hung up while queued
+                    with self.lock:
+                        self.running.append(job)
+                    self.batch.spawn(lambda job=job: self._serve(job), "generation-request")
+            self.batch.step(0.05)
+
+    def _serve(self, job: Job):
+        """One job in its member thread: generate, answer, save its KV (--kv-dir)."""
+        try:
+            self._run(job)
+        except Cancelled as e:
+            self.metrics.inc("timeouts_total" if e.status == 504 else "cancelled_total")
+            job.emit("error", (e.status, str(e)))
+        except (TriforceError, OffloadError) as e:
+            job.emit("error", (400, str(e)))
+        except Exception as e:  # the server keeps serving
+            log.exception("generation failed")
+            job.emit("error", (500, f"generation failed: {type(e).__name__}: {e}"))
+        finally:
+            with self.lock:
+                self.running = [j for j in self.running if j is not job]
+        self._save()
 
     def _save(self):
         """--kv-dir: write the finished request's KV once its response is out."""

@@ -172,6 +172,41 @@ def test_four_concurrent_clients_get_their_lone_answers(srv):
     assert together == alone
 
 
+def test_batched_clients_get_their_lone_answers_while_one_hangs_up(srv, tmp_path):
+    """--max-batch 4: concurrent requests (streamed or not, one cut short by a stop string,
+    one whose client hangs up) share forwards, and each answer equals its answer alone."""
+    base, _ = srv  # one request at a time: the answers alone
+    asks = ["Count to five.", "Say hello in French.", "What is 2+2?", "Name a fruit.", "Spell cat."]
+    alone = [chat(base, a, 12).choices[0].message.content for a in asks]
+    stop_alone = chat(base, asks[0], 12, stop=[","]).choices[0].message.content
+    with server(tmp_path, "--max-batch", "4", "--max-queue", "8") as (bbase, _):
+        def streamed(a):
+            parts = client(bbase).chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": a}], max_tokens=12, temperature=0, stream=True)
+            return "".join(c.choices[0].delta.content or "" for c in parts if c.choices)
+
+        def hang_up():
+            try:
+                httpx.post(bbase + "/v1/chat/completions", timeout=0.5,
+                           json={"messages": [{"role": "user", "content": "word " * 800}], "max_tokens": 64})
+            except httpx.TimeoutException:
+                pass
+        with ThreadPoolExecutor(7) as ex:
+            gone = ex.submit(hang_up)
+            plain = [ex.submit(lambda a=a: chat(bbase, a, 12).choices[0].message.content) for a in asks[:3]]
+            stream = [ex.submit(streamed, a) for a in asks[3:]]
+            stop = ex.submit(lambda: chat(bbase, asks[0], 12, stop=[","]).choices[0].message.content)
+            got = [f.result() for f in plain + stream]
+            assert stop.result() == stop_alone
+            gone.result()
+        assert got == alone
+        m = httpx.get(bbase + "/metrics", timeout=30).text
+        shared = float(re.search(r"^triforce_batch_forwards_shared (\S+)", m, re.M)[1])
+        per = float(re.search(r"^triforce_batch_seqs_per_forward (\S+)", m, re.M)[1])
+        assert shared > 0 and per > 1.0, m
+        assert chat(bbase, asks[1], 12).choices[0].message.content == alone[1]  # it keeps serving
+
+
 GOOD = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 BAD = [
     ("malformed JSON", b"{not json", 400, None),

@@ -188,12 +188,24 @@ class Batch:
         """Start a sequence; it joins the next round."""
         m = Member(list(prompt), opts, on_token, progress, joined_round=self.batcher.rounds)
         self.members.append(m)
-        self.batcher.join()  # before the thread starts: a round never runs without it
-        threading.Thread(target=self._body, args=(m,), daemon=True,
-                         name=f"triforce-seq-{len(self.members)}").start()
+
+        def body():
+            try:
+                m.tokens, m.stats = self.generate(self.loaded, m.prompt, m.opts, m.on_token, m.progress)
+            except BaseException as e:  # noqa: BLE001 - handed to whoever reads the result
+                m.error = e
+            finally:
+                m.done.set()
+        self.spawn(body, f"triforce-seq-{len(self.members)}")
         return m
 
-    def _body(self, m: Member):
+    def spawn(self, body, name: str = "triforce-seq"):
+        """Run `body()` (which generates: a server's request) as a member: in its own thread,
+        its forwards in this batch's rounds. It must not raise (it owns its errors)."""
+        self.batcher.join()  # before the thread starts: a round never runs without it
+        threading.Thread(target=self._member, args=(body,), daemon=True, name=name).start()
+
+    def _member(self, body):
         member.enter(self.batcher)
         # a member thread samples and keeps its engine's books; the forwards run in the
         # driving thread. One thread: an OpenMP team per member thread would spin beside
@@ -201,13 +213,15 @@ class Batch:
         torch.set_num_threads(1)
         try:
             with torch.inference_mode():
-                m.tokens, m.stats = self.generate(self.loaded, m.prompt, m.opts, m.on_token, m.progress)
-        except BaseException as e:  # noqa: BLE001 - handed to whoever reads the result
-            m.error = e
+                body()
         finally:
             member.leave()
             self.batcher.leave()
-            m.done.set()
+
+    @property
+    def running(self) -> int:
+        """Members whose thread has not finished."""
+        return self.batcher.running
 
     def step(self, timeout: float | None = None) -> bool:
         """Run one round (waiting up to `timeout` for the members); False when none runs."""
