@@ -291,3 +291,23 @@ def test_auto_plan_on_a_gpu_uses_the_planner(monkeypatch):
     extra, note = auto_plan(cfg, 65536, torch.device("cuda"))
     assert extra["offload"] == "on" and extra["budget"] >= 1024 and int(extra["gamma2"]) >= 1
     assert 0 <= extra["on_chip"] <= 32 and "RTX 4090" in note and "ms/token" in note
+
+
+def test_bench_batch_rows_and_refusals(tiny_model_dir, tmp_path):
+    """`bench --batch`: per batch size and mode, S_TG, the ratio to batch 1 and the identity
+    to solo runs; llama.cpp without its binary is a skipped row; a bad mode is one line."""
+    r = cli("bench", "--model", tiny_model_dir, "--batch", "1,3", "--contexts", "200", "--new-tokens", "6",
+            "--modes", "autoregressive,triforce,llama.cpp", "--budget", "32", "--dtype", "fp32",
+            "--llama-batched-bench", str(tmp_path / "none"), "--gguf", str(tmp_path / "x.gguf"),
+            "--out", tmp_path, "--json")
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout)["summary"]
+    rows = {(s["mode"], s.get("batch")): s for s in summary}
+    assert "llama-batched-bench" in rows[("llama.cpp", None)]["skipped"]
+    for mode in ("autoregressive", "triforce"):
+        one, three = rows[(mode, 1)], rows[(mode, 3)]
+        assert one["same_as_solo"] and three["same_as_solo"], (one, three)
+        assert three["speed_tg"] > 0 and three["vs_batch1"] == pytest.approx(three["speed_tg"] / one["speed_tg"])
+    assert rows[("autoregressive", 3)]["seqs_per_forward"] > 1.5
+    r = cli("bench", "--model", tiny_model_dir, "--batch", "2", "--modes", "hf", "--out", tmp_path)
+    assert r.returncode == 2 and "with --batch allowed are" in r.stderr and "Traceback" not in r.stderr
