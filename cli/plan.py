@@ -18,6 +18,7 @@ from rich.table import Table
 
 from ..offload import costmodel as cm
 from ..offload import plan as pl
+from ..runtime import hub
 from ..runtime.config import ARCHITECTURES, MODEL_TYPES, layer_kinds, parse_rope_scaling
 from ..runtime.errors import TriforceError
 from ..runtime.options import ModelOptions
@@ -263,16 +264,18 @@ def parse_model(text: str) -> cm.ModelSpec:
     key = str(text).strip().lower()
     if key in cm.MODELS:
         return cm.MODELS[key]
-    p = Path(text)
+    p, name = Path(text), Path(text).name
+    if not p.exists() and (hid := hub.parse(str(text))) is not None and not (hid.quant or hid.file):
+        p, name = hub.resolve(hid), hid.repo  # an HF folder in the Hugging Face cache, by name
     cfg = p / "config.json" if p.is_dir() else p
     if cfg.is_file():
         try:
             hf = json.loads(cfg.read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"{cfg} is not valid JSON: {e.msg}") from None
-        return cm.ModelSpec.from_hf_config(hf, p.name, *hf_layer_kinds(hf))
-    raise ValueError(f"unknown model {text!r}: expected one of {', '.join(cm.MODELS)} "
-                     f"or a folder with config.json")
+        return cm.ModelSpec.from_hf_config(hf, name, *hf_layer_kinds(hf))
+    raise ValueError(f"unknown model {text!r}: expected one of {', '.join(cm.MODELS)}, "
+                     f"a folder with config.json or a model in the Hugging Face cache (org/name)")
 
 
 def hf_layer_kinds(hf: dict) -> tuple[list[str], int | None]:

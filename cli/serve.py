@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..runtime import api
+from ..runtime import api, hub
 from ..runtime.errors import TriforceError
 from ..runtime.options import (GenerationOptions, ModelOptions, OffloadOptions, RetrievalOptions,
                                ReuseOptions, RunOptions, ServeOptions, parse_size)
@@ -73,6 +73,8 @@ def model_name(model: str | None) -> str:
     if model is None:
         return "SmolLM2-135M-Instruct"
     path = Path(model)
+    if not path.exists() and hub.parse(model) is not None:
+        return model  # a hub id, as given
     return path.stem if path.suffix == ".gguf" else path.name
 
 

@@ -178,6 +178,30 @@ int triforce_linear_vector_bits(void) {
 #endif
 }
 
+/* Rows r < M of x (ldx apart) dotted with a tile's NT weight rows w[j] (K floats each; rows
+ * from nt on are read but not stored): 16 lanes accumulated in increasing k, summed by hsum,
+ * into out[r * ldo + n0 + j] (+ bias). The one arithmetic of both float32-activation paths:
+ * the same instructions for a row whatever M, the tile's source or the calling thread. */
+static void tile_rows(const float *x, int64_t M, int64_t K, int64_t ldx, const float *const *w, int64_t nt,
+                      const float *bias, int64_t n0, float *out, int64_t ldo) {
+    for (int64_t r = 0; r < M; r++) {
+        const float *xr = x + r * ldx;
+        v16 acc[NT];
+        for (int j = 0; j < NT; j++) acc[j] = (v16){};
+        for (int64_t k = 0; k < K; k += 16) {
+            v16 xv;
+            memcpy(&xv, xr + k, sizeof xv);
+            for (int j = 0; j < NT; j++) {
+                v16 wv;
+                memcpy(&wv, w[j] + k, sizeof wv);
+                acc[j] += wv * xv;
+            }
+        }
+        for (int64_t j = 0; j < nt; j++)
+            out[r * ldo + n0 + j] = hsum(acc[j]) + (bias ? bias[n0 + j] : 0.0f);
+    }
+}
+
 /* out[m, n] (rows ldo apart) = sum_k x[m, k] w[n, k] (+ bias[n]) for m < M, n < N; x rows ldx
  * apart. Returns 0, -1 for a layout it does not take, -2 when scratch memory is short. */
 int triforce_qlinear(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *q, int bits,
@@ -201,22 +225,9 @@ int triforce_qlinear(const float *x, int64_t M, int64_t K, int64_t ldx, const ui
             const int64_t n0 = t * NT, nt = N - n0 < NT ? N - n0 : NT;
             for (int64_t j = 0; j < nt; j++) dequant_row(w + j * K, q, bits, K, G, scale, minv, f16, n0 + j);
             if (nt < NT) memset(w + nt * K, 0, (size_t)((NT - nt) * K) * sizeof(float)); /* last tile */
-            for (int64_t r = 0; r < M; r++) {
-                const float *xr = x + r * ldx;
-                v16 acc[NT];
-                for (int j = 0; j < NT; j++) acc[j] = (v16){};
-                for (int64_t k = 0; k < K; k += 16) {
-                    v16 xv;
-                    memcpy(&xv, xr + k, sizeof xv);
-                    for (int j = 0; j < NT; j++) {
-                        v16 wv;
-                        memcpy(&wv, w + j * K + k, sizeof wv);
-                        acc[j] += wv * xv;
-                    }
-                }
-                for (int64_t j = 0; j < nt; j++)
-                    out[r * ldo + n0 + j] = hsum(acc[j]) + (bias ? bias[n0 + j] : 0.0f);
-            }
+            const float *wp[NT];
+            for (int j = 0; j < NT; j++) wp[j] = w + j * K;
+            tile_rows(x, M, K, ldx, wp, nt, bias, n0, out, ldo);
         }
     }
     return failed ? -2 : 0;
@@ -236,22 +247,7 @@ int triforce_linear_f32(const float *x, int64_t M, int64_t K, int64_t ldx, const
         const int64_t n0 = t * NT, nt = N - n0 < NT ? N - n0 : NT;
         const float *w[NT];
         for (int j = 0; j < NT; j++) w[j] = W + (n0 + (j < nt ? j : 0)) * ldw; /* last tile: repeat a row */
-        for (int64_t r = 0; r < M; r++) {
-            const float *xr = x + r * ldx;
-            v16 acc[NT];
-            for (int j = 0; j < NT; j++) acc[j] = (v16){};
-            for (int64_t k = 0; k < K; k += 16) {
-                v16 xv;
-                memcpy(&xv, xr + k, sizeof xv);
-                for (int j = 0; j < NT; j++) {
-                    v16 wv;
-                    memcpy(&wv, w[j] + k, sizeof wv);
-                    acc[j] += wv * xv;
-                }
-            }
-            for (int64_t j = 0; j < nt; j++)
-                out[r * ldo + n0 + j] = hsum(acc[j]) + (bias ? bias[n0 + j] : 0.0f);
-        }
+        tile_rows(x, M, K, ldx, w, nt, bias, n0, out, ldo);
     }
     return 0;
 }

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from . import gguf_check
+from . import gguf_check, hub
 from .config import ModelConfig, apply_rope_override
 from .errors import TriforceError
 from .model import STACKED, Rotary, Transformer, stack_parts
@@ -61,8 +61,12 @@ def file_key(path: Path, block: int = 1 << 24) -> str:
 
 
 def model_path(path: str | os.PathLike | None) -> Path:
-    """Check that `path` (None: the bundled model) is a GGUF file or a model directory."""
+    """Check that `path` (None: the bundled model) is a GGUF file or a model directory; a
+    path that does not exist but spells a hub id (`org/name`, `org/name:Q4_K_M`, ...)
+    comes from the Hugging Face cache (runtime/hub.py)."""
     p = default_model_path() if path is None else Path(path).expanduser()
+    if not p.exists() and path is not None and (hid := hub.parse(str(path))) is not None:
+        p = hub.resolve(hid)
     if not p.exists():
         raise TriforceError(f"model path {str(p)!r} does not exist")
     if p.is_file() and p.suffix != ".gguf":

@@ -52,7 +52,8 @@ def _chat_template(v: str):
 
 @dataclass
 class ModelOptions(Options):
-    model: str | None = opt(None, "HF model directory or .gguf file "
+    model: str | None = opt(None, "HF model directory or .gguf file, or a model in the Hugging Face "
+                            "cache by name: org/name, org/name@rev, org/name:Q4_K_M, org/name/file.gguf "
                             "(default: bundled SmolLM2-135M-Instruct).")
     dtype: str | None = opt(None, "float32|bfloat16|float16 (fp32/bf16/fp16) (default: float32 "
                             "on CPU, bfloat16 on GPUs (float16 without bf16)).", check=_dtype)
