@@ -424,7 +424,10 @@ static inline __attribute__((always_inline)) void dot_tile(const uint8_t *xq, si
                                            _mm256_and_si256(_mm256_srli_epi16(b, 4), lo4), 1);
             } else {
                 wv[j] = _mm512_loadu_si512(w[j] + c * QC);
-                cr[j] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias8, wv[j]);
+                /* -128 * (sum of the lane's weights): the accumulator each row's dot starts from,
+                 * so that (x + 128) . w lands on x . w with no subtraction per row (exact: int32) */
+                cr[j] = _mm512_sub_epi32(_mm512_setzero_si512(),
+                                         _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias8, wv[j]));
             }
             s[j] = G <= 32 ? _mm512_permutexvar_ps(idx, _mm512_loadu_ps(sw[j] + c * QC / G))
                            : _mm512_set1_ps(sw[j][c * QC / G]);
@@ -435,7 +438,7 @@ static inline __attribute__((always_inline)) void dot_tile(const uint8_t *xq, si
             const __m512 sx = _mm512_loadu_ps((const float *)(xr + K) + c * 16);
             for (int j = 0; j < NTN; j++) {
                 const __m512i idot = bits == 4 ? _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[j], xv)
-                                               : _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), xv, wv[j]), cr[j]);
+                                               : _mm512_dpbusd_epi32(cr[j], xv, wv[j]);
                 acc[r][j] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(idot), sx), s[j], acc[r][j]);
             }
         }

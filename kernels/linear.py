@@ -62,15 +62,40 @@ EXACT_ROWS = 64  # float32 CPU projections of up to this many rows run the row-e
 _forced = threading.local()  # exact_rows() is on in this thread
 
 
+GRAIN = 32768  # torch's elementwise CPU kernels split an op of this many elements or more between threads
+VECTOR = 16  # floats per vector (AVX-512; a multiple of AVX2's 8 and NEON's 4)
+
+
 @contextmanager
-def exact_rows():
+def exact_rows(segments: list[int] | None = None):
     """Inside the block every float32 CPU projection of this thread runs the row-exact
-    kernel, whatever its number of rows (a batch's ragged forward)."""
-    outer, _forced.on = getattr(_forced, "on", False), True
+    kernel, whatever its number of rows (a batch's ragged forward); `segments`: the rows of
+    each sequence, in order, for `by_rows`."""
+    outer = getattr(_forced, "on", False), getattr(_forced, "segments", None)
+    _forced.on, _forced.segments = True, segments
     try:
         yield
     finally:
-        _forced.on = outer
+        _forced.on, _forced.segments = outer
+
+
+def by_rows(fn, *xs, dims: tuple[int, ...]):
+    """fn(*xs), elementwise along the rows at `dims` (one per x). Inside a ragged forward
+    (`exact_rows(segments)`) it runs per sequence where the whole op might compute a row
+    otherwise than that sequence's op alone: torch splits an op of GRAIN elements or more
+    between threads, and an element past a split's last whole vector takes the scalar path
+    (exp, tanh and fused multiply-adds can differ there in the last bit)."""
+    seg = getattr(_forced, "segments", None)
+    x = xs[0]
+    if seg is None or len(seg) < 2 or (x.numel() < GRAIN and (x.numel() // x.shape[dims[0]]) % VECTOR == 0):
+        return fn(*xs)
+    outs, a = [], 0
+    for n in seg:
+        outs.append(fn(*(t.narrow(d, a, n) for t, d in zip(xs, dims))))
+        a += n
+    if isinstance(outs[0], tuple):  # several outputs, each with its rows along dims[0]
+        return tuple(torch.cat(parts, dims[0]) for parts in zip(*outs))
+    return torch.cat(outs, dims[0])
 
 
 def _exact_lib():

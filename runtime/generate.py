@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .errors import TriforceError
-from .graphs import Step, kept, run_model
+from .graphs import Step, kept, run_alone, run_model
 from .hostread import to_device, to_host
 from .offloaded import prefill_layer_major
 from .sampling import SamplingParams, next_token
@@ -84,7 +84,7 @@ def prefill(model, cache, ids: torch.Tensor, start: int = 0, prefill_chunk: int 
     the first decode forward's prefetch; last logits [B, V]. Returns with the device idle
     (CUDA): the prefill's time is its own, not the first decode step's."""
     if cache.layer_major:  # an offloaded cache: nothing re-streamed
-        logits = prefill_layer_major(model, cache, ids, start, prefill_chunk, progress)
+        logits = run_alone(lambda: prefill_layer_major(model, cache, ids, start, prefill_chunk, progress))
         cache.commit(start + ids.shape[1])
     else:
         logits = _prefill_chunks(model, cache, ids, start, prefill_chunk, progress)

@@ -280,6 +280,25 @@ class Direct:
         return self.model(ids, start, self.cache, last_only)
 
 
+class Call:
+    """A piece of model work that runs by itself in its batch's round (an offloaded cache's
+    layer-major prefill): `alone()` calls it."""
+
+    static = True  # never shares a forward
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def alone(self, *_):
+        return self.fn()
+
+
+def run_alone(fn):
+    """`fn()`; in a batch, by itself inside a round (the others wait, not beside it)."""
+    b = member.current()
+    return fn() if b is None else b.ask(Call(fn), None, 0, False)
+
+
 def run_model(model, cache, ids: torch.Tensor, start: int, last_only: bool = False) -> torch.Tensor:
     """`model(ids, start, cache, last_only)`; in a batch, inside its round (runtime/batch)."""
     b = member.current()

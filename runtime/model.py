@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..kernels.linear import Linear
+from ..kernels.linear import Linear, by_rows
 from ..kernels.qlinear import QLinear
 from .config import ModelConfig, rope_frequencies
 
@@ -110,7 +110,7 @@ def project(lin, x, norm=None, glu: bool = False, residual=None):
         x = norm(x)
     if glu:
         gate, up = x.chunk(2, dim=-1)
-        x = F.silu(gate) * up
+        x = by_rows(lambda g, u: F.silu(g) * u, gate, up, dims=(-2, -2))  # per sequence where it matters
     y = lin(x)
     return y if residual is None else residual + y
 
@@ -143,7 +143,7 @@ class Attention(nn.Module):
             qk = torch.cat([self.q_norm(qkv[:, :, :Hq]), self.k_norm(qkv[:, :, Hq: Hq + Hkv])], 2)
         else:
             qk = qkv[:, :, : Hq + Hkv]
-        qk = rotate(qk, cos, sin)  # q and k heads in one pass
+        qk = by_rows(rotate, qk, cos, sin, dims=(1, 0, 0))  # q and k heads in one pass
         q, k, v = qk[:, :, :Hq], qk[:, :, Hq:], qkv[:, :, Hq + Hkv:]  # views
         if self.q_scale != 1.0:
             q = q * self.q_scale
@@ -167,7 +167,8 @@ class MLP(nn.Module):
         if not self.gelu:
             return project(self.down_proj, h, glu=True, residual=residual)
         gate, up = h.chunk(2, dim=-1)
-        return project(self.down_proj, F.gelu(gate, approximate="tanh") * up, residual=residual)
+        act = by_rows(lambda g, u: F.gelu(g, approximate="tanh") * u, gate, up, dims=(-2, -2))
+        return project(self.down_proj, act, residual=residual)
 
 
 class Block(nn.Module):
@@ -238,7 +239,7 @@ class Transformer(nn.Module):
         (rows of several sequences: `cache` tells them apart, runtime/batch/rows.py) ->
         logits [1, len(keep), V] of the rows `keep`. The cache's attend gets start None."""
         x = self.embed(ids)
-        cos, sin = self.rotary(pos, x.dtype)
+        cos, sin = by_rows(lambda p: self.rotary(p, x.dtype), pos, dims=(0,))  # [N, 1, D] each
         cache.begin_forward(None, ids.shape[1])
         for i in range(len(self.model.layers)):
             x = self.layer_step(i, x, cos, sin, None, cache)

@@ -152,7 +152,7 @@ class Worker:
         """Admit queued jobs while fewer than max_batch run (waiting for one when none
         runs), run a round, again; ends after `shutdown` once the running jobs ended."""
         ending = False
-        while not ending or self.running:
+        while not ending or self.running:  # a job leaves `running` once its KV is saved
             while not ending and len(self.running) < self.max_batch:
                 try:
                     job = self.queue.get(block=not self.running)
@@ -161,13 +161,24 @@ class Worker:
                 if job is None:
                     ending = True
                 elif not job.cancelled.is_set():  # else it hung up while queued
-                    with self.lock:
-                        self.running.append(job)
-                    self.batch.spawn(lambda job=job: self._serve(job), "generation-request")
-            self.batch.step(0.05)
+                    self._start(job)
+            try:
+                self.batch.step(0.05)
+            except Exception:  # a round's failure reached its sequences; the server keeps serving
+                log.exception("a batch round failed")
+
+    def _start(self, job: Job):
+        with self.lock:
+            self.running.append(job)
+        try:
+            self.batch.spawn(lambda: self._serve(job), "generation-request", after=lambda: self._done(job))
+        except Exception as e:  # no thread for it: it is answered, the others run on
+            log.exception("could not start a generation")
+            job.emit("error", (500, f"generation failed to start: {type(e).__name__}: {e}"))
+            self._done(job, save=False)
 
     def _serve(self, job: Job):
-        """One job in its member thread: generate, answer, save its KV (--kv-dir)."""
+        """One job in its member thread: generate and answer."""
         try:
             self._run(job)
         except Cancelled as e:
@@ -178,10 +189,16 @@ class Worker:
         except Exception as e:  # the server keeps serving
             log.exception("generation failed")
             job.emit("error", (500, f"generation failed: {type(e).__name__}: {e}"))
+
+    def _done(self, job: Job, save: bool = True):
+        """After the answer, out of the batch's rounds: save the KV (--kv-dir), then the job
+        leaves `running` (shutdown waits for it)."""
+        try:
+            if save:
+                self._save()
         finally:
             with self.lock:
                 self.running = [j for j in self.running if j is not job]
-        self._save()
 
     def _save(self):
         """--kv-dir: write the finished request's KV once its response is out."""

@@ -250,3 +250,81 @@ def test_bundled_model_batch_at_its_gguf_precision(one_thread):
         got = generate_batch(L, ps, opts)
         assert [t for t, _ in got] == [generate(L, p, opts)[0] for p in ps], mode
         assert shared(got[0][1]) > 1.5
+
+
+def test_a_failed_shared_forward_reaches_its_sequences_and_the_batch_goes_on(monkeypatch):
+    from triforce_offload.runtime.batch import runner
+    L = MODELS["int4:int8"]()
+    ps = prompts(L.cfg.vocab_size)[:3]
+    opts = RunOptions.of(mode="autoregressive", max_new_tokens=8)
+    real, calls = runner.forward, []
+
+    def flaky(model, sets):
+        calls.append(len(sets))
+        if len(calls) == 3:
+            raise RuntimeError("injected: the shared forward failed")
+        return real(model, sets)
+    monkeypatch.setattr(runner, "forward", flaky)
+    with pytest.raises(RuntimeError, match="injected"):
+        generate_batch(L, ps, opts)
+    assert [t for t, _ in generate_batch(L, ps, opts)] == [generate(L, p, opts)[0] for p in ps]
+
+
+def test_the_driving_thread_computes_with_the_batchs_thread_count():
+    """Members run torch on one thread; that must not become the forwards' count."""
+    import threading
+    from triforce_offload.runtime.batch import runner
+    L = MODELS["int4:int8"]()
+    seen = []
+    real = runner.forward
+
+    def spy(model, sets):
+        seen.append(torch.get_num_threads())
+        return real(model, sets)
+    n = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        b = Batch(L)
+        b.batcher.threads = 3
+        runner.forward = spy
+        t = threading.Thread(target=lambda: (torch.set_num_threads(1), b.add(prompts(64)[0], RunOptions.of(
+            max_new_tokens=4, mode="autoregressive")), b.add(prompts(64)[1], RunOptions.of(
+                max_new_tokens=4, mode="autoregressive")), b.drain()))
+        t.start()
+        t.join()
+    finally:
+        runner.forward = real
+        torch.set_num_threads(n)
+    assert seen and set(seen) == {3}
+
+
+@pytest.mark.parametrize("threads", [3, 5])
+def test_rows_stay_exact_at_odd_thread_counts(threads):
+    """torch splits a large elementwise op between threads and computes the elements past a
+    split's last whole vector on its scalar path: at 3 or 5 threads a shared forward of
+    many rows would move those splits. Prefill chunks and decodes of float-activation
+    models (SiLU and GELU in torch) in one forward still equal their forwards alone."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for L in (MODELS["fp32"](), tiny_gelu()):
+            caches = [FullCache(L.cfg, 512, dtype=L.kv_dtype) for _ in range(4)]
+            alone = [FullCache(L.cfg, 512, dtype=L.kv_dtype) for _ in range(4)]
+            widths = [1, 37, 64, 3]
+            ids = [torch.randint(0, 64, (1, w), generator=torch.Generator().manual_seed(w)) for w in widths]
+            with torch.inference_mode():
+                want = [L.model(i, 0, c) for i, c in zip(ids, alone)]
+            got = forward(L.model, [Rows(i, 0, c) for i, c in zip(ids, caches)])
+            for w, o in zip(want, got):
+                assert torch.equal(w, o)
+    finally:
+        torch.set_num_threads(n)
+
+
+def tiny_gelu() -> Loaded:
+    """A tiny model with Gemma's GELU-tanh MLP and (1 + w) norms, float activations."""
+    torch.manual_seed(4)
+    cfg = ModelConfig(arch="gemma3", vocab_size=64, hidden_size=64, intermediate_size=400, n_layers=2,
+                      n_heads=4, n_kv_heads=2, max_position_embeddings=4096, hidden_act="gelu_pytorch_tanh",
+                      norm_plus_one=True)
+    return Loaded(Transformer(cfg).eval(), cfg, tiny().tokenizer, torch.device("cpu"), torch.float32)

@@ -88,6 +88,6 @@ def forward(model, sets: list[Rows]) -> list[torch.Tensor]:
         keep.extend(range(a + s.n - 1, a + s.n) if s.last_only else range(a, a + s.n))
         ends.append(len(keep))
         a += s.n
-    with exact_rows():
+    with exact_rows([s.n for s in sets]):
         logits = model.forward_rows(ids, pos, Ragged(sets), torch.tensor(keep, device=dev))  # [1, R, V]
     return list(torch.tensor_split(logits, ends[:-1], dim=1))

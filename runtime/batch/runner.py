@@ -34,6 +34,9 @@ from .memory import check_batch
 from .rows import Rows, exact, forward
 
 
+_driving = threading.local()  # the thread count a driving thread has set (Batcher._drive)
+
+
 @dataclass
 class Ask:
     """One member's model forward, waiting for its round."""
@@ -47,14 +50,16 @@ class Ask:
 
     def mergeable(self) -> bool:
         """Whether it can share a ragged forward: a dynamic-shape step on a row-exact model."""
-        return not self.step.static and self.ids.device.type == "cpu" and exact(self.step.model, self.ids.shape[1])
+        return (not self.step.static and self.ids is not None and self.ids.device.type == "cpu"
+                and exact(self.step.model, self.ids.shape[1]))
 
 
 class Batcher:
     """The rendezvous: members `ask` for forwards and wait; the driving thread runs a round
     once every running member is waiting (`round`). Counts rounds, rows and forwards."""
 
-    def __init__(self):
+    def __init__(self, threads: int | None = None):
+        self.threads = threads or torch.get_num_threads()  # what the driving thread computes with
         self._cv = threading.Condition()
         self._running = 0  # members whose thread has not finished
         self._asks: list[Ask] = []
@@ -99,17 +104,34 @@ class Batcher:
             asks, self._asks = self._asks, []
         if not asks:
             return self._running > 0
+        self._drive()
         t0 = time.perf_counter()
         try:
             self._run(asks)
+        except BaseException as e:  # noqa: BLE001 - the asks still waiting get it (below)
+            failed = e
+        else:
+            failed = None
         finally:
             self.forward_s += time.perf_counter() - t0
             self.rounds += 1
             with self._cv:
                 for a in asks:
+                    if a.out is None and a.error is None:  # never left waiting without an answer
+                        a.error = failed or RuntimeError("the batch's round gave this forward no result")
                     a.done = True
                 self._cv.notify_all()
+        if isinstance(failed, (KeyboardInterrupt, SystemExit)):
+            raise failed
         return True
+
+    def _drive(self):
+        """The driving thread computes with the thread count the batch was made with (a
+        member's torch.set_num_threads(1) also becomes torch's default for threads that
+        start their first parallel work afterwards)."""
+        if getattr(_driving, "threads", None) != self.threads:
+            torch.set_num_threads(self.threads)
+            _driving.threads = self.threads
 
     @torch.inference_mode()
     def _run(self, asks: list[Ask]):
@@ -130,7 +152,12 @@ class Batcher:
                 for a in g:
                     self._alone(a)
                 continue
-            outs = forward(g[0].step.model, [Rows(a.ids, a.start, a.step.cache, a.last_only) for a in g])
+            try:
+                outs = forward(g[0].step.model, [Rows(a.ids, a.start, a.step.cache, a.last_only) for a in g])
+            except Exception as e:  # noqa: BLE001 - every sequence of the forward gets it
+                for a in g:
+                    a.error = e
+                continue
             for a, o in zip(g, outs):
                 a.out = o
             self.forwards["ragged"] += 1
@@ -181,7 +208,7 @@ class Batch:
     def __init__(self, loaded, generate=None):
         from .. import api  # the mode runners; api imports nothing of this package
         self.loaded, self.generate = loaded, generate or api.generate
-        self.batcher = Batcher()
+        self.batcher = Batcher(torch.get_num_threads())  # the creating thread's count drives
         self.members: list[Member] = []
 
     def add(self, prompt: list[int], opts, on_token=None, progress=None) -> Member:
@@ -199,13 +226,19 @@ class Batch:
         self.spawn(body, f"triforce-seq-{len(self.members)}")
         return m
 
-    def spawn(self, body, name: str = "triforce-seq"):
+    def spawn(self, body, name: str = "triforce-seq", after=None):
         """Run `body()` (which generates: a server's request) as a member: in its own thread,
-        its forwards in this batch's rounds. It must not raise (it owns its errors)."""
+        its forwards in this batch's rounds; then `after()` in the same thread, no longer a
+        member (a --kv-dir save: the rounds do not wait for it). Neither may raise (they
+        own their errors)."""
         self.batcher.join()  # before the thread starts: a round never runs without it
-        threading.Thread(target=self._member, args=(body,), daemon=True, name=name).start()
+        try:
+            threading.Thread(target=self._member, args=(body, after), daemon=True, name=name).start()
+        except BaseException:
+            self.batcher.leave()
+            raise
 
-    def _member(self, body):
+    def _member(self, body, after=None):
         member.enter(self.batcher)
         # a member thread samples and keeps its engine's books; the forwards run in the
         # driving thread. One thread: an OpenMP team per member thread would spin beside
@@ -217,6 +250,8 @@ class Batch:
         finally:
             member.leave()
             self.batcher.leave()
+        if after is not None:
+            after()
 
     @property
     def running(self) -> int:
@@ -250,7 +285,8 @@ def generate_batch(loaded, prompts: list[list[int]], opts, on_token=None, memory
         raise TriforceError(f"{len(prompts)} prompts but {len(per)} option sets")
     if world_size() > 1:
         raise TriforceError("a batch under --tp is not supported yet: run the sequences one by one")
-    check_batch(loaded, [p for p in prompts if p], per, memory)
+    pairs = [(p, o) for p, o in zip(prompts, per) if p]  # an empty prompt fails alone, later
+    check_batch(loaded, [p for p, _ in pairs], [o for _, o in pairs], memory)
     b = Batch(loaded)
     ms = [b.add(p, o, None if on_token is None else (lambda t, i=i: on_token(i, t)))
           for i, (p, o) in enumerate(zip(prompts, per))]
