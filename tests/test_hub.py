@@ -105,3 +105,10 @@ def test_plan_reads_a_config_by_name(hf_home):
                         "2048", "--gpus", "4090", "--json"], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "acme/tiny" in r.stdout
+
+
+def test_serve_names_the_model_as_given(hf_home, tiny_model_dir):
+    from triforce_offload.cli.serve import model_name
+    assert model_name("acme/tiny") == "acme/tiny"
+    assert model_name("acme/tiny-GGUF:Q4_K_M") == "acme/tiny-GGUF:Q4_K_M"
+    assert model_name(str(tiny_model_dir)) == Path(tiny_model_dir).name
