@@ -58,7 +58,7 @@ from ..offload.timeline import Span, Timeline, device_clock
 from ..offload.tune import transfer_chunk_for
 from .cache import FullCache, KVCache, WindowRing, copy_prefix, window_attention
 from .engine import rollback_depth
-from .graphs import keeps, kept, room_for
+from .graphs import graphable, keeps, kept, room_for
 from .retrieval import RetrievalCache
 from .errors import TriforceError
 from .protocols import HostStore
@@ -463,6 +463,8 @@ def resident_cache(loaded, capacity: int, prefill_chunk: int = PREFILL_CHUNK, re
     make = lambda c: FullCache(cfg, c, dtype=dtype, device=device, ring_depth=ring_depth)  # noqa: E731
     k = kept(loaded.model) if keeps(device) else None
     if k is None:
+        if graphable(device):  # a batch's sequence: the capacity class a solo run's kept cache has,
+            capacity = room_for(capacity)  # so the fixed-shape kernels split its keys alike
         check_resident(cfg, capacity, dtype, device, prefill_chunk, retrieval_slots, ring_depth=ring_depth)
         return make(capacity)
     capacity = room_for(capacity)

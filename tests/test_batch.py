@@ -328,3 +328,27 @@ def tiny_gelu() -> Loaded:
                       n_heads=4, n_kv_heads=2, max_position_embeddings=4096, hidden_act="gelu_pytorch_tanh",
                       norm_plus_one=True)
     return Loaded(Transformer(cfg).eval(), cfg, tiny().tokenizer, torch.device("cpu"), torch.float32)
+
+
+def test_fixed_shape_batch_caches_have_the_solo_runs_capacity(monkeypatch):
+    """On the fixed-shape path (CUDA; TRIFORCE_OFFLOAD_STATIC=1 here) a solo run's full cache
+    is the model's kept one, its capacity rounded to a class; a batch's sequences keep their
+    own caches, of that same capacity: the fixed-shape attention kernels split a buffer's
+    keys by its capacity (on an H200 a bf16 batch left its solo runs' tokens before this)."""
+    from triforce_offload.runtime import offloaded
+    monkeypatch.setenv("TRIFORCE_OFFLOAD_STATIC", "1")
+    made = []
+    real = offloaded.FullCache
+
+    class Spy(real):
+        def __init__(self, cfg, capacity, *a, **k):
+            made.append(capacity)
+            super().__init__(cfg, capacity, *a, **k)
+    monkeypatch.setattr(offloaded, "FullCache", Spy)
+    L = MODELS["fp32"]()
+    ps = prompts(L.cfg.vocab_size)[:2]
+    opts = RunOptions.of(mode="autoregressive", max_new_tokens=8)
+    solo = [generate(L, p, opts)[0] for p in ps]
+    n_solo = list(made)
+    assert [t for t, _ in generate_batch(L, ps, opts)] == solo
+    assert set(made[len(n_solo):]) <= set(n_solo) and len(made) > len(n_solo)
