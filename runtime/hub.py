@@ -50,6 +50,8 @@ def offline() -> bool:
 
 
 def cache_dir() -> str:
+    """huggingface_hub's cache folder, read from the environment now (its own
+    `constants.HF_HUB_CACHE` is fixed when it is first imported)."""
     return os.environ.get("HF_HUB_CACHE") or os.path.join(
         os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface"), "hub")
 

@@ -461,13 +461,12 @@ def resident_cache(loaded, capacity: int, prefill_chunk: int = PREFILL_CHUNK, re
     moves out of the prefix store (`loaded.prefix`) first. `ring_depth`: window layers' rings."""
     cfg, dtype, device = loaded.cfg, loaded.kv_dtype, loaded.device
     make = lambda c: FullCache(cfg, c, dtype=dtype, device=device, ring_depth=ring_depth)  # noqa: E731
+    if graphable(device):  # kept or a batch sequence's own: one capacity class, so the
+        capacity = room_for(capacity)  # fixed-shape kernels split its keys alike
     k = kept(loaded.model) if keeps(device) else None
     if k is None:
-        if graphable(device):  # a batch's sequence: the capacity class a solo run's kept cache has,
-            capacity = room_for(capacity)  # so the fixed-shape kernels split its keys alike
         check_resident(cfg, capacity, dtype, device, prefill_chunk, retrieval_slots, ring_depth=ring_depth)
         return make(capacity)
-    capacity = room_for(capacity)
     w = k.full_cache(capacity, ring_depth)  # None: a kept one of another capacity or depth is dropped
     r = k.retrieval_cache(retrieval_slots, ring_depth) if retrieval_slots else None
     check_resident(cfg, capacity, dtype, device, prefill_chunk, retrieval_slots,

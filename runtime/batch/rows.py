@@ -19,6 +19,7 @@ import torch
 
 from ...kernels.linear import EXACT_ROWS, exact_rows
 from ...kernels.qlinear import rows_exact
+from ..hostread import to_device
 
 
 @dataclass
@@ -89,5 +90,5 @@ def forward(model, sets: list[Rows]) -> list[torch.Tensor]:
         ends.append(len(keep))
         a += s.n
     with exact_rows([s.n for s in sets]):
-        logits = model.forward_rows(ids, pos, Ragged(sets), torch.tensor(keep, device=dev))  # [1, R, V]
+        logits = model.forward_rows(ids, pos, Ragged(sets), to_device(keep, dev))  # [1, R, V]
     return list(torch.tensor_split(logits, ends[:-1], dim=1))
