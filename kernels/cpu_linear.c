@@ -557,6 +557,13 @@ static int qlinear_q8(const float *x, int64_t M, int64_t K, int64_t ldx, const u
                 w[j] = q + (n0 + j) * wbytes;
                 swp[j] = sw + j * (2 * ngp + 32);
             }
+            /* The next tile's weights asked for now: with several rows of x, the rows' dots
+             * of this tile leave the loads far apart and the hardware prefetcher falls behind
+             * (measured on a Zen 4 VM, 2 threads, Gemma 3's 262144x640 LM head at 8 rows:
+             * 19.6 -> 9.4 ms; 2 rows 10.1 -> 4.1; one row unchanged at 4.9). */
+            if (ti + 1 < tiles)
+                for (int64_t b = 0; b < (N - n0 - nt < ntq ? N - n0 - nt : ntq) * wbytes; b += 64)
+                    __builtin_prefetch(q + (n0 + nt) * wbytes + b, 0, 0);
             for (int64_t r0 = 0; r0 < M; r0 += 4) {
                 const int rb = M - r0 < 4 ? (int)(M - r0) : 4;
                 float res[4][4];

@@ -68,7 +68,9 @@ def quantize_x(x: torch.Tensor) -> torch.Tensor:
     to even): the activations the int8 kernel dots with, as floats (the torch reference)."""
     b = x.float().reshape(*x.shape[:-1], -1, 32)
     amax = b.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # a true division, as the kernel's 127.0f / amax: torch's `127.0 / amax` is
+    # reciprocal(amax) * 127, a different float in about a quarter of cases
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     q = (b * inv).round().clamp(-127, 127)
     return (q * (amax / 127.0)).reshape(x.shape).to(x.dtype)
 
