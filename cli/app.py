@@ -35,6 +35,18 @@ def read_prompt(prompt: Optional[str], prompt_file: Optional[Path]) -> Optional[
     return None if prompt is None else _nonempty(prompt, "--prompt")
 
 
+def read_prompts(prompts: Optional[list[str]], files: Optional[list[Path]]) -> list[str]:
+    """Every prompt of repeated --prompt or --prompt-file options, in order (empty: the
+    built-in one); stdin ('-') once at most."""
+    prompts, files = prompts or [], files or []
+    if prompts and files:
+        raise TriforceError("give --prompt or --prompt-file, not both")
+    if [str(x) for x in prompts + files].count("-") > 1:
+        raise TriforceError("stdin ('-') can be read once: give the other prompts as text or files")
+    return ([read_prompt(p, None) for p in prompts] if prompts
+            else [read_prompt(None, f) for f in files])
+
+
 def _utf8(data: bytes, where: str) -> str:
     try:
         return data.decode("utf-8")

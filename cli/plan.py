@@ -54,6 +54,9 @@ def plan(
                                              "[default: --model]."),
     draft_path: str = typer.Option("path/to/llama-68m", help="L0 draft model path for the "
                                    "printed command (same tokenizer as the target)."),
+    batch: int = typer.Option(1, help="Sequences decoded together, each of --context tokens "
+                              "(serve --max-batch): KV, rings and retrieval caches per sequence, "
+                              "weights shared."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ):
     """Search on-chip layers, budget, gamma2 and transfer chunk for the lowest predicted
@@ -68,9 +71,15 @@ def plan(
     for a, flag in ((alpha0, "--alpha0"), (alpha1, "--alpha1")):
         if not 0 <= a <= 1:
             raise TriforceError(f"{flag} {a}: must be in [0, 1]")
+    if batch < 1:
+        raise TriforceError(f"--batch {batch}: must be >= 1")
     draft, note = draft_for(spec, draft_model)
-    p = _value(lambda: pl.search_plan(hw, spec, ctx, gpu_mem, host_mem, alpha0, alpha1, draft=draft))
-    cmd = run_command(p, model_path or model, draft_path if draft else None, rope_scaling)
+    p = _value(lambda: pl.search_plan(hw, spec, ctx, gpu_mem, host_mem, alpha0, alpha1, draft=draft,
+                                      batch=batch))
+    cmd = serve_command(p, run_command(p, model_path or model, draft_path if draft else None, rope_scaling))
+    if p.batch > 1 and p.tp > 1:
+        note = (note + " " if note else "") + (f"serve batches on one GPU (no --tp): the batch of {p.batch} "
+                                                f"over {p.tp} GPUs is a prediction only.")
     if as_json:
         print(json.dumps({**plan_dict(p), "rope_scaling": rope_scaling, "draft_note": note,
                           "command": cmd}))
@@ -129,6 +138,15 @@ def run_command(p: pl.Plan, model_path: str, draft_path: str | None,
             f"--tp {p.tp} --max-context {s.context}")
 
 
+def serve_command(p: pl.Plan, run: str) -> str:
+    """`serve` with the plan's settings for a batch (`run_command`'s flags and --max-batch),
+    or `run`'s own line where serve cannot take them (it runs in one process: no --tp)."""
+    if p.batch == 1 or p.tp > 1:
+        return run
+    return run.replace("triforce-offload run ", "triforce-offload serve ", 1).replace(" --tp 1 ", " ") \
+        + f" --max-batch {p.batch}"
+
+
 def plan_dict(p: pl.Plan) -> dict:
     s = p.settings
     m = p.model
@@ -142,6 +160,8 @@ def plan_dict(p: pl.Plan) -> dict:
             "chunk": s.retrieval_chunk, "gamma1": s.gamma1 if s.draft is not None else 0,
             "gamma2": s.gamma2, "transfer_chunk": s.transfer_chunk, "alpha1": s.alpha1,
             "ms_per_token": p.ms_per_token, "baseline_ms": p.baseline_ms,
+            "batch": p.batch, "tokens_per_s": p.tokens_per_s,
+            "baseline_tokens_per_s": p.batch * 1e3 / p.baseline_ms,
             "gpu_gb": p.gpu_gb, "host_gb": p.host_gb,
             "on_chip_kv_gb": p.gpu_parts.get("on_chip_kv", 0.0), "rings_gb": p.gpu_parts.get("rings", 0.0)}
 
@@ -167,8 +187,13 @@ def plan_table(p: pl.Plan) -> Table:
         kv += f" + {d['rings_gb']:.2f} GiB window rings ({d['window']} + {d['ring_depth']} tokens)"
     t.add_row("  of which KV", kv)
     t.add_row("host memory", f"{d['host_gb']:.1f} GiB (offloaded global layers' KV)")
-    t.add_row("predicted TriForce", f"{d['ms_per_token']:.0f} ms/token")
-    t.add_row("predicted autoregressive offload", f"{d['baseline_ms']:.0f} ms/token")
+    if p.batch > 1:
+        t.add_row("batch", f"{p.batch} sequences of {d['context']} tokens")
+    each = " each" if p.batch > 1 else ""
+    t.add_row("predicted TriForce", f"{d['ms_per_token']:.0f} ms/token{each}"
+              + (f", {d['tokens_per_s']:.1f} tok/s in all" if p.batch > 1 else ""))
+    t.add_row("predicted autoregressive offload", f"{d['baseline_ms']:.0f} ms/token{each}"
+              + (f", {d['baseline_tokens_per_s']:.1f} tok/s in all" if p.batch > 1 else ""))
     t.add_row("predicted speedup", f"{d['baseline_ms'] / d['ms_per_token']:.1f}x")
     return t
 

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, List, Optional
 
 import typer
 
@@ -15,7 +16,7 @@ from ..runtime.errors import TriforceError
 from ..runtime.options import (GenerationOptions, ModelOptions, OffloadOptions, ParallelOptions,
                                RetrievalOptions, ReuseOptions, RunOptions)
 from ..runtime.prefix_cache import prefix_store
-from .app import app, read_prompt
+from .app import app, read_prompts
 from .launch import join, launch_ranks
 from .options import options, pick
 from .plan import plan_settings
@@ -34,9 +35,11 @@ def run(
     offload: OffloadOptions,
     parallel: ParallelOptions,
     reuse: Annotated[ReuseOptions, pick("kv_dir", "kv_dir_limit")],
-    prompt: Optional[str] = typer.Option(None, help="Prompt text ('-' reads stdin) "
-                                         "[default: ~4K tokens of essays + a summary request]"),
-    prompt_file: Optional[Path] = typer.Option(None, help="Read the prompt from a file ('-' for stdin)."),
+    prompt: Optional[List[str]] = typer.Option(None, help="Prompt text ('-' reads stdin); repeat it for "
+                                               "a batch, each prompt its own sequence "
+                                               "[default: ~4K tokens of essays + a summary request]"),
+    prompt_file: Optional[List[Path]] = typer.Option(None, help="Read the prompt from a file ('-' for "
+                                                     "stdin); repeat it for a batch."),
     prompt_tokens: int = typer.Option(DEFAULT_PROMPT_TOKENS, help="Length of the built-in essay prompt."),
     builtin_prompt: str = typer.Option("summary", help="Built-in prompt without --prompt: summary "
                                        "(essays + a summary request) or continue (essay text to continue)."),
@@ -48,7 +51,8 @@ def run(
                                           "the same prompt and print both side by side."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (text + figures) last."),
 ):
-    """Generate from a prompt; ends with a stats line (or a JSON object with --json)."""
+    """Generate from a prompt; ends with a stats line (or a JSON object with --json). Several
+    prompts run as one batch, each token for token as it would alone."""
     if prompt_tokens < 1:
         raise TriforceError(f"--prompt-tokens {prompt_tokens}: must be >= 1")
     check_builtin_prompt(builtin_prompt)  # before any loading
@@ -56,8 +60,12 @@ def run(
         gen.but(mode=compare)  # checks the name before any loading
     if reuse.kv_dir and parallel.tp > 1:
         raise TriforceError("--kv-dir works in one process: each --tp rank holds another slice of the KV")
-    text = read_prompt(prompt, prompt_file)  # here: ranks have no stdin
-    job = Job(model, RunOptions(gen, retrieval, offload), text, (builtin_prompt, prompt_tokens),
+    texts = read_prompts(prompt, prompt_file)  # here: ranks have no stdin
+    if len(texts) > 1 and compare is not None:
+        raise TriforceError("--compare runs one prompt; give one --prompt")
+    if len(texts) > 1 and parallel.tp > 1:
+        raise TriforceError("several prompts run as one batch in one process; --tp runs one prompt")
+    job = Job(model, RunOptions(gen, retrieval, offload), texts, (builtin_prompt, prompt_tokens),
               chat, plan, compare, as_json, reuse)
     if not launch_ranks(run_job, parallel.tp, model, gen.draft, dict(job=job, tp=parallel.tp)):
         run_job(job, parallel.tp)  # else the ranks ran it; rank 0 printed
@@ -66,8 +74,8 @@ def run(
 class Job:
     """One `run` invocation, as the ranks of `--tp` receive it (picklable)."""
 
-    def __init__(self, model, opts, text, builtin, chat, plan, compare, as_json, reuse=None):
-        self.model, self.opts, self.text, self.builtin = model, opts, text, builtin  # (kind, tokens)
+    def __init__(self, model, opts, texts, builtin, chat, plan, compare, as_json, reuse=None):
+        self.model, self.opts, self.texts, self.builtin = model, opts, texts, builtin  # (kind, tokens)
         self.chat, self.plan, self.compare, self.as_json = chat, plan, compare, as_json
         self.reuse = reuse  # ReuseOptions: --kv-dir
 
@@ -80,17 +88,23 @@ def run_job(job: Job, tp: int):
             raise TriforceError("--kv-dir works in one process: each rank holds another slice of the KV")
         loaded.prefix = prefix_store(job.reuse, loaded, memory=False,
                                      note=lambda m: err.print(m, highlight=False))
-    ids = (builtin_prompt(loaded.tokenizer, *job.builtin, chat=job.chat) if job.text is None
-           else encode_prompt(loaded.tokenizer, job.text, job.chat))
+    prompts = ([builtin_prompt(loaded.tokenizer, *job.builtin, chat=job.chat)] if not job.texts
+               else [encode_prompt(loaded.tokenizer, t, job.chat) for t in job.texts])
     opts = job.opts
     if job.plan is not None:
-        opts = opts.but(**plan_settings(job.plan, loaded, len(ids) + opts.max_new_tokens))
+        opts = opts.but(**plan_settings(job.plan, loaded, max(map(len, prompts)) + opts.max_new_tokens))
+    lengths = sorted(map(len, prompts))
+    what = (f"prompt {lengths[0]} tokens" if len(prompts) == 1 else
+            f"{len(prompts)} prompts of {lengths[0]}..{lengths[-1]} tokens in one batch")
     err.print(f"model {loaded.cfg.arch} {loaded.cfg.n_layers} layers, weights {loaded.weights} "
               f"({loaded.load_info}), "
               f"activations {str(loaded.dtype).removeprefix('torch.')}"
               f"{' (int8 into quantized linears)' if loaded.activations == 'int8' else ''}, "
               f"KV {str(loaded.kv_dtype).removeprefix('torch.')} on "
-              f"{loaded.device}; mode {opts.mode}; prompt {len(ids)} tokens", highlight=False)
+              f"{loaded.device}; mode {opts.mode}; {what}", highlight=False)
+    if len(prompts) > 1:
+        return run_batch(loaded, prompts, opts, job.as_json)
+    ids = prompts[0]
     text, d = generate(loaded, ids, opts, stream=not job.as_json)
     if job.compare is None:
         if job.as_json:
@@ -115,3 +129,33 @@ def generate(loaded, ids, opts: RunOptions, stream: bool):
         print(flush=True)
         err.print(stats_line(d), highlight=False)
     return loaded.tokenizer.decode(toks, skip_special_tokens=True), d
+
+
+def run_batch(loaded, prompts: list[list[int]], opts: RunOptions, as_json: bool):
+    """Several prompts as one batch (runtime/batch): each sequence's text and stats line in
+    the order given, then the batch's aggregate rate; or one JSON object."""
+    made = [0]
+    total = len(prompts) * opts.max_new_tokens
+
+    with bar(f"batch of {len(prompts)}", enabled=not as_json) as progress:
+        def on_token(i, t):  # from the sequences' threads: one counter, read by the bar
+            made[0] += 1
+            if progress is not None:
+                progress(made[0], total)
+
+        started = time.perf_counter()
+        results = api.generate_batch(loaded, prompts, opts, on_token=on_token)
+        wall = time.perf_counter() - started
+    out = [{"text": loaded.tokenizer.decode(toks, skip_special_tokens=True), **st.as_dict()}
+           for toks, st in results]
+    new = sum(d["new_tokens"] for d in out)
+    summary = {"sequences": len(out), "new_tokens": new, "wall_s": wall, "tokens_per_s": new / wall}
+    if as_json:
+        print(json.dumps({"results": out, "batch": summary}))
+        return
+    for i, d in enumerate(out):
+        err.print(f"── sequence {i + 1} of {len(out)} ──", highlight=False)
+        print(d["text"], flush=True)
+        err.print(stats_line(d), highlight=False)
+    err.print(f"batch of {len(out)}: {new} new tokens in {wall:.2f} s, {new / wall:.1f} tok/s in all",
+              highlight=False)

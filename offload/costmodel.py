@@ -49,6 +49,13 @@ Assumptions (all stated, none fitted to the paper table):
    global ones, as ``--on-chip`` counts) or in host memory, streamed. Attention of a
    window layer reads min(keys, window) keys. Its compute between two offloaded global
    layers hides up to one staging ring of the next layer's transfer.
+12. A batch (``Settings.batch`` sequences of ``context`` tokens each, the runtime's batched
+   engine: one forward per round for every sequence's rows) reads the weights once per
+   forward and each sequence's KV for itself: weight matmuls cost as one forward of all the
+   rows, attention, KV memory, rings, retrieval caches, the draft's windows and the offloaded
+   KV's transfer scale with the batch; staging buffers and the prefill's one layer do not (one
+   prompt prefills at a time). Every sequence speculates at the same rates, so a round yields
+   a token per sequence per ms_per_token: aggregate tokens/s = batch * 1000 / ms_per_token.
 
 Memory sizes are GiB (2**30, as nvidia-smi reports); bandwidths are decimal GB/s.
 Hardware sources are next to each preset value below.
@@ -389,6 +396,7 @@ class Settings:
     draft: ModelSpec | None = LLAMA_68M  # L0 model; None: no L0 level
     draft_window: int = 256  # L0 streaming cache: sink + recent tokens
     tp: int = 0  # tensor-parallel degree; 0: all of hw.gpus
+    batch: int = 1  # sequences decoded together, each of `context` tokens (assumption 12)
 
     @property
     def ring_depth(self) -> int:
@@ -410,6 +418,12 @@ class Prediction:
     levels: dict = field(default_factory=dict)  # ms per token by level (L0, L1, L2)
     tokens_per_pass: float = 1.0  # tokens one full-cache pass yields
     on_chip: int = 0  # on-chip layers used
+    batch: int = 1  # sequences: each gets a token every ms_per_token
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Aggregate tokens per second over the batch."""
+        return self.batch * 1e3 / self.ms_per_token
 
 
 @dataclass(frozen=True)
@@ -446,16 +460,17 @@ def _gpu_parts(m: ModelSpec, s: Settings, mode: str, tp: int, on_chip: int) -> d
     parts = {"weights": m.weight_bytes / tp}
     if mode == "deepspeed":
         return parts
-    parts["on_chip_kv"] = m.chip_globals(on_chip) * s.context * m.kv_layer_bytes / tp
+    B = s.batch  # per sequence: its KV, rings, retrieval cache and draft window (assumption 12)
+    parts["on_chip_kv"] = B * m.chip_globals(on_chip) * s.context * m.kv_layer_bytes / tp
     if m.n_window:
-        parts["rings"] = m.n_window * m.ring_tokens(s.ring_depth) * m.kv_layer_bytes / tp
+        parts["rings"] = B * m.n_window * m.ring_tokens(s.ring_depth) * m.kv_layer_bytes / tp
     if m.chip_globals(on_chip) < m.n_global:
         parts["staging"] = staging_bytes(s.transfer_chunk, m.kv_layer_bytes / tp)
         parts["prefill_layer"] = s.context * m.kv_layer_bytes / tp
     if mode == "triforce":  # budget slots on global layers, its own rings on window layers
-        parts["retrieval"] = m.kv_bytes(s.budget, s.ring_depth) / tp
+        parts["retrieval"] = B * m.kv_bytes(s.budget, s.ring_depth) / tp
         if s.draft is not None:  # replicated on every GPU
-            parts["draft"] = s.draft.weight_bytes + s.draft_window * s.draft.kv_token_bytes
+            parts["draft"] = s.draft.weight_bytes + B * s.draft_window * s.draft.kv_token_bytes
     return parts
 
 
@@ -484,9 +499,9 @@ def memory_use(hw: Hardware, m: ModelSpec, s: Settings, mode: str = "triforce") 
     tp, on_chip = _tp(hw, s, mode), _on_chip(hw, m, s, mode)
     parts = {k: v / GIB for k, v in _gpu_parts(m, s, mode, tp, on_chip).items()}
     if mode == "deepspeed":  # ZeRO-Inference: every layer's KV in host memory
-        host = m.kv_bytes(s.context, s.ring_depth) / GIB
+        host = s.batch * m.kv_bytes(s.context, s.ring_depth) / GIB
     else:  # the offloaded global layers
-        host = (m.n_global - m.chip_globals(on_chip)) * s.context * m.kv_layer_bytes / GIB
+        host = s.batch * (m.n_global - m.chip_globals(on_chip)) * s.context * m.kv_layer_bytes / GIB
     return Memory(sum(parts.values()), host, parts)
 
 
@@ -507,20 +522,21 @@ def _roof(hw: Hardware, nbytes: float, flops: float) -> float:
 
 
 def _dense(hw: Hardware, m: ModelSpec, tp: int, n: int) -> float:
-    """Weight matmuls of one forward over n tokens."""
+    """Weight matmuls of one forward over n tokens (of every sequence of a batch)."""
     return _roof(hw, m.step_read_bytes / tp, 2.0 * m.params / tp * n)
 
 
-def _attn(hw: Hardware, m: ModelSpec, tp: int, n: int, kv: int, layers: int) -> float:
-    """Attention of n queries over kv cached tokens in `layers` layers."""
-    nbytes = layers * kv * m.kv_layer_bytes / tp
-    flops = layers * 4.0 * n * kv * m.heads * m.head_dim / tp
+def _attn(hw: Hardware, m: ModelSpec, tp: int, n: int, kv: int, layers: int, seqs: int = 1) -> float:
+    """Attention of n queries over kv cached tokens in `layers` layers, for each of `seqs`
+    sequences (each reads its own KV)."""
+    nbytes = seqs * layers * kv * m.kv_layer_bytes / tp
+    flops = seqs * layers * 4.0 * n * kv * m.heads * m.head_dim / tp
     return _roof(hw, nbytes, flops)
 
 
-def _attn_window(hw: Hardware, m: ModelSpec, tp: int, n: int, kv: int) -> float:
+def _attn_window(hw: Hardware, m: ModelSpec, tp: int, n: int, kv: int, seqs: int = 1) -> float:
     """Attention of n queries in every window layer: over min(kv, window) keys."""
-    return _attn(hw, m, tp, n, min(kv, m.window), m.n_window) if m.n_window else 0.0
+    return _attn(hw, m, tp, n, min(kv, m.window), m.n_window, seqs) if m.n_window else 0.0
 
 
 def _segments(m: ModelSpec, on_chip: int) -> int:
@@ -564,20 +580,22 @@ class _Pass:
 
 
 def _full_pass(hw, m, s, tp, n, on_chip, wstream, idle_ms=0.0) -> _Pass:
-    """One target forward of n tokens over the whole context, KV partly streamed.
+    """One target forward of n tokens per sequence over the whole context, KV partly
+    streamed (every sequence's: assumption 12).
 
     idle_ms: link time available before the pass (drafting) to fill the staging buffers.
     """
     on = m.chip_globals(on_chip)
     off = m.n_global - on  # streamed layers: window layers never are (assumption 11)
+    B = s.batch
     link = link_gbps(hw, _copy_bytes(m, s, tp), tp)
-    xfer = _ms(off * s.context * m.kv_layer_bytes / tp + wstream, link)
+    xfer = _ms(B * off * s.context * m.kv_layer_bytes / tp + wstream, link)
     stage = _ms(staging_bytes(s.transfer_chunk, m.kv_layer_bytes / tp), link) if off else 0.0
     pre = min(idle_ms, stage, xfer)
-    dense = _dense(hw, m, tp, n)
-    c_on = (dense * (m.layers - off) / m.layers + _attn(hw, m, tp, n, s.context, on)
-            + _attn_window(hw, m, tp, n, s.context))
-    c_off = dense * off / m.layers + _attn(hw, m, tp, n, s.context, off)
+    dense = _dense(hw, m, tp, n * B)
+    c_on = (dense * (m.layers - off) / m.layers + _attn(hw, m, tp, n, s.context, on, B)
+            + _attn_window(hw, m, tp, n, s.context, B))
+    c_off = dense * off / m.layers + _attn(hw, m, tp, n, s.context, off, B)
     # the link runs ahead only by the staging space, once per stretch of device layers
     hidden_on = min(c_on, max(_segments(m, on_chip) * stage - pre, 0.0))
     tail = dense / m.layers if off else 0.0
@@ -591,33 +609,33 @@ def _autoregressive(hw, m, s) -> Prediction:
     ws = _streamed_weights(hw, m, s, "autoregressive", tp, on_chip)
     p = _full_pass(hw, m, s, tp, 1, on_chip, ws)
     return Prediction("autoregressive", p.total, p.xfer, p.comp, {"L2": p.total}, 1.0,
-                      on_chip)
+                      on_chip, s.batch)
 
 
 def _deepspeed(hw, m, s) -> Prediction:
     """ZeRO-Inference: GPU matmuls, CPU attention over host KV, layer by layer in series."""
     ws = _streamed_weights(hw, m, s, "deepspeed", 1, 0)
     xfer = _ms(ws, link_gbps(hw, ws / m.layers)) if ws else 0.0
-    gpu = _dense(hw, m, 1, 1) + _overhead(hw, m, 1)
-    cpu = _ms(m.kv_read_bytes(s.context), hw.host_attn_gbps)
+    gpu = _dense(hw, m, 1, s.batch) + _overhead(hw, m, 1)
+    cpu = _ms(s.batch * m.kv_read_bytes(s.context), hw.host_attn_gbps)
     hops = 2 * m.layers * hw.copy_latency_us / 1e3  # q/k/v out, attention output back
     total = max(xfer, gpu) + cpu + hops
-    return Prediction("deepspeed", total, xfer, gpu + cpu, {"L2": total}, 1.0, 0)
+    return Prediction("deepspeed", total, xfer, gpu + cpu, {"L2": total}, 1.0, 0, s.batch)
 
 
 def _l1_step(hw, m, s, tp, wstream) -> float:
     """L1: target weights over the retrieval cache, verifying gamma1 drafts (+1)."""
     link = link_gbps(hw, wstream / m.layers, tp) if wstream else 1.0
     n = s.gamma1 + 1 if s.draft is not None else 1
-    comp = _dense(hw, m, tp, n) + _attn(hw, m, tp, n, s.budget, m.n_global) \
-        + _attn_window(hw, m, tp, n, s.context)
+    comp = _dense(hw, m, tp, n * s.batch) + _attn(hw, m, tp, n, s.budget, m.n_global, s.batch) \
+        + _attn_window(hw, m, tp, n, s.context, s.batch)
     return comp + _ms(wstream, link) + _overhead(hw, m, tp)
 
 
 def _l0_step(hw, d: ModelSpec, s) -> float:
     """L0: the small draft, replicated on every GPU, one token over its window."""
-    return _dense(hw, d, 1, 1) + _attn(hw, d, 1, 1, s.draft_window, d.n_global) \
-        + _attn_window(hw, d, 1, 1, s.draft_window) + _overhead(hw, d, 1)
+    return _dense(hw, d, 1, s.batch) + _attn(hw, d, 1, 1, s.draft_window, d.n_global, s.batch) \
+        + _attn_window(hw, d, 1, 1, s.draft_window, s.batch) + _overhead(hw, d, 1)
 
 
 def _triforce(hw, m, s) -> Prediction:
@@ -632,7 +650,7 @@ def _triforce(hw, m, s) -> Prediction:
     e2 = expected_tokens(s.alpha1, s.gamma2)
     levels = {"L0": l0 / e2, "L1": l1 / e2, "L2": p.total / e2}
     return Prediction("triforce", (l0 + l1 + p.total) / e2, p.xfer / e2,
-                      (l0 + l1 + p.comp) / e2, levels, e2, on_chip)
+                      (l0 + l1 + p.comp) / e2, levels, e2, on_chip, s.batch)
 
 
 def predict(hw: Hardware, model: ModelSpec, settings: Settings,
@@ -648,8 +666,8 @@ def predict(hw: Hardware, model: ModelSpec, settings: Settings,
 
 def _check(s: Settings) -> None:
     """Reject settings the formulas cannot use."""
-    if s.context <= 0 or s.transfer_chunk <= 0:
-        raise ValueError("context and transfer_chunk must be positive")
+    if s.context <= 0 or s.transfer_chunk <= 0 or s.batch < 1:
+        raise ValueError("context, transfer_chunk and batch must be positive")
     if s.gamma2 < 1 or s.gamma1 < 0:
         raise ValueError(f"gamma2 must be >= 1 and gamma1 >= 0, got {s.gamma2}, {s.gamma1}")
     for a in (s.alpha0, s.alpha1):

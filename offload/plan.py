@@ -43,6 +43,15 @@ class Plan:
     tp: int  # tensor-parallel degree
     gpu_parts: dict = field(default_factory=dict)  # GiB per GPU by item (costmodel.Memory.parts)
 
+    @property
+    def batch(self) -> int:
+        return self.settings.batch
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Predicted aggregate TriForce tokens/s over the batch."""
+        return self.batch * 1e3 / self.ms_per_token
+
 
 def alpha_at_budget(alpha_ref: float, budget: int, ref: int = REF_BUDGET) -> float:
     """L1 acceptance at `budget` from a rate measured at `ref` (heuristic, see above)."""
@@ -60,18 +69,21 @@ def _budgets(context: int, retrieval_chunk: int) -> list[int]:
 def search_plan(hw: Hardware, model: ModelSpec, context: int,
                 gpu_mem_gb: float | None = None, host_mem_gb: float | None = None,
                 alpha0: float = 0.6, alpha1: float = 0.9, retrieval_chunk: int = 8,
-                draft: ModelSpec | None = LLAMA_68M, tp: int = 0) -> Plan:
+                draft: ModelSpec | None = LLAMA_68M, tp: int = 0, batch: int = 1) -> Plan:
     """Lowest predicted ms/token TriForce settings that fit; ValueError if none fit.
 
     gpu_mem_gb / host_mem_gb override the hardware's memory (GiB per GPU / in total);
-    alpha1 is the L1 acceptance at REF_BUDGET tokens.
+    alpha1 is the L1 acceptance at REF_BUDGET tokens; `batch` sequences of `context` tokens
+    each decode together (costmodel assumption 12).
     """
     if context <= 0:
         raise ValueError(f"context must be positive, got {context}")
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
     hw = replace(hw, gpu_mem_gb=gpu_mem_gb or hw.gpu_mem_gb,
                  host_mem_gb=host_mem_gb or hw.host_mem_gb)
     base = Settings(context=context, retrieval_chunk=retrieval_chunk, alpha0=alpha0,
-                    draft=draft, tp=tp or hw.gpus)
+                    draft=draft, tp=tp or hw.gpus, batch=batch)
     _check_fits(hw, model, base)
     best = None
     for s in _candidates(hw, model, base, alpha1):
@@ -112,8 +124,9 @@ def _check_fits(hw, model, base, strict=False) -> None:
                     transfer_chunk=TRANSFER_CHUNKS[0], gamma1=GAMMA1S[0], gamma2=GAMMA2S[0])
     need = memory_use(hw, model, replace(small, on_chip=0)).gpu_gb
     have = gpu_capacity(hw) / GIB
+    seqs = f" for {base.batch} sequences" if base.batch > 1 else ""
     if need > have:
-        raise ValueError(f"{model.name} on {hw.name}: needs {need:.1f} GiB per GPU "
+        raise ValueError(f"{model.name} on {hw.name}: needs {need:.1f} GiB per GPU{seqs} "
                          f"(weights shard, retrieval cache, draft, staging"
                          f"{', window rings' if model.n_window else ''}), "
                          f"{have:.1f} GiB available")
@@ -122,7 +135,7 @@ def _check_fits(hw, model, base, strict=False) -> None:
     hhave = host_capacity(hw) / GIB
     if host > hhave or strict:
         raise ValueError(f"{model.name} at {base.context} tokens on {hw.name}: needs "
-                         f"{host:.1f} GiB host memory for the offloaded KV cache, "
+                         f"{host:.1f} GiB host memory for the offloaded KV cache{seqs}, "
                          f"{hhave:.1f} GiB available")
 
 

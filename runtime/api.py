@@ -182,6 +182,15 @@ def generate(loaded: Loaded, prompt: list[int], opts: RunOptions, on_token=None,
     return toks, st
 
 
+def generate_batch(loaded: Loaded, prompts: list[list[int]], opts, on_token=None, memory: int | None = None):
+    """Several prompts together, each sequence computed as it would be alone (runtime/batch:
+    its tokens equal `generate`'s for that prompt). `opts`: one RunOptions or one per prompt;
+    `on_token(i, t)`. Returns each prompt's (new token ids, Stats); a batch that does not fit
+    `memory` bytes (default: what is free) is refused before anything is allocated."""
+    from .batch.runner import generate_batch as run  # the batch runs `generate` per sequence
+    return run(loaded, prompts, opts, on_token, memory)
+
+
 def run_activations(loaded: Loaded, opts: RunOptions) -> str:
     """What this run's quantized linears multiply: the model's own, except that `auto` keeps
     float activations with --offload on. Streamed attention merges chunks by log-sum-exp in

@@ -87,3 +87,38 @@ def test_info_json():
     compile_ = d["gpu_compile"]  # what --compile does there
     assert compile_.startswith(("--compile: torch.compile", "unavailable: ")) if d["cuda_available"] \
         else compile_.startswith("not applied (no CUDA device)")
+
+
+def test_run_several_prompts_as_one_batch_equals_each_alone(tiny_model_dir, tmp_path):
+    """`run --prompt A --prompt B ...`: one batch, each sequence's text equal to its run alone
+    (greedy, a speculative mode), JSON with a result per prompt and the batch's rate."""
+    prompts = ["Hello there", "The quick brown fox jumps over the lazy dog and then", "1 2 3"]
+    common = ["--model", tiny_model_dir, "--mode", "retrieval", "--budget", "16",
+              "--max-new-tokens", "6", "--dtype", "fp32", "--json"]
+    r = cli("run", *common, *[a for p in prompts for a in ("--prompt", p)])
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(d["results"]) == 3 and d["batch"]["sequences"] == 3
+    assert d["batch"]["new_tokens"] == sum(x["new_tokens"] for x in d["results"]) > 0
+    assert d["batch"]["tokens_per_s"] > 0
+    for p, got in zip(prompts, d["results"]):
+        alone = cli("run", *common, "--prompt", p)
+        assert alone.returncode == 0, alone.stderr
+        solo = json.loads(alone.stdout.strip().splitlines()[-1])
+        assert (got["text"], got["new_tokens"]) == (solo["text"], solo["new_tokens"])
+    files = []
+    for i, p in enumerate(prompts[:2]):
+        files += ["--prompt-file", tmp_path / f"p{i}.txt"]
+        (tmp_path / f"p{i}.txt").write_text(p)
+    r = cli("run", *common[:-1], *files)  # text output: a block per sequence
+    assert r.returncode == 0, r.stderr
+    assert "sequence 2 of 2" in r.stderr and "2 prompts of" in r.stderr and "tok/s in all" in r.stderr
+    for x in d["results"][:2]:
+        assert x["text"].strip() in r.stdout
+
+
+@pytest.mark.parametrize("extra,needle", [(["--compare", "autoregressive"], "--compare runs one prompt"),
+                                          (["--tp", "2"], "--tp runs one prompt"),
+                                          (["--prompt", "-", "--prompt", "-"], "stdin ('-') can be read once")])
+def test_run_several_prompts_refuses_what_a_batch_cannot_do(tiny_model_dir, extra, needle):
+    assert_user_error(cli("run", "--model", tiny_model_dir, "--prompt", "a", "--prompt", "b", *extra), needle)

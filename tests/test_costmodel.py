@@ -217,3 +217,57 @@ def test_plan_command_line_weights_and_draft(tmp_path):
     assert d["weights"] == "int4" and d["draft"] is None and "llama3" in d["draft_note"]
     assert "--weights int4" in d["command"] and "--mode retrieval" in d["command"]
     assert d["on_chip"] == 32 and d["host_gb"] == 0
+
+
+def test_batch_shares_weights_and_multiplies_each_sequences_kv():
+    """Assumption 12: at batch B a step reads the weights once and each sequence's KV; KV,
+    rings, retrieval caches and the offloaded KV scale with B; batch 1 is the old model."""
+    hw, m = cm.A100_80G, cm.GEMMA3_1B
+    s1 = cm.Settings(context=8192, on_chip=m.layers, budget=1024, tp=1)
+    s8 = replace(s1, batch=8)
+    for mode in ("autoregressive", "triforce", "deepspeed"):
+        p1, p8 = cm.predict(hw, m, s1, mode), cm.predict(hw, m, s8, mode)
+        assert p1.batch == 1 and p8.batch == 8
+        # a step costs more at batch 8 but less than 8 steps: throughput rises
+        assert p1.ms_per_token < p8.ms_per_token < 8 * p1.ms_per_token, mode
+        assert p8.tokens_per_s > p1.tokens_per_s
+    g1, g8 = cm.memory_use(hw, m, s1).parts, cm.memory_use(hw, m, s8).parts
+    assert g8["weights"] == g1["weights"]
+    for k in ("on_chip_kv", "rings", "retrieval"):
+        assert g8[k] == pytest.approx(8 * g1[k]), k
+    off1 = replace(s1, on_chip=0)
+    assert cm.memory_use(hw, m, replace(off1, batch=8)).host_gb == pytest.approx(
+        8 * cm.memory_use(hw, m, off1).host_gb)
+    # offloaded, each sequence's KV crosses the link: the transfer scales with the batch
+    t1 = cm.predict(hw, m, off1, "autoregressive").transfer_ms
+    assert cm.predict(hw, m, replace(off1, batch=8), "autoregressive").transfer_ms == pytest.approx(8 * t1, rel=0.01)
+    with pytest.raises(ValueError, match="batch"):
+        cm.predict(hw, m, replace(s1, batch=0))
+
+
+def test_plan_batch_fits_every_sequence_or_refuses_in_one_line():
+    hw = parse_gpus("a100-80g")
+    one = pl.search_plan(hw, cm.LLAMA31_8B, 32768, draft=None)
+    many = pl.search_plan(hw, cm.LLAMA31_8B, 32768, draft=None, batch=8)
+    assert many.batch == 8 and many.gpu_gb * cm.GIB <= cm.gpu_capacity(hw)
+    assert many.host_gb * cm.GIB <= cm.host_capacity(hw)
+    # eight sequences' KV leaves less of it on the card than one sequence's
+    assert many.settings.on_chip <= one.settings.on_chip
+    with pytest.raises(ValueError, match=r"needs \d+\.\d GiB per GPU for 512 sequences"):
+        pl.search_plan(parse_gpus("4090"), cm.LLAMA2_7B_128K, 131072, batch=512)
+
+
+def test_plan_cli_batch_prints_the_serve_command_and_aggregate_rate():
+    import json
+    import subprocess
+    import sys
+    base = [sys.executable, "-m", "triforce_offload.cli", "plan", "--gpus", "a100-80g", "--model",
+            "gemma-3-1b", "--context", "16k", "--json"]
+    r = subprocess.run(base + ["--batch", "4"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["batch"] == 4 and d["tokens_per_s"] == pytest.approx(4e3 / d["ms_per_token"])
+    assert d["command"].startswith("triforce-offload serve ") and d["command"].endswith("--max-batch 4")
+    assert "--tp" not in d["command"]
+    r = subprocess.run(base + ["--batch", "0"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "--batch 0" in r.stderr
