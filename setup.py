@@ -4,8 +4,9 @@ from setuptools import setup
 # One import root: package/ is `triforce_offload` itself (a checkout-root folder named
 # triforce_offload would shadow the installed package), the top-level folders are mapped
 # into it, and the benchmark library beside the benchmark scripts becomes `triforce_offload.bench`.
-SUBPACKAGES = {"runtime": "runtime", "runtime.batch": "runtime/batch", "offload": "offload", "kernels": "kernels", "cli": "cli",
-               "server": "server", "bench": "benchmarks/lib"}
+SUBPACKAGES = {"runtime": "runtime", "runtime.model": "runtime/model", "runtime.cache": "runtime/cache",
+               "runtime.spec": "runtime/spec", "runtime.batch": "runtime/batch", "offload": "offload",
+               "kernels": "kernels", "cli": "cli", "server": "server", "bench": "benchmarks/lib"}
 
 setup(
     name="triforce-offload",

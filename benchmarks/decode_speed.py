@@ -99,7 +99,7 @@ def speed_rows(a) -> list[dict]:
     from transformers import AutoModelForCausalLM
     from triforce_offload.runtime import api
     from triforce_offload.runtime.data import essay_tokens
-    from triforce_offload.runtime.loader import parse_dtype, resolve
+    from triforce_offload.runtime.model.loader import parse_dtype, resolve
     rows = []
     for dt in a.dtypes:
         L = api.load(None, dt, "cpu")

@@ -63,7 +63,8 @@ import torch
 
 from triforce_offload.bench.bandwidth import copy_bandwidth
 from triforce_offload.bench.geometries import GEOMETRIES, geometry_config, p_bytes, random_model
-from triforce_offload.runtime import opcount, quantized
+from triforce_offload.runtime import opcount
+from triforce_offload.runtime.model import quantized
 
 MODES = ("eager", "graphed", "compiled", "triforce", "hf")
 LABEL = {"eager": "autoregressive eager", "graphed": "autoregressive graphed",
@@ -130,7 +131,7 @@ def sync(device: torch.device):
 def load(a, device: torch.device, dtype_name: str):
     """(api.Loaded, label). A geometry is built in memory; a checkpoint goes through api.load."""
     from triforce_offload.runtime import api
-    from triforce_offload.runtime.loader import parse_dtype, read_config, resolve
+    from triforce_offload.runtime.model.loader import parse_dtype, read_config, resolve
     dtype = parse_dtype(dtype_name)
     if a.geometry:
         cfg = geometry_config(a.geometry, a.layers, max(a.contexts))
@@ -254,7 +255,7 @@ def run_ar(L, mode: str, prompt: list[int], a, n: int) -> dict:
     kernels compiled for exactly these shapes), roll back to the prompt, time the decode."""
     from triforce_offload.runtime.generate import capacity, decode, prefill
     from triforce_offload.runtime.graphs import Step
-    from triforce_offload.runtime.offloaded import make_full_cache
+    from triforce_offload.runtime.cache.offloaded import make_full_cache
     opts = options(mode, a, n)
     cap, max_new = capacity(L, len(prompt), opts)
     cache = make_full_cache(L, cap, opts)
@@ -401,7 +402,7 @@ def hf_rows(L, a, device, prompts, emit, weights, copy_bps, elem):
                   "skipped": "random-weight geometry: no checkpoint for transformers to load"})
         return
     from triforce_offload.bench import peers
-    from triforce_offload.runtime.loader import resolve
+    from triforce_offload.runtime.model.loader import resolve
     resident = quantized.weight_bytes(L.model)
     L.model = None  # one copy of the weights on the device at a time
     hf = peers.load_hf(resolve(None if a.model == "bundled" else a.model), L.dtype).to(device)

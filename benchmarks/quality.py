@@ -31,8 +31,9 @@ import time
 
 import torch
 
-from triforce_offload.runtime import api, data, quantized
-from triforce_offload.runtime.cache import FullCache
+from triforce_offload.runtime import api, data
+from triforce_offload.runtime.model import quantized
+from triforce_offload.runtime.cache.kv import FullCache
 from triforce_offload.runtime.options import ModelOptions, RunOptions
 
 

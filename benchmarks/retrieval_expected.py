@@ -53,8 +53,8 @@ def trajectory(L, full, logits, qs, n0, n, sp):
 @torch.inference_mode()
 def expected(L, full, n0, toks, P, Q, sp, budget, retrieval_chunk, rebuild, gamma2):
     """(mean alpha, mean expected accepted/drafted per round, rebuilds) of one configuration."""
-    from triforce_offload.runtime.engine import Rebuild
-    from triforce_offload.runtime.retrieval import RetrievalCache
+    from triforce_offload.runtime.spec.engine import Rebuild
+    from triforce_offload.runtime.cache.retrieval import RetrievalCache
     from triforce_offload.runtime.sampling import probs
     policy = Rebuild.parse(rebuild)
     if policy.kind == "adaptive":

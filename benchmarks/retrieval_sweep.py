@@ -37,7 +37,7 @@ class Selections:
     """Records the chunk indices every build picks (wraps retrieval.top_chunks)."""
 
     def __init__(self):
-        from triforce_offload.runtime import retrieval
+        from triforce_offload.runtime.cache import retrieval
         self.mod, self.orig, self.calls = retrieval, retrieval.top_chunks, []
         retrieval.top_chunks = self.record
 
@@ -62,7 +62,7 @@ class Selections:
 def run(L, prompt, full, logits, qs, a, budget, chunk, rebuild):
     from triforce_offload.runtime.api import RunOptions
     from triforce_offload.runtime.sampling import SamplingParams
-    from triforce_offload.runtime.spec_modes import speculate
+    from triforce_offload.runtime.spec.modes import speculate
     full.rollback(len(prompt))  # the shared prefill, as it was
     full.q = dict(qs)
     sel = Selections()

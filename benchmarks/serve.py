@@ -108,7 +108,7 @@ def ask(base: str, text: str, n: int) -> dict:
 
 def document(tokens: int) -> str:
     from triforce_offload.runtime.data import essay_tokens
-    from triforce_offload.runtime.loader import load_tokenizer, resolve
+    from triforce_offload.runtime.model.loader import load_tokenizer, resolve
     tok = load_tokenizer(resolve(None))
     return tok.decode(essay_tokens(tok, tokens))
 

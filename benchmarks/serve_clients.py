@@ -124,7 +124,7 @@ def measure(base: str, texts: list[str], new: int) -> dict:
 
 def main():
     a = args_()
-    from triforce_offload.runtime.loader import default_model_path
+    from triforce_offload.runtime.model.loader import default_model_path
     gguf = a.gguf or str(default_model_path())
     texts = prompts(a.clients, a.words)
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}

@@ -102,7 +102,7 @@ def budget_tokens(spec: str, n_prompt: int, chunk: int) -> int | None:
 def run_mode(mode, L, prompt, full, logits, qs, a, temp, budget=None):
     from triforce_offload.runtime.api import RunOptions
     from triforce_offload.runtime.sampling import SamplingParams
-    from triforce_offload.runtime.spec_modes import speculate
+    from triforce_offload.runtime.spec.modes import speculate
     full.rollback(len(prompt))  # the shared prefill, as it was
     full.q = dict(qs)
     sp = SamplingParams(temperature=temp, top_p=top_p(a, temp), seed=a.seed)

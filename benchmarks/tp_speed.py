@@ -27,10 +27,11 @@ from pathlib import Path
 
 import torch
 
-from triforce_offload.runtime import api, distributed, tp
-from triforce_offload.runtime.config import ModelConfig
-from triforce_offload.runtime.loader import parse_dtype
-from triforce_offload.runtime.model import Transformer
+from triforce_offload.runtime import api
+from triforce_offload.runtime.model import distributed, tp
+from triforce_offload.runtime.model.config import ModelConfig
+from triforce_offload.runtime.model.loader import parse_dtype
+from triforce_offload.runtime.model.transformer import Transformer
 from triforce_offload.runtime.sampling import SamplingParams
 
 CFG = dict(vocab_size=49152, hidden_size=512, intermediate_size=1536, n_layers=30, n_heads=8,

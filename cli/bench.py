@@ -117,7 +117,7 @@ def bench_batch(model: ModelOptions, gen, retrieval, sizes: list[int], names: li
                 new_tokens: int, threads: int, gguf, binary, out_dir: Path, as_json: bool):
     """`bench --batch`: our batched modes against llama-batched-bench, one table."""
     from ..bench.batch import OURS, run_batch_bench, summarize_batch
-    from ..runtime.loader import default_model_path
+    from ..runtime.model.loader import default_model_path
     bad = [n for n in names if n not in OURS and n != "llama.cpp"]
     if bad:
         raise TriforceError(f"--modes {','.join(bad)}: with --batch allowed are "

@@ -1,13 +1,13 @@
 """`run --tp N`: start the tensor-parallel ranks and join them (the sharding itself is
-`runtime/tp.py`, the process groups `runtime/distributed.py`)."""
+`runtime/model/tp.py`, the process groups `runtime/model/distributed.py`)."""
 from __future__ import annotations
 
 import torch
 
-from ..runtime import distributed
-from ..runtime import tp as tensor_parallel
-from ..runtime.drafters import check_vocab
-from ..runtime.loader import load_tokenizer, peek_tokenizer, read_config, resolve
+from ..runtime.model import distributed
+from ..runtime.model import tp as tensor_parallel
+from ..runtime.spec.drafters import check_vocab
+from ..runtime.model.loader import load_tokenizer, peek_tokenizer, read_config, resolve
 
 
 def launch_ranks(fn, world: int, model, draft, kwargs: dict) -> bool:

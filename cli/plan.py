@@ -18,8 +18,8 @@ from rich.table import Table
 
 from ..offload import costmodel as cm
 from ..offload import plan as pl
-from ..runtime import hub
-from ..runtime.config import ARCHITECTURES, MODEL_TYPES, layer_kinds, parse_rope_scaling
+from ..runtime.model import hub
+from ..runtime.model.config import ARCHITECTURES, MODEL_TYPES, layer_kinds, parse_rope_scaling
 from ..runtime.errors import TriforceError
 from ..runtime.options import ModelOptions
 from .app import app

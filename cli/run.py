@@ -10,12 +10,12 @@ import typer
 
 from ..bench import zero_inference  # noqa: F401  (registers --mode zero-inference)
 from ..runtime import api
-from ..runtime import tp as tensor_parallel
+from ..runtime.model import tp as tensor_parallel
 from ..runtime.data import builtin_prompt, check_builtin_prompt, encode_prompt
 from ..runtime.errors import TriforceError
 from ..runtime.options import (GenerationOptions, ModelOptions, OffloadOptions, ParallelOptions,
                                RetrievalOptions, ReuseOptions, RunOptions)
-from ..runtime.prefix_cache import prefix_store
+from ..runtime.cache.prefix import prefix_store
 from .app import app, read_prompts
 from .launch import join, launch_ranks
 from .options import options, pick

@@ -12,11 +12,12 @@ import sys
 import time
 from pathlib import Path
 
-from ..runtime import api, hub
+from ..runtime import api
+from ..runtime.model import hub
 from ..runtime.errors import TriforceError
 from ..runtime.options import (GenerationOptions, ModelOptions, OffloadOptions, RetrievalOptions,
                                ReuseOptions, RunOptions, ServeOptions, parse_size)
-from ..runtime.prefix_cache import prefix_store
+from ..runtime.cache.prefix import prefix_store
 from .app import app
 from .options import options
 from .show import err

@@ -12,19 +12,20 @@ from dataclasses import dataclass
 
 import torch
 
-from . import quantized
-from .config import ModelConfig
+from .model import quantized
+from .model.config import ModelConfig
 from .data import use_chat_template
 from .errors import TriforceError
 from .generate import autoregressive, capacity, stop_ids
-from .loader import load_model, parse_dtype
+from .model.loader import load_model, parse_dtype
 from .modes import MODES, register_mode  # noqa: F401  (register_mode: the API's entry)
-from .offloaded import finish_stats, make_full_cache
+from .cache.offloaded import finish_stats, make_full_cache
 from .options import ModelOptions, RunOptions
-from .prefix_cache import lease
-from .spec_modes import SPEC_MODES
-from .distributed import world_size
-from .tp import sync_sampling
+from .batch import runner as batch_runner
+from .cache.prefix import lease
+from .spec.modes import SPEC_MODES
+from .model.distributed import world_size
+from .model.tp import sync_sampling
 
 
 @dataclass
@@ -40,10 +41,14 @@ class Loaded:
     activations: str = ""  # what quantized linears multiply: int8 (per row and 32 inputs) or fp32
     activations_asked: str = "auto"  # --activations as given (auto yields to --offload on)
     kv_dtype: torch.dtype | None = None  # what every KV cache stores (None: dtype)
-    token_bytes: int | None = None  # quantized.token_weight_bytes(model), counted once (spec_modes.read_ratio)
+    token_bytes: int | None = None  # quantized.token_weight_bytes(model), counted once (spec.modes.read_ratio)
 
     def __post_init__(self):
         self.kv_dtype = self.kv_dtype or self.dtype
+
+    def generate(self, prompt: list[int], opts: RunOptions, on_token=None, progress=None):
+        """`generate(self, ...)`: what a batch runs for each of its sequences."""
+        return generate(self, prompt, opts, on_token, progress)
 
     @property
     def eos(self) -> set[int]:
@@ -161,7 +166,7 @@ def run_with_cache(make_cache, loaded, prompt, opts, on_token=None, progress=Non
 
 
 register_mode("autoregressive", run_autoregressive)
-for _name, _runner in SPEC_MODES.items():  # triforce, retrieval, draft (runtime/spec_modes.py)
+for _name, _runner in SPEC_MODES.items():  # triforce, retrieval, draft (runtime/spec/modes.py)
     register_mode(_name, _runner)
 
 
@@ -187,8 +192,7 @@ def generate_batch(loaded: Loaded, prompts: list[list[int]], opts, on_token=None
     its tokens equal `generate`'s for that prompt). `opts`: one RunOptions or one per prompt;
     `on_token(i, t)`. Returns each prompt's (new token ids, Stats); a batch that does not fit
     `memory` bytes (default: what is free) is refused before anything is allocated."""
-    from .batch.runner import generate_batch as run  # the batch runs `generate` per sequence
-    return run(loaded, prompts, opts, on_token, memory)
+    return batch_runner.generate_batch(loaded, prompts, opts, on_token, memory)
 
 
 def run_activations(loaded: Loaded, opts: RunOptions) -> str:

@@ -10,7 +10,7 @@ import torch
 from .errors import TriforceError
 from .graphs import Step, kept, run_alone, run_model
 from .hostread import to_device, to_host
-from .offloaded import prefill_layer_major
+from .cache.offloaded import prefill_layer_major
 from .sampling import SamplingParams, next_token
 
 

@@ -54,16 +54,16 @@ from dataclasses import dataclass
 import torch
 from ..kernels.attention import fallback_notes
 from ..settings import env
-from .cache import FullCache, depth_of
-from .retrieval import Recorder
+from .cache.kv import FullCache, depth_of
+from .cache.retrieval import Recorder
 from .batch import member
-from .distributed import world_size
+from .model.distributed import world_size
 
 TP_NOTE = ("CUDA graphs off under tensor parallelism: a captured graph would not replay the "
            "all_reduce hooks as collectives")
 COMPILE_NOTE = "--compile not applied {why}: it compiles fixed-shape steps, which run on CUDA over a resident cache"
 RECOMPILE_LIMIT = 64  # compiled graphs per code object (levels x last_only x static/symbolic)
-ROOM = 1024  # kept static caches hold a multiple of this many tokens (prefix_cache.ROOM too)
+ROOM = 1024  # kept static caches hold a multiple of this many tokens (cache.prefix.ROOM too)
 
 
 def room_for(tokens: int) -> int:

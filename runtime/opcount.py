@@ -156,7 +156,7 @@ def decode_step_ops(model, cfg, context: int = 32) -> dict:
     path (a growing full cache, int start) and on the fixed-shape path (a static full
     cache, start on the device: what a CUDA graph captures), dispatched and as kernels;
     plus the host syncs inside the fixed-shape step (must be 0)."""
-    from .cache import FullCache
+    from .cache.kv import FullCache
     p = next(model.parameters())
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (1, context + 1), generator=g).to(p.device)

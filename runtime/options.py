@@ -36,7 +36,7 @@ BUDGET_MIN = 256
 
 
 def _dtype(v: str):
-    from .loader import DTYPES
+    from .model.loader import DTYPES
     return None if v.lower() in DTYPES else "allowed are float32, bfloat16, float16 (or fp32, bf16, fp16)"
 
 

@@ -117,7 +117,7 @@ class HostStore(Protocol):
 @runtime_checkable
 class OffloadedKV(FullKV, Protocol):
     """A full cache whose layers >= `on_chip` live in a host store and stream to the
-    device (runtime/offloaded.py). `forwards` and `trace` (properties) resolve pending
+    device (runtime/cache/offloaded.py). `forwards` and `trace` (properties) resolve pending
     timings: an isinstance check evaluates them, so the decode path never makes one."""
 
     on_chip: int
@@ -132,7 +132,7 @@ class OffloadedKV(FullKV, Protocol):
 
 @runtime_checkable
 class Level(Protocol):
-    """A level of the speculative engine (runtime/drafters.py). `levels[0]` only drafts."""
+    """A level of the speculative engine (runtime/spec/drafters.py). `levels[0]` only drafts."""
 
     name: str
     time: float  # seconds spent in this level's work

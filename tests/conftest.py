@@ -3,7 +3,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from triforce_offload.runtime.loader import load_tokenizer, resolve
+from triforce_offload.runtime.model.loader import load_tokenizer, resolve
 
 
 @pytest.fixture(scope="session")

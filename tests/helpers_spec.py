@@ -6,9 +6,9 @@ from types import SimpleNamespace
 import torch
 
 from triforce_offload.runtime.api import Loaded, RunOptions, generate
-from triforce_offload.runtime.cache import FullCache
-from triforce_offload.runtime.config import ModelConfig
-from triforce_offload.runtime.model import Transformer
+from triforce_offload.runtime.cache.kv import FullCache
+from triforce_offload.runtime.model.config import ModelConfig
+from triforce_offload.runtime.model.transformer import Transformer
 from triforce_offload.runtime.sampling import SamplingParams
 
 

@@ -11,11 +11,11 @@ import signal
 import torch
 import torch.distributed as dist
 
-from triforce_offload.runtime import tp
-from triforce_offload.runtime.cache import FullCache
-from triforce_offload.runtime.config import ModelConfig
+from triforce_offload.runtime.model import tp
+from triforce_offload.runtime.cache.kv import FullCache
+from triforce_offload.runtime.model.config import ModelConfig
 from triforce_offload.runtime.generate import decode, prefill
-from triforce_offload.runtime.model import Transformer
+from triforce_offload.runtime.model.transformer import Transformer
 from triforce_offload.runtime.sampling import SamplingParams
 
 # tiny configs: plain GQA, KV heads fewer than ranks (replicated), MHA, Qwen2 with q/k/v bias
@@ -122,7 +122,8 @@ def run_sized_by_rank(prompt: list[int], n_new: int) -> dict:
     """draft mode where each rank prices verification widths differently (rank 0: rows
     nearly free, the others: each row a whole forward), as local timings would: the n-gram
     drafter's sizes must still be rank 0's on every rank."""
-    from triforce_offload.runtime import api, engine
+    from triforce_offload.runtime import api
+    from triforce_offload.runtime.spec import engine
     rank = dist.get_rank() if dist.is_initialized() else 0
     engine.Engine.relative = lambda self, i: (lambda w: 1.0 + 0.01 * (w - 1)) if rank == 0 else float
     m = build("llama-gqa")

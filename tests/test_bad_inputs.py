@@ -12,7 +12,7 @@ import pytest
 
 from helpers_gguf import add_byte_tokenizer
 from test_cli import assert_user_error, cli
-from triforce_offload.runtime import loader
+from triforce_offload.runtime.model import loader
 from triforce_offload.runtime.errors import TriforceError
 
 

@@ -15,11 +15,11 @@ from triforce_offload.kernels.qlinear import load as native_linear, rows_exact
 from triforce_offload.runtime.api import Loaded, RunOptions, generate
 from triforce_offload.runtime.batch.rows import Rows, forward
 from triforce_offload.runtime.batch.runner import Batch, generate_batch
-from triforce_offload.runtime.cache import FullCache
-from triforce_offload.runtime.config import ModelConfig
+from triforce_offload.runtime.cache.kv import FullCache
+from triforce_offload.runtime.model.config import ModelConfig
 from triforce_offload.runtime.errors import TriforceError
-from triforce_offload.runtime.model import Transformer
-from triforce_offload.runtime.quantized import quantize_model, set_activations, weights_name
+from triforce_offload.runtime.model.transformer import Transformer
+from triforce_offload.runtime.model.quantized import quantize_model, set_activations, weights_name
 from triforce_offload.runtime.sampling import SamplingParams
 
 from helpers_spec import repetitive_prompt, tiny
@@ -335,7 +335,7 @@ def test_fixed_shape_batch_caches_have_the_solo_runs_capacity(monkeypatch):
     is the model's kept one, its capacity rounded to a class; a batch's sequences keep their
     own caches, of that same capacity: the fixed-shape attention kernels split a buffer's
     keys by its capacity (on an H200 a bf16 batch left its solo runs' tokens before this)."""
-    from triforce_offload.runtime import offloaded
+    from triforce_offload.runtime.cache import offloaded
     monkeypatch.setenv("TRIFORCE_OFFLOAD_STATIC", "1")
     made = []
     real = offloaded.FullCache

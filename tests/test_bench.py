@@ -251,7 +251,7 @@ def load_niah():
 
 def test_needle_is_placed_at_depth(smol_dir):
     niah = load_niah()
-    from triforce_offload.runtime.loader import load_tokenizer
+    from triforce_offload.runtime.model.loader import load_tokenizer
     tok = load_tokenizer(smol_dir)
     assert niah.haystack(tok, 400, 0).startswith(niah.NEEDLE)
     assert niah.haystack(tok, 400, 100).endswith(niah.NEEDLE)
@@ -280,7 +280,7 @@ def test_auto_plan_on_a_gpu_uses_the_planner(monkeypatch):
     import torch
 
     from triforce_offload.cli.plan import auto_plan
-    from triforce_offload.runtime.config import ModelConfig
+    from triforce_offload.runtime.model.config import ModelConfig
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d: "NVIDIA GeForce RTX 4090")
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda d: SimpleNamespace(total_memory=24 * 2**30))

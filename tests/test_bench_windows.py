@@ -24,7 +24,7 @@ def test_zero_inference_equals_transformers_past_the_window(tmp_path):
 
 def test_floor_reads_a_window_layer_s_window_only(tmp_path):
     from triforce_offload.bench.runner import floors
-    from triforce_offload.runtime.quantized import token_weight_bytes
+    from triforce_offload.runtime.model.quantized import token_weight_bytes
     L = loaded_from(tiny_mistral(window=12, layers=2), tmp_path)
     L.cfg.layer_types = ["sliding_attention", "full_attention"]
     w = token_weight_bytes(L.model)

@@ -6,8 +6,8 @@ The controller against fixed costs (no timing noise), then the engine on a tiny 
 import pytest
 import torch
 
-from triforce_offload.runtime import engine as E
-from triforce_offload.runtime.engine import Acceptance, Bypass, expected_tokens
+from triforce_offload.runtime.spec import engine as E
+from triforce_offload.runtime.spec.engine import Acceptance, Bypass, expected_tokens
 
 from helpers_spec import repetitive_prompt, run, tiny
 
@@ -161,8 +161,8 @@ def test_widths_and_sized_ngram_drafts_are_priced_from_measured_forwards(model):
     """Engine.relative: a forward of w rows in forwards of one (the prior 1 + kappa (w - 1)
     until measured, then the line through the measured widths); Engine.predict prices the
     sized n-gram drafter by its measured tokens per verification at its mean draft length."""
-    from triforce_offload.runtime.cache import FullCache
-    from triforce_offload.runtime.drafters import ModelLevel, NgramDrafter
+    from triforce_offload.runtime.cache.kv import FullCache
+    from triforce_offload.runtime.spec.drafters import ModelLevel, NgramDrafter
     from triforce_offload.runtime.sampling import SamplingParams
     top = ModelLevel(model.model, FullCache(model.cfg, 64), "full")
     eng = E.Engine([NgramDrafter(model.cfg.vocab_size), top], [4], SamplingParams(), torch.Generator())
@@ -184,7 +184,7 @@ def test_widths_and_sized_ngram_drafts_are_priced_from_measured_forwards(model):
 def test_graph_captures_are_not_a_widths_cost(model, monkeypatch):
     """A forward that captured a CUDA graph (step.capture_s grew) is timed without the
     capture: a width priced by its capture would never be drafted again."""
-    from triforce_offload.runtime.drafters import ModelLevel
+    from triforce_offload.runtime.spec.drafters import ModelLevel
     engines, orig = _spy(monkeypatch, "round"), ModelLevel.forward
 
     def capturing(self, seq, rows):
@@ -224,7 +224,7 @@ def test_scoring_measures_the_retrieval_level_and_restores_its_cache(model, monk
 
 
 def test_scoring_with_an_offloaded_full_cache_is_lossless(model, monkeypatch):
-    from triforce_offload.runtime import spec_modes
+    from triforce_offload.runtime.spec import modes as spec_modes
     monkeypatch.setattr(spec_modes, "EXPLORE", None)  # every probe cycle scores: 40 tokens are few
     prompt = torch.randint(0, model.cfg.vocab_size, (400,), generator=torch.Generator().manual_seed(6)).tolist()
     ref, _ = run(model, prompt, "autoregressive", 40, ignore_eos=True)
@@ -254,7 +254,7 @@ def test_a_retrieval_level_that_can_pay_little_is_scored_once_the_run_affords_it
     priced by the bytes it reads) cannot pay EAGER times is neither scored nor probed until
     the exploring share covers a scoring (40 tokens do not); one that may pay more is
     scored at once; without a share (EXPLORE None) it is scored as before. Lossless alike."""
-    from triforce_offload.runtime import spec_modes
+    from triforce_offload.runtime.spec import modes as spec_modes
     monkeypatch.setattr(spec_modes, "EXPLORE", explore)
     monkeypatch.setattr(spec_modes, "read_ratio", lambda levels, loaded: lambda i: ratio)
     prompt = torch.randint(0, model.cfg.vocab_size, (400,), generator=torch.Generator().manual_seed(5)).tolist()

@@ -19,10 +19,10 @@ from helpers_spec import repetitive_prompt, run, tiny
 from triforce_offload.offload import store as S
 from triforce_offload.offload.errors import OffloadError
 from triforce_offload.runtime import api, graphs
-from triforce_offload.runtime.cache import FullCache
-from triforce_offload.runtime.config import ModelConfig
-from triforce_offload.runtime.offloaded import OffloadedCache
-from triforce_offload.runtime.prefix_cache import PrefixCache
+from triforce_offload.runtime.cache.kv import FullCache
+from triforce_offload.runtime.model.config import ModelConfig
+from triforce_offload.runtime.cache.offloaded import OffloadedCache
+from triforce_offload.runtime.cache.prefix import PrefixCache
 from triforce_offload.runtime.sampling import SamplingParams
 
 GB = 2 ** 30
@@ -259,7 +259,7 @@ def test_offloaded_check_counts_the_retrieval_cache(card):
 def test_rebuild_block_counts_when_it_is_the_larger_peak():
     """A rebuild holds one layer's whole prefix on the device (device_keys) and the
     selection; counted in place of the prefill where it is larger (a short prefill chunk)."""
-    from triforce_offload.runtime.offloaded import layer_bytes, rebuild_device_bytes
+    from triforce_offload.runtime.cache.offloaded import layer_bytes, rebuild_device_bytes
     r = rebuild_device_bytes(LLAMA3_8B, 131072, 16384, torch.bfloat16, offloaded=True)
     assert r == layer_bytes(LLAMA3_8B, 131072, torch.bfloat16) + 2 * layer_bytes(LLAMA3_8B, 16384, torch.bfloat16)
     assert rebuild_device_bytes(LLAMA3_8B, 131072, 0, torch.bfloat16, True) == 0
@@ -267,7 +267,7 @@ def test_rebuild_block_counts_when_it_is_the_larger_peak():
 
 def test_auto_offload_counts_the_retrieval_cache(monkeypatch):
     """auto keeps the KV resident only when the retrieval cache fits beside it."""
-    from triforce_offload.runtime.offloaded import use_offload
+    from triforce_offload.runtime.cache.offloaded import use_offload
     o = api.RunOptions.of().offload
     need = 10000 * LLAMA3_8B.kv_bytes_per_token(2)
     free_on_card(monkeypatch, need / 0.8 + 1)

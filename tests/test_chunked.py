@@ -11,10 +11,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from triforce_offload.kernels import chunked
 from triforce_offload.kernels.attention import attention_lse, merge
 from triforce_offload.kernels.chunked import GROUP, StreamedAttention
-from triforce_offload.runtime.cache import FullCache
-from triforce_offload.runtime.config import ModelConfig
-from triforce_offload.runtime.model import Transformer
-from triforce_offload.runtime.offloaded import OffloadedCache
+from triforce_offload.runtime.cache.kv import FullCache
+from triforce_offload.runtime.model.config import ModelConfig
+from triforce_offload.runtime.model.transformer import Transformer
+from triforce_offload.runtime.cache.offloaded import OffloadedCache
 
 A = torch.ops.aten
 NO_KERNEL = {A._unsafe_view.default}  # a view without the schema's alias annotation

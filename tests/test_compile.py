@@ -21,7 +21,7 @@ from torch._inductor.utils import run_and_get_code
 from helpers_spec import prefilled, repetitive_prompt, run, tiny
 from triforce_offload.kernels import attention as A
 from triforce_offload.runtime.graphs import Step, combined, no_recompile, settle
-from triforce_offload.runtime.retrieval import Recorder, RetrievalCache
+from triforce_offload.runtime.cache.retrieval import Recorder, RetrievalCache
 
 
 @pytest.fixture(autouse=True)
@@ -122,7 +122,7 @@ _TRITON_OP = r"""
 import torch, torch._dynamo
 from helpers_spec import tiny
 from triforce_offload.kernels import attention as A
-from triforce_offload.runtime.cache import FullCache
+from triforce_offload.runtime.cache.kv import FullCache
 assert A.static_path(torch.device("cpu"))[0] == "triton"
 g = torch.Generator().manual_seed(0)
 for T in (1, 3):

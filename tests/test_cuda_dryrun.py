@@ -24,12 +24,16 @@ from cuda_dry import CaptureError, DryRun, plant
 from helpers_spec import repetitive_prompt, tiny
 from triforce_offload.kernels import triton_attention
 from triforce_offload.offload.copier import ChunkCopier, Signal
-from triforce_offload.runtime import acceptance, cache, hostread, offloaded, options
+from triforce_offload.runtime.spec import acceptance
+from triforce_offload.runtime.cache import kv as cache
+from triforce_offload.runtime import hostread
+from triforce_offload.runtime.cache import offloaded
+from triforce_offload.runtime import options
 from triforce_offload.runtime.api import generate
 from triforce_offload.runtime.options import RunOptions
-from triforce_offload.runtime.prefix_cache import PrefixCache
-from triforce_offload.runtime.quantized import quantize_model
-from triforce_offload.runtime import spec_modes
+from triforce_offload.runtime.cache.prefix import PrefixCache
+from triforce_offload.runtime.model.quantized import quantize_model
+from triforce_offload.runtime.spec import modes as spec_modes
 from triforce_offload.runtime.sampling import SamplingParams
 
 MODES = {"autoregressive": {}, "triforce": {}, "retrieval": {}, "draft-self": dict(mode="draft", draft="self")}

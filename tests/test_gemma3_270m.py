@@ -36,7 +36,7 @@ SPEC = {  # every level runs (no bypass): the identity must hold where each leve
 def gemma_gguf():
     if importlib.util.find_spec(PACKAGE) is None:
         pytest.skip(f"pip install {PACKAGE.replace('_', '-')} for the real Gemma 3 270M")
-    from triforce_offload.runtime.loader import cache_root
+    from triforce_offload.runtime.model.loader import cache_root
     pkg = importlib.import_module(PACKAGE)
     out = cache_root() / pkg.MODEL_NAME
     if not out.exists():
@@ -81,8 +81,8 @@ def load_runs(path, weights: str, kv_dir) -> Runs:
     import dataclasses
     from triforce_offload.runtime.api import load
     from triforce_offload.runtime.data import builtin_prompt
-    from triforce_offload.runtime.kv_disk import KVDir
-    from triforce_offload.runtime.prefix_cache import PrefixCache
+    from triforce_offload.runtime.cache.disk import KVDir
+    from triforce_offload.runtime.cache.prefix import PrefixCache
     L = load(str(path), "fp32", "cpu", weights=weights)
     L = dataclasses.replace(L, prefix=PrefixCache(0, KVDir(kv_dir, 1 << 32, L, lambda _: None)))
     prompt = builtin_prompt(L.tokenizer, "continue", PROMPT_TOKENS)  # no chat template: plain text
@@ -102,7 +102,7 @@ def gguf_precision(gemma_gguf, tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(fp32, gemma_gguf):
     from transformers import AutoModelForCausalLM
-    from triforce_offload.runtime.loader import resolve
+    from triforce_offload.runtime.model.loader import resolve
     hf = AutoModelForCausalLM.from_pretrained(resolve(gemma_gguf), dtype=torch.float32).eval()
     with torch.inference_mode():
         out = hf.generate(torch.tensor([fp32.prompt]), max_new_tokens=N_NEW, do_sample=False,

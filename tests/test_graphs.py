@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers_spec import prefilled, tiny
 from triforce_offload.kernels import attention as A
-from triforce_offload.runtime.cache import FullCache
+from triforce_offload.runtime.cache.kv import FullCache
 from triforce_offload.runtime.graphs import Step
 
 
@@ -171,7 +171,7 @@ def test_cuda_static_attention_paths_match_reference(monkeypatch, path):
 def test_retrieval_static_step_equals_eager_across_a_rebuild():
     """The middle level's cache on the fixed-shape path: same logits as its eager path,
     also after a rebuild moves its slots (the device-side offset a graph reads)."""
-    from triforce_offload.runtime.retrieval import Recorder, RetrievalCache
+    from triforce_offload.runtime.cache.retrieval import Recorder, RetrievalCache
     L = tiny()
     full = Recorder(prefilled(L, 120, False))
     with torch.inference_mode():
@@ -201,7 +201,7 @@ def test_retrieval_static_step_equals_eager_across_a_rebuild():
 
 
 def test_retrieval_steps_dispatch_identical_ops():
-    from triforce_offload.runtime.retrieval import RetrievalCache
+    from triforce_offload.runtime.cache.retrieval import RetrievalCache
     L = tiny()
     full = prefilled(L, 100, False)
     ret = RetrievalCache(L.cfg, 32, 8, 40)
@@ -281,7 +281,7 @@ def test_flash_attn_only_for_what_it_takes():
 def test_recorder_queries_follow_graph_replays():
     """After an eager forward re-points the recorded queries, a replay (which runs no
     Python) makes the graph-updated buffers the latest again (Step calls on_replay)."""
-    from triforce_offload.runtime.retrieval import Recorder
+    from triforce_offload.runtime.cache.retrieval import Recorder
     L = tiny()
     rec = Recorder(prefilled(L, 30, True))
     with torch.inference_mode():

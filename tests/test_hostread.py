@@ -18,16 +18,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers_spec import repetitive_prompt, tiny
 from triforce_offload.runtime.api import RunOptions, generate
-from triforce_offload.runtime.acceptance import accept, one_hot, verdict
+from triforce_offload.runtime.spec.acceptance import accept, one_hot, verdict
 
 
 @pytest.fixture(autouse=True)
 def explore_freely(monkeypatch):
     """Every level gets probed within these 40-token runs (the reads of each are counted):
     no cap on exploring's share of the time (spec_modes.EXPLORE)."""
-    from triforce_offload.runtime import spec_modes
+    from triforce_offload.runtime.spec import modes as spec_modes
     monkeypatch.setattr(spec_modes, "EXPLORE", None)
-from triforce_offload.runtime.drafters import NgramDrafter
+from triforce_offload.runtime.spec.drafters import NgramDrafter
 from triforce_offload.runtime import hostread
 from triforce_offload.runtime.hostread import READS, to_device
 from triforce_offload.runtime.sampling import SamplingParams
@@ -104,9 +104,9 @@ def test_accept_is_one_read_and_verdict_none():
     assert v.tolist() == [2, 2]
 
 
-DECODE_LOOP = ["runtime/acceptance.py", "runtime/drafters.py", "runtime/engine.py",
-               "runtime/sampling.py", "runtime/spec_modes.py", "runtime/generate.py",
-               "runtime/retrieval.py"]
+DECODE_LOOP = ["runtime/spec/acceptance.py", "runtime/spec/drafters.py", "runtime/spec/engine.py",
+               "runtime/sampling.py", "runtime/spec/modes.py", "runtime/generate.py",
+               "runtime/cache/retrieval.py"]
 
 
 HOST_ONLY = "# host tensor: not a device read"  # a line that converts a tensor known to be on the CPU

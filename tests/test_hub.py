@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from triforce_offload.runtime import hub
+from triforce_offload.runtime.model import hub
 from triforce_offload.runtime.errors import TriforceError
-from triforce_offload.runtime.loader import model_path
+from triforce_offload.runtime.model.loader import model_path
 
 
 REV = "0123456789abcdef0123456789abcdef01234567"

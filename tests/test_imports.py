@@ -14,8 +14,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # folder -> subpackage of triforce_offload (setup.py's SUBPACKAGES; package/ is the root)
-FOLDERS = {"package": "", "runtime": "runtime", "offload": "offload", "kernels": "kernels",
-           "cli": "cli", "server": "server", "benchmarks/lib": "bench"}
+FOLDERS = {"package": "", "runtime": "runtime", "runtime/model": "runtime.model", "runtime/cache": "runtime.cache",
+           "runtime/spec": "runtime.spec", "runtime/batch": "runtime.batch", "offload": "offload",
+           "kernels": "kernels", "cli": "cli", "server": "server", "benchmarks/lib": "bench"}
 # what each layer may import of ours (docs/design.md, Layout)
 MAY_IMPORT = {"": {""}, "kernels": {"", "kernels"}, "offload": {"", "kernels", "offload"},
               "runtime": {"", "kernels", "offload", "runtime"}}
@@ -112,10 +113,10 @@ def test_layers_import_only_what_they_may():
 def test_the_circles_of_issue_28_are_gone():
     g = graph()
     r = "triforce_offload.runtime."
-    for a, b in [("options", "api"), ("options", "engine"), ("options", "sampling"),
-                 ("prefix_cache", "kv_disk")]:
+    for a, b in [("options", "api"), ("options", "spec.engine"), ("options", "sampling"),
+                 ("cache.prefix", "cache.disk")]:
         assert not (r + b in g[r + a] and r + a in g[r + b]), (a, b)
-    assert r + "api" not in g[r + "options"] and r + "engine" not in g[r + "options"]
+    assert r + "api" not in g[r + "options"] and r + "spec.engine" not in g[r + "options"]
     assert not any(d.startswith(r) for d in g["triforce_offload.offload.hw"])
 
 

@@ -320,7 +320,7 @@ def test_torch_paths_softcap_match_reference(monkeypatch, cap):
     SDPA or the CPU split-K would run), `attention_lse`, the streamed blocks of an offloaded
     layer merged by log-sum-exp, the fixed-shape length-masked path and a window band."""
     from triforce_offload.kernels.chunked import StreamedAttention
-    from triforce_offload.runtime.cache import static_window_attention, window_attention
+    from triforce_offload.runtime.cache.kv import static_window_attention, window_attention
     monkeypatch.setattr(A.native, "supports", lambda q, k: False)
     q, K, V = _capped_inputs(7, 2, 3, 6, 2100, 64)
     q_pos0 = 2100 - 6

@@ -1,4 +1,4 @@
-"""KV on disk (`--kv-dir`, runtime/kv_disk.py): a saved prefix is loaded instead of
+"""KV on disk (`--kv-dir`, runtime/cache/disk.py): a saved prefix is loaded instead of
 prefilled with the same output; entries of another model, dtype or RoPE are not used and
 say why; damaged entries are skipped with a warning; the folder stays within its limit."""
 import json
@@ -11,8 +11,8 @@ import torch
 
 from helpers_spec import repetitive_prompt, tiny
 from triforce_offload.runtime import api
-from triforce_offload.runtime.kv_disk import KVDir
-from triforce_offload.runtime.prefix_cache import PrefixCache
+from triforce_offload.runtime.cache.disk import KVDir
+from triforce_offload.runtime.cache.prefix import PrefixCache
 
 PROMPT = repetitive_prompt(300, 64)
 

@@ -16,10 +16,10 @@ from helpers_spec import repetitive_prompt, tiny
 from test_new_archs import tiny_gemma3
 from test_windows import loaded_from, tiny_mistral
 from triforce_offload.runtime import api
-from triforce_offload.runtime.cache import FullCache, copy_prefix
-from triforce_offload.runtime.engine import rollback_depth
-from triforce_offload.runtime.kv_disk import MAGIC, KVDir, model_identity
-from triforce_offload.runtime.prefix_cache import PrefixCache
+from triforce_offload.runtime.cache.kv import FullCache, copy_prefix
+from triforce_offload.runtime.spec.engine import rollback_depth
+from triforce_offload.runtime.cache.disk import MAGIC, KVDir, model_identity
+from triforce_offload.runtime.cache.prefix import PrefixCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 

@@ -20,14 +20,14 @@ from triforce_offload.offload import costmodel as cm
 from triforce_offload.offload import plan as pl
 from triforce_offload.offload import store as S
 from triforce_offload.offload.errors import OffloadError
-from triforce_offload.runtime import offloaded as off_mod
-from triforce_offload.runtime.cache import FullCache
-from triforce_offload.runtime.config import ModelConfig
-from triforce_offload.runtime.engine import rollback_depth
-from triforce_offload.runtime.offloaded import (OffloadedCache, check_resident, make_full_cache,
+from triforce_offload.runtime.cache import offloaded as off_mod
+from triforce_offload.runtime.cache.kv import FullCache
+from triforce_offload.runtime.model.config import ModelConfig
+from triforce_offload.runtime.spec.engine import rollback_depth
+from triforce_offload.runtime.cache.offloaded import (OffloadedCache, check_resident, make_full_cache,
                                                 prefill_device_bytes, use_offload)
 from triforce_offload.runtime.options import GenerationOptions, RunOptions
-from triforce_offload.runtime.retrieval import RetrievalCache
+from triforce_offload.runtime.cache.retrieval import RetrievalCache
 
 WINDOW, DEPTH = 8, 6
 KINDS = ["sliding_attention", "sliding_attention", "full_attention"] * 2  # globals: 2 and 5
@@ -262,7 +262,7 @@ def test_a_prefill_keeps_chunks_of_the_offloaded_layers_only(depth, tmp_path):
     global, 1-2 window), the offloaded cache keeps a chunk of each layer in its store and of
     no other (rings attend in place)."""
     from test_windows import ours, tiny_qwen2
-    from triforce_offload.runtime.offloaded import prefill_layer_major
+    from triforce_offload.runtime.cache.offloaded import prefill_layer_major
     model, cfg = ours(tiny_qwen2(), tmp_path)
     cache = OffloadedCache(cfg, 64, transfer_chunk=8, ring_depth=depth)
     with torch.no_grad():

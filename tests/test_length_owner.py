@@ -10,8 +10,9 @@ import sys
 import pytest
 
 from helpers_spec import repetitive_prompt, run, tiny
-from triforce_offload.runtime import cache as cache_mod
-from triforce_offload.runtime import drafters, offloaded, retrieval, streaming
+from triforce_offload.runtime.cache import kv as cache_mod
+from triforce_offload.runtime.spec import drafters
+from triforce_offload.runtime.cache import offloaded, retrieval, streaming
 
 ALLOWED = {  # attribute -> functions that may write it
     "length": {"__init__", "commit", "rollback", "build", "load_from"},  # build/load_from: a fresh fill

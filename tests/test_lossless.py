@@ -10,9 +10,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from triforce_offload.runtime import engine as engine_mod
-from triforce_offload.runtime import acceptance
-from triforce_offload.runtime.cache import FullCache
+from triforce_offload.runtime.spec import engine as engine_mod
+from triforce_offload.runtime.spec import acceptance
+from triforce_offload.runtime.cache.kv import FullCache
 from triforce_offload.runtime.sampling import SamplingParams, probs, sample
 
 from helpers_spec import repetitive_prompt, run, tiny

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from triforce_offload.runtime import api
-from triforce_offload.runtime.cache import FullCache
+from triforce_offload.runtime.cache.kv import FullCache
 from triforce_offload.runtime.data import long_prompt
 from triforce_offload.runtime.generate import decode, prefill
-from triforce_offload.runtime.retrieval import Recorder
+from triforce_offload.runtime.cache.retrieval import Recorder
 from triforce_offload.runtime.sampling import SamplingParams
-from triforce_offload.runtime.spec_modes import speculate
+from triforce_offload.runtime.spec.modes import speculate
 
 pytestmark = pytest.mark.slow
 

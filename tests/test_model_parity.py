@@ -3,8 +3,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from triforce_offload.runtime.cache import FullCache
-from triforce_offload.runtime.loader import load_model
+from triforce_offload.runtime.cache.kv import FullCache
+from triforce_offload.runtime.model.loader import load_model
 
 ROPES = [None,
          {"rope_type": "linear", "factor": 2.0},
@@ -32,7 +32,7 @@ def tiny_hf(arch: str, rope=None, tie=False, heads=4, kv=2, seed=0):
 
 
 def load_ours(hf, tmp_path):
-    from triforce_offload.runtime.loader import Rotary, Transformer, load_weights, read_config
+    from triforce_offload.runtime.model.loader import Rotary, Transformer, load_weights, read_config
     hf.save_pretrained(tmp_path)
     cfg = read_config(tmp_path)
     model = Transformer(cfg)
@@ -101,7 +101,7 @@ def test_batch_dimension(tmp_path):
 
 
 def test_dtype_conversion_while_reading_matches_torch(tmp_path):
-    from triforce_offload.runtime.loader import read_safetensors, _read_tensor
+    from triforce_offload.runtime.model.loader import read_safetensors, _read_tensor
     hf = tiny_hf("qwen2")
     hf.save_pretrained(tmp_path)
     f = next(tmp_path.glob("*.safetensors"))
@@ -120,7 +120,7 @@ def test_dtype_conversion_while_reading_matches_torch(tmp_path):
 def test_hf_state_dict_loads_into_the_stacked_projections(tmp_path):
     """q/k/v (with Qwen2's biases) and gate/up are one Linear each here; an HF-named state
     dict loads as is, through the loader and through load_state_dict, with equal logits."""
-    from triforce_offload.runtime.model import Transformer
+    from triforce_offload.runtime.model.transformer import Transformer
     hf = tiny_hf("qwen2")
     ours, cfg = load_ours(hf, tmp_path)
     attn = ours.model.layers[0].self_attn

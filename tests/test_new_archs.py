@@ -9,7 +9,7 @@ import torch
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, Qwen3Config, Qwen3ForCausalLM
 
 from triforce_offload.kernels import native
-from triforce_offload.runtime.cache import FullCache
+from triforce_offload.runtime.cache.kv import FullCache
 
 from helpers_gguf import write_hf_gguf
 from test_windows import hf_greedy, loaded_from, ours

@@ -18,13 +18,13 @@ from triforce_offload.offload.timeline import Timeline
 from triforce_offload.offload import costmodel as cm
 from triforce_offload.offload import tune
 from triforce_offload.runtime.api import RunOptions
-from triforce_offload.runtime.cache import FullCache
-from triforce_offload.runtime.config import ModelConfig
+from triforce_offload.runtime.cache.kv import FullCache
+from triforce_offload.runtime.model.config import ModelConfig
 from triforce_offload.runtime.errors import TriforceError
 from triforce_offload.runtime.generate import autoregressive, prefill
-from triforce_offload.runtime.model import Transformer
-from triforce_offload.runtime.offloaded import OffloadedCache, finish_stats, make_full_cache
-from triforce_offload.runtime.retrieval import Recorder, RetrievalCache
+from triforce_offload.runtime.model.transformer import Transformer
+from triforce_offload.runtime.cache.offloaded import OffloadedCache, finish_stats, make_full_cache
+from triforce_offload.runtime.cache.retrieval import Recorder, RetrievalCache
 from triforce_offload.runtime.sampling import SamplingParams
 
 CFG = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, n_layers=4, n_heads=6,
@@ -456,11 +456,11 @@ def test_a_staging_slot_is_refilled_only_after_its_reader(overlap):
     """Two forwards (with the prefetch between them) over 3 offloaded layers of 5 chunks
     through a 2-slot ring: every refill waits for the compute that read the slot, in the
     overlapped pipeline and in the serialized reference."""
-    from triforce_offload.offload.scheduler import PipelineScheduler
+    from triforce_offload.offload.pipeline import TransferPipeline
     spec = StoreSpec([1, 2, 3], 2, 8, 64)
     store = HostKVStore(spec, pin=False)
     copier = MarkingCopier("cpu")
-    sched = PipelineScheduler(store, copier, 8, "cpu", depth=2, overlap=overlap)
+    sched = TransferPipeline(store, copier, 8, "cpu", depth=2, overlap=overlap)
     for _ in range(2):
         for layer in spec.layers:
             for c0, k, v in sched.stream(layer, 40):

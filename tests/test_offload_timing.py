@@ -15,9 +15,9 @@ import torch
 from triforce_offload.offload.timeline import Clock, HostEvent, Span, Timeline, cuda_clock
 from triforce_offload.offload.tune import link_gbps
 from triforce_offload.runtime import api
-from triforce_offload.runtime.config import ModelConfig
-from triforce_offload.runtime.model import Transformer
-from triforce_offload.runtime.offloaded import OffloadedCache
+from triforce_offload.runtime.model.config import ModelConfig
+from triforce_offload.runtime.model.transformer import Transformer
+from triforce_offload.runtime.cache.offloaded import OffloadedCache
 from triforce_offload.runtime.sampling import SamplingParams
 
 CFG = ModelConfig(vocab_size=97, hidden_size=64, intermediate_size=96, n_layers=4, n_heads=6,
@@ -331,7 +331,7 @@ def test_per_chunk_spans_only_under_profile(model):
 
 def test_run_records_spans_only_with_profile(tiny_model_dir, tmp_path):
     """`--profile` turns the per-chunk timeline on; a plain offloaded run keeps it off."""
-    from triforce_offload.runtime import offloaded
+    from triforce_offload.runtime.cache import offloaded
     made = []
     orig = offloaded.OffloadedCache.__init__
 

@@ -93,7 +93,7 @@ def test_benchmark_figures_for_a_checkpoint_shaped_model():
 
 @pytest.mark.slow
 def test_bundled_model_decode_step(smol_dir):
-    from triforce_offload.runtime.loader import load_model
+    from triforce_offload.runtime.model.loader import load_model
     model, cfg, _ = load_model(smol_dir)
     ops = opcount.decode_step_ops(model, cfg)
     assert ops["eager"] <= LIMIT and ops["fixed"] <= LIMIT and ops["fixed_syncs"] == 0, ops
@@ -103,7 +103,7 @@ def test_fixed_verification_shares_its_slots_across_layers(monkeypatch):
     """A fixed-shape verification (T=5) over the full and the retrieval cache: the new
     tokens' slots and the length are computed once per forward (the cache's begin_forward)
     and the attention mask by the first layer only, not in every layer."""
-    from triforce_offload.runtime.retrieval import RetrievalCache
+    from triforce_offload.runtime.cache.retrieval import RetrievalCache
     monkeypatch.setenv("TRIFORCE_OFFLOAD_STATIC", "1")
     L = tiny(layers=3)
     for cache in (prefilled(L, 20, static=True, capacity=64), RetrievalCache(L.cfg, 16, 4, 24)):

@@ -1,4 +1,4 @@
-"""KV reuse across runs (runtime/prefix_cache.py): a prompt sharing a prefix with a kept
+"""KV reuse across runs (runtime/cache/prefix.py): a prompt sharing a prefix with a kept
 cache prefills only the rest, and greedy output equals a cold start in every mode,
 resident and offloaded; kept caches stay within their byte budget."""
 import pytest
@@ -6,7 +6,7 @@ import torch
 
 from helpers_spec import repetitive_prompt, tiny
 from triforce_offload.runtime import api
-from triforce_offload.runtime.prefix_cache import PrefixCache
+from triforce_offload.runtime.cache.prefix import PrefixCache
 
 MODES = ["autoregressive", "triforce", "retrieval", "draft"]
 

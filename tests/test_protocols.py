@@ -12,15 +12,15 @@ import torch
 from helpers_spec import repetitive_prompt, run, tiny
 from triforce_offload.offload.store import HostKVStore, StoreSpec
 from triforce_offload.runtime import protocols as P
-from triforce_offload.runtime.cache import FullCache
-from triforce_offload.runtime.drafters import ModelLevel, NgramDrafter
-from triforce_offload.runtime.engine import Engine
+from triforce_offload.runtime.cache.kv import FullCache
+from triforce_offload.runtime.spec.drafters import ModelLevel, NgramDrafter
+from triforce_offload.runtime.spec.engine import Engine
 from triforce_offload.runtime.generate import prefill
-from triforce_offload.runtime.model import Transformer
-from triforce_offload.runtime.offloaded import OffloadedCache
-from triforce_offload.runtime.retrieval import Recorder, RetrievalCache
+from triforce_offload.runtime.model.transformer import Transformer
+from triforce_offload.runtime.cache.offloaded import OffloadedCache
+from triforce_offload.runtime.cache.retrieval import Recorder, RetrievalCache
 from triforce_offload.runtime.sampling import SamplingParams
-from triforce_offload.runtime.streaming import StreamingCache
+from triforce_offload.runtime.cache.streaming import StreamingCache
 
 RUNTIME = Path(__file__).resolve().parents[1] / "runtime"
 
@@ -60,8 +60,8 @@ def test_every_kind_follows_its_protocol_and_no_other(L):
 
 def test_no_hasattr_dispatch_in_the_runtime():
     """Capabilities are protocols or base-class members, never probed by name."""
-    for f in ("cache", "streaming", "retrieval", "offloaded", "engine", "generate", "drafters",
-              "graphs", "spec_modes", "model"):
+    for f in ("cache/kv", "cache/streaming", "cache/retrieval", "cache/offloaded", "spec/engine", "generate",
+              "spec/drafters", "graphs", "spec/modes", "model/transformer"):
         src = (RUNTIME / f"{f}.py").read_text()
         assert not re.search(r"\bhasattr\(|getattr\(|def __getattr__", src), f
 

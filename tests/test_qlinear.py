@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 from triforce_offload.kernels import qlinear
 from triforce_offload.kernels.qlinear import QEmbedding, QLinear, QPart, pack4, quantize
-from triforce_offload.runtime import gguf_weights
+from triforce_offload.runtime.model import gguf_weights
 
 from qlinear_sweep import part  # random parts, shared with the sanitizer sweep
 
@@ -64,7 +64,7 @@ def test_fused_norm_swiglu_and_residual_are_the_ops_around_the_projection(glu):
     others of the batch, bit for bit."""
     if qlinear.load() is None or not qlinear.vnni():
         pytest.skip("the fused pass runs with int8 activations")
-    from triforce_offload.runtime.model import RMSNorm, project
+    from triforce_offload.runtime.model.transformer import RMSNorm, project
     K, N = 576, 40
     lin = QLinear([_part(4, N, K, 32, True, True)], torch.randn(N), act="int8")
     norm = RMSNorm(K, 1e-5)
@@ -91,7 +91,7 @@ def test_fused_plan_is_kept_and_follows_a_replaced_norm_weight():
     again, and the result follows the new weight; moving the linear drops its plans."""
     if qlinear.load() is None or not qlinear.vnni():
         pytest.skip("the fused pass runs with int8 activations")
-    from triforce_offload.runtime.model import RMSNorm
+    from triforce_offload.runtime.model.transformer import RMSNorm
     K, N = 128, 24
     lin = QLinear([_part(4, N, K, 32, True, True)], act="int8")
     norm = RMSNorm(K, 1e-5)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from triforce_offload.kernels.qlinear import QEmbedding, QLinear
-from triforce_offload.runtime.engine import Bypass
-from triforce_offload.runtime.quantized import quantize_model, set_activations, weights_name
+from triforce_offload.runtime.spec.engine import Bypass
+from triforce_offload.runtime.model.quantized import quantize_model, set_activations, weights_name
 
 from helpers_spec import repetitive_prompt, run, tiny
 
@@ -64,7 +64,7 @@ def test_greedy_equals_autoregressive_at_the_precision_it_runs(arch, kind, mode,
 def test_quantized_logits_stay_close_to_dense():
     L = tiny(scale=3.0, seed=1)
     ids = torch.tensor([repetitive_prompt(40, L.cfg.vocab_size)])
-    from triforce_offload.runtime.cache import FullCache
+    from triforce_offload.runtime.cache.kv import FullCache
     with torch.inference_mode():
         dense = L.model(ids, 0, FullCache(L.cfg, 64))
         for kind, tol in (("int8", 0.05), ("int4", 0.5)):
@@ -141,7 +141,7 @@ def test_kv_dtype_auto_follows_the_activations(monkeypatch):
     """--kv-dtype auto: bf16 caches on a CPU where quantized linears take int8 activations,
     the compute dtype otherwise; every cache a run builds stores it."""
     from triforce_offload.runtime.api import kv_dtype
-    from triforce_offload.runtime.offloaded import make_full_cache
+    from triforce_offload.runtime.cache.offloaded import make_full_cache
     from triforce_offload.runtime.options import RunOptions
     cpu = torch.device("cpu")
     assert kv_dtype("auto", cpu, torch.float32, "int8") == torch.bfloat16
@@ -162,8 +162,8 @@ def test_kept_and_saved_kv_serve_only_runs_with_the_same_activations(tmp_path):
     writes differs, so a prefix one saved (in memory or --kv-dir) never serves the other;
     the same activations again reuse it, and every output equals its cold run."""
     import dataclasses
-    from triforce_offload.runtime.kv_disk import KVDir
-    from triforce_offload.runtime.prefix_cache import PrefixCache
+    from triforce_offload.runtime.cache.disk import KVDir
+    from triforce_offload.runtime.cache.prefix import PrefixCache
     L = dataclasses.replace(quantized_tiny("llama", "int4:int8"), activations_asked="auto")
     prompt = repetitive_prompt(120, L.cfg.vocab_size, seed=4)
     cold = {o: run(L, prompt, "autoregressive", 12, offload=o)[0] for o in ("on", "off")}

@@ -9,13 +9,13 @@ import torch
 
 from helpers_spec import tiny
 from triforce_offload.kernels import retrieval as kr
-from triforce_offload.runtime import engine as E
+from triforce_offload.runtime.spec import engine as E
 from triforce_offload.runtime.api import RunOptions
-from triforce_offload.runtime.cache import FullCache
+from triforce_offload.runtime.cache.kv import FullCache
 from triforce_offload.runtime.generate import prefill
-from triforce_offload.runtime.retrieval import Recorder
+from triforce_offload.runtime.cache.retrieval import Recorder
 from triforce_offload.runtime.sampling import SamplingParams
-from triforce_offload.runtime.spec_modes import speculate
+from triforce_offload.runtime.spec.modes import speculate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,7 +53,7 @@ def test_rebuilds_use_the_verifiers_latest_queries_and_reselect(prefilled, monke
 
     orig_top = kr.top_chunks
     monkeypatch.setattr(E.Engine, "rebuild_retrieval", spy)
-    monkeypatch.setattr("triforce_offload.runtime.retrieval.top_chunks",
+    monkeypatch.setattr("triforce_offload.runtime.cache.retrieval.top_chunks",
                         lambda s, n, keep_first=True: picks.append(orig_top(s, n, keep_first)) or picks[-1])
     toks, st = decode(prefilled, "every:8")
     assert st.extra["rebuilds"] == len(seen) >= 3

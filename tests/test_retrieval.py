@@ -4,10 +4,10 @@ import torch
 
 from triforce_offload.kernels.attention import attention
 from triforce_offload.kernels.retrieval import chunk_means, chunk_scores, gather_chunks, top_chunks
-from triforce_offload.runtime.cache import FullCache
-from triforce_offload.runtime.config import ModelConfig
-from triforce_offload.runtime.retrieval import RetrievalCache
-from triforce_offload.runtime.streaming import StreamingCache
+from triforce_offload.runtime.cache.kv import FullCache
+from triforce_offload.runtime.model.config import ModelConfig
+from triforce_offload.runtime.cache.retrieval import RetrievalCache
+from triforce_offload.runtime.cache.streaming import StreamingCache
 
 
 def cfg(layers=1, heads=4, kv=2, d=8):

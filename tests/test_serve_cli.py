@@ -79,7 +79,7 @@ def test_token_bytes_bound_only_what_cannot_shrink(smol_dir):
     dropped (no bound) or shrunk (3x per such normalizer)."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    from triforce_offload.runtime.loader import load_tokenizer
+    from triforce_offload.runtime.model.loader import load_tokenizer
     from triforce_offload.server.app import auto_body, token_bytes
 
     assert token_bytes(load_tokenizer(smol_dir)) == 162  # "\n" and 80 spaces, 2 bytes each as stored

@@ -4,7 +4,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from triforce_offload.runtime import api
-from triforce_offload.runtime.cache import FullCache
+from triforce_offload.runtime.cache.kv import FullCache
 from triforce_offload.runtime.data import long_prompt
 from triforce_offload.runtime.sampling import SamplingParams
 

@@ -4,11 +4,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from triforce_offload.runtime.drafters import NgramDrafter, check_vocab, draft_size
-from triforce_offload.runtime.engine import AutoGamma, LevelStats, Rebuild
+from triforce_offload.runtime.spec.drafters import NgramDrafter, check_vocab, draft_size
+from triforce_offload.runtime.spec.engine import AutoGamma, LevelStats, Rebuild
 from triforce_offload.runtime.errors import TriforceError
 from triforce_offload.runtime.options import RunOptions
-from triforce_offload.runtime.acceptance import (accept, accept_greedy, greedy_verdict, n_accepted, one_hot,
+from triforce_offload.runtime.spec.acceptance import (accept, accept_greedy, greedy_verdict, n_accepted, one_hot,
                                                   residual)
 from triforce_offload.runtime.hostread import to_host
 from triforce_offload.runtime.sampling import SamplingParams, draw, probs, sample

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import helpers_tp as H
-from triforce_offload.runtime import distributed, tp
+from triforce_offload.runtime.model import distributed, tp
 from triforce_offload.runtime.errors import TriforceError
 
 PROMPT = [5, 17, 42, 7, 99, 3, 250, 11]
@@ -188,7 +188,7 @@ def test_load_shards_on_the_host_before_the_move(tiny_model_dir, monkeypatch):
     loaded = api.load(str(tiny_model_dir), "float32", "cuda:1", shard=shard)
     assert seen["device"] == torch.device("cpu")
     assert next(loaded.model.parameters()).device == torch.device("meta")
-    from triforce_offload.runtime.loader import read_config, resolve
+    from triforce_offload.runtime.model.loader import read_config, resolve
     full = read_config(resolve(str(tiny_model_dir)))
     assert loaded.cfg.n_heads == loaded.model.model.layers[0].self_attn.n_heads == full.n_heads // 2
     assert loaded.model.tp == (1, 2)

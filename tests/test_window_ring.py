@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from test_windows import WINDOW, hf_greedy, loaded_from, ours, tiny_mistral, tiny_qwen2
-from triforce_offload.runtime.cache import FullCache
+from triforce_offload.runtime.cache.kv import FullCache
 from triforce_offload.runtime.errors import TriforceError
 from triforce_offload.runtime.generate import autoregressive
-from triforce_offload.runtime.offloaded import OffloadedCache
-from triforce_offload.runtime.retrieval import RetrievalCache
+from triforce_offload.runtime.cache.offloaded import OffloadedCache
+from triforce_offload.runtime.cache.retrieval import RetrievalCache
 from triforce_offload.runtime.sampling import SamplingParams
-from triforce_offload.runtime.streaming import StreamingCache
+from triforce_offload.runtime.cache.streaming import StreamingCache
 
 DEPTH = 6
 
@@ -148,7 +148,8 @@ def test_too_shallow_rings_fail_loudly(qwen2_run, monkeypatch):
     rather than attending to overwritten keys. The bypass is off: every level runs, so the
     rollbacks happen whatever the run's timings say about the retrieval level."""
     from helpers_spec import run
-    from triforce_offload.runtime import offloaded, spec_modes
+    from triforce_offload.runtime.cache import offloaded
+    from triforce_offload.runtime.spec import modes as spec_modes
     monkeypatch.setattr(offloaded, "rollback_depth", lambda g: 1)
     monkeypatch.setattr(spec_modes, "rollback_depth", lambda g: 1)
     hf, L, prompt, ref = qwen2_run
@@ -182,8 +183,8 @@ def test_kept_prefix_and_kv_dir_with_rings(qwen2_run, tmp_path):
     prompt extending the last run), one whose rings moved on is not (a cold start, same
     tokens); --kv-dir saves the rings' positions (tests/test_kv_dir_windows.py)."""
     from helpers_spec import run
-    from triforce_offload.runtime.prefix_cache import PrefixCache
-    from triforce_offload.runtime.kv_disk import KVDir
+    from triforce_offload.runtime.cache.prefix import PrefixCache
+    from triforce_offload.runtime.cache.disk import KVDir
     hf, L, prompt, ref = qwen2_run
     notes = []
     L.prefix = PrefixCache(1 << 30, KVDir(tmp_path, 1 << 30, L, notes.append))

@@ -7,11 +7,11 @@ import pytest
 import torch
 from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from triforce_offload.runtime.cache import FullCache
-from triforce_offload.runtime.config import ModelConfig
+from triforce_offload.runtime.cache.kv import FullCache
+from triforce_offload.runtime.model.config import ModelConfig
 from triforce_offload.runtime.errors import TriforceError
-from triforce_offload.runtime.retrieval import RetrievalCache
-from triforce_offload.runtime.streaming import StreamingCache
+from triforce_offload.runtime.cache.retrieval import RetrievalCache
+from triforce_offload.runtime.cache.streaming import StreamingCache
 
 WINDOW = 12
 
@@ -39,14 +39,14 @@ def tiny_qwen2(seed=0):
 
 
 def ours(hf, path):
-    from triforce_offload.runtime.loader import load_model
+    from triforce_offload.runtime.model.loader import load_model
     hf.save_pretrained(path)
     model, cfg, _ = load_model(path) if (path / "tokenizer.json").exists() else _load(path)
     return model, cfg
 
 
 def _load(path):
-    from triforce_offload.runtime.loader import Rotary, Transformer, load_weights, read_config
+    from triforce_offload.runtime.model.loader import Rotary, Transformer, load_weights, read_config
     cfg = read_config(path)
     model = Transformer(cfg)
     model.rotary = Rotary(cfg)
@@ -57,7 +57,7 @@ def _load(path):
 def test_window_kinds_as_transformers_reads_them(tmp_path):
     m = tiny_mistral()
     m.save_pretrained(tmp_path / "m")
-    from triforce_offload.runtime.loader import read_config
+    from triforce_offload.runtime.model.loader import read_config
     assert read_config(tmp_path / "m").windows == [WINDOW, WINDOW]
     q = tiny_qwen2()
     q.save_pretrained(tmp_path / "q")
@@ -114,7 +114,7 @@ def test_forward_equals_transformers_past_the_window(make, path, tmp_path):
     with torch.no_grad():
         ref = hf(ids).logits
         if path == "offloaded":
-            from triforce_offload.runtime.offloaded import OffloadedCache
+            from triforce_offload.runtime.cache.offloaded import OffloadedCache
             cache = OffloadedCache(cfg, 64, transfer_chunk=5)
         elif path == "retrieval-window":  # a retrieval cache whose budget covers the window
             full = FullCache(cfg, 64)
@@ -209,7 +209,7 @@ def test_window_verification_rows_equal_their_decodes_bit_for_bit(kv_dtype):
     """A window layer's verification (T queries whose bands differ) gives each row the bits
     of the decode at its position: at int8 activations any other summation order turns into
     other tokens between speculative modes and autoregressive decoding (found on Gemma 3)."""
-    from triforce_offload.runtime.cache import window_attention
+    from triforce_offload.runtime.cache.kv import window_attention
     g = torch.Generator().manual_seed(0)
     W, T, start, k0 = 32, 6, 70, 30  # keys from position 30 on; queries at 70..75
     q = torch.randn(1, 4, T, 64, generator=g)

@@ -7,8 +7,8 @@ import math
 
 import torch
 
-from ..runtime.config import ModelConfig, apply_rope_override
-from ..runtime.model import Rotary, Transformer
+from ..runtime.model.config import ModelConfig, apply_rope_override
+from ..runtime.model.transformer import Rotary, Transformer
 
 # name -> (ModelConfig fields, RoPE stretch kind); max_position_embeddings is the pre-stretch length
 GEOMETRIES = {

@@ -12,8 +12,8 @@ import torch
 
 from ..offload.copier import ChunkCopier, Signal
 from ..offload.tune import best_chunk, device_sync, link_throughput
-from ..runtime.cache import FullCache
-from ..runtime.offloaded import OffloadedCache
+from ..runtime.cache.kv import FullCache
+from ..runtime.cache.offloaded import OffloadedCache
 
 
 @torch.inference_mode()

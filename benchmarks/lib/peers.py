@@ -153,7 +153,7 @@ def _single_process_env():
     when the DeepSpeed peer loads; the variables stay set, as the process group they
     describe lives as long as the engine (and the process)."""
     if "MASTER_PORT" not in os.environ:
-        from ..runtime.distributed import free_port
+        from ..runtime.model.distributed import free_port
         os.environ["MASTER_PORT"] = str(free_port())
     for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
                  ("MASTER_ADDR", "127.0.0.1")):

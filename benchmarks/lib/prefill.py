@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 
 from ..runtime.api import load
-from ..runtime.cache import FullCache
+from ..runtime.cache.kv import FullCache
 from ..runtime.data import builtin_prompt
 from ..runtime.generate import prefill
-from ..runtime.retrieval import Recorder
+from ..runtime.cache.retrieval import Recorder
 
 
 def prefilled(ctx: int, a):

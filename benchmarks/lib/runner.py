@@ -42,8 +42,8 @@ import torch
 from ..runtime import api
 from ..runtime.data import builtin_prompt, long_prompt
 from ..runtime.errors import TriforceError
-from ..runtime.loader import default_model_path, resolve
-from ..runtime.prefix_cache import ROOM, PrefixCache
+from ..runtime.model.loader import default_model_path, resolve
+from ..runtime.cache.prefix import ROOM, PrefixCache
 from ..runtime.sampling import SamplingParams
 from . import peers
 from . import zero_inference  # noqa: F401  (registers the `zero-inference` mode)
@@ -316,7 +316,7 @@ def floors(loaded, contexts: list[int], bps: float) -> dict[int, float]:
     """Per context, the physical floor of one decode step in ms: the bytes it must read (the
     weights as stored, and at the cache's dtype the KV of the whole context in a global layer,
     of the window in a sliding-window layer) over `bps`."""
-    from ..runtime.quantized import token_weight_bytes
+    from ..runtime.model.quantized import token_weight_bytes
     w = token_weight_bytes(loaded.model)
     return {c: 1000 * (w + kv_bytes(loaded, c)) / bps for c in contexts}
 

@@ -14,8 +14,8 @@ import torch
 
 from ..offload.store import HostKVStore, StoreSpec, check_memory
 from ..runtime import api
-from ..runtime.cache import KVCache, window_attention
-from ..runtime.offloaded import DEVICE_HINT, HOST_HINT
+from ..runtime.cache.kv import KVCache, window_attention
+from ..runtime.cache.offloaded import DEVICE_HINT, HOST_HINT
 
 
 class ZeroInferenceCache(KVCache):

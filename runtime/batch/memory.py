@@ -13,10 +13,10 @@ from __future__ import annotations
 import psutil
 
 from ...offload.store import _elem, device_available
-from ..engine import rollback_depth
+from ..spec.engine import rollback_depth
 from ..errors import TriforceError
 from ..generate import capacity
-from ..retrieval import RetrievalCache
+from ..cache.retrieval import RetrievalCache
 
 HEADROOM = 0.9  # of the free memory a batch may plan to take (activations, allocator slack)
 
@@ -24,7 +24,7 @@ HEADROOM = 0.9  # of the free memory a batch may plan to take (activations, allo
 def sequence_bytes(loaded, prompt: list[int], opts) -> tuple[int, int]:
     """(device bytes, host bytes) one sequence's caches take: its full cache (on the host
     when offloaded), its retrieval cache, a self-drafter's streaming cache."""
-    from ..spec_modes import retrieval_slots  # spec_modes imports generate, which the batch imports
+    from ..spec.modes import retrieval_slots  # spec.modes imports generate, which the batch imports
     cfg, elem = loaded.cfg, _elem(loaded.kv_dtype)
     ring = rollback_depth(opts.generation)
     cap, _ = capacity(loaded, len(prompt), opts)

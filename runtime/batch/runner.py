@@ -29,7 +29,7 @@ import torch
 
 from ..errors import TriforceError
 from . import member
-from ..distributed import world_size
+from ..model.distributed import world_size
 from .memory import check_batch
 from .rows import Rows, exact, forward
 
@@ -201,13 +201,18 @@ class Member:
         return self.tokens, self.stats
 
 
+def _solo(loaded, prompt, opts, on_token=None, progress=None):
+    return loaded.generate(prompt, opts, on_token, progress)
+
+
 class Batch:
     """Sequences decoding together on one loaded model. `add` a sequence (any thread), then
     `drain` (run rounds until every member finished) or `step` rounds from a serving loop."""
 
     def __init__(self, loaded, generate=None):
-        from .. import api  # the mode runners; api imports nothing of this package
-        self.loaded, self.generate = loaded, generate or api.generate
+        # a sequence's run: `generate(loaded, prompt, opts, on_token, progress)`, by default
+        # the loaded model's own (`api.Loaded.generate`: api imports this package, not back)
+        self.loaded, self.generate = loaded, generate or _solo
         self.batcher = Batcher(torch.get_num_threads())  # the creating thread's count drives
         self.members: list[Member] = []
 

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import TriforceError
+from ..errors import TriforceError
 
 _PART = r"[A-Za-z0-9][\w.-]*"
 HUB_ID = re.compile(rf"^(?P<repo>{_PART}/{_PART})(?:/(?P<file>[^@:]+\.gguf))?"

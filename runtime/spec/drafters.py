@@ -15,10 +15,10 @@ import time
 
 import torch
 
-from .errors import TriforceError
-from .graphs import Step, run_model
-from .hostread import to_device, to_host
-from .sampling import draw, probs
+from ..errors import TriforceError
+from ..graphs import Step, run_model
+from ..hostread import to_device, to_host
+from ..sampling import draw, probs
 from .acceptance import one_hot
 from .engine import KAPPA
 

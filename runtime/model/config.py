@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .errors import TriforceError
+from ..errors import TriforceError
 
 # HF `architectures` names we can run, mapped to our family name.
 ARCHITECTURES = {

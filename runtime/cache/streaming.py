@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from .cache import KVCache, WindowRing, window_attention
-from .errors import TriforceError
+from .kv import KVCache, WindowRing, window_attention
+from ..errors import TriforceError
 
 
 class StreamingCache(KVCache):

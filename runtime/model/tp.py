@@ -36,8 +36,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .config import ModelConfig
-from .errors import TriforceError
-from .hostread import to_host
+from ..errors import TriforceError
+from ..hostread import to_host
 
 
 def check(cfg: ModelConfig, world: int, what: str = "--tp"):

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import TriforceError
-from .hostread import READS, to_device, to_host
-from .options import Rebuild  # noqa: F401  (a policy value: parsed with the other options)
-from .protocols import RetrievalKV, SizingDrafter, VerifyingLevel
-from .sampling import SamplingParams, argmax, probs
+from ..errors import TriforceError
+from ..hostread import READS, to_device, to_host
+from ..options import Rebuild  # noqa: F401  (a policy value: parsed with the other options)
+from ..protocols import RetrievalKV, SizingDrafter, VerifyingLevel
+from ..sampling import SamplingParams, argmax, probs
 from .acceptance import accept, accept_greedy
 
 
@@ -386,7 +386,7 @@ class Engine:
     auto: AutoGamma | None = None  # adapt gammas[-1]
     rebuild: Rebuild = field(default_factory=Rebuild)  # retrieval cache policy
     accept_fn: object = None  # the acceptance rule; None: accept (accept_greedy when greedy), looked up per call
-    agree: object = int  # makes a value every tensor-parallel rank's (spec_modes passes tp.agree)
+    agree: object = int  # makes a value every tensor-parallel rank's (spec.modes passes tp.agree)
     stats: list = field(default_factory=list)  # LevelStats per verifying level
     drafts: list = field(default_factory=list)  # DraftStats per drafting level (levels[:-1])
     rebuilds: int = 0  # retrieval cache rebuilds

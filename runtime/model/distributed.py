@@ -29,8 +29,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .errors import TriforceError
-from ..settings import env
+from ..errors import TriforceError
+from ...settings import env
 
 GRACE_S = 2.0  # after a first failure, wait this long to find the rank that caused it
 POLL_S = 0.1  # watchdog poll interval

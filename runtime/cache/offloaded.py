@@ -47,22 +47,22 @@ from pathlib import Path
 
 import torch
 
-from ..kernels.attention import attention
-from ..kernels.chunked import StreamedAttention
-from ..offload.copier import ChunkCopier
-from ..offload.costmodel import STAGE_DEPTH, staging_bytes
-from ..offload.scheduler import PipelineScheduler
-from ..offload import store as S
-from ..offload.store import HostKVStore, StoreSpec, _elem, check_memory
-from ..offload.timeline import Span, Timeline, device_clock
-from ..offload.tune import transfer_chunk_for
-from .cache import FullCache, KVCache, WindowRing, copy_prefix, window_attention
-from .engine import rollback_depth
-from .graphs import graphable, keeps, kept, room_for
+from ...kernels.attention import attention
+from ...kernels.chunked import StreamedAttention
+from ...offload.copier import ChunkCopier
+from ...offload.costmodel import STAGE_DEPTH, staging_bytes
+from ...offload.pipeline import TransferPipeline
+from ...offload import store as S
+from ...offload.store import HostKVStore, StoreSpec, _elem, check_memory
+from ...offload.timeline import Span, Timeline, device_clock
+from ...offload.tune import transfer_chunk_for
+from .kv import FullCache, KVCache, WindowRing, copy_prefix, window_attention
+from ..spec.engine import rollback_depth
+from ..graphs import graphable, keeps, kept, room_for
 from .retrieval import RetrievalCache
-from .errors import TriforceError
-from .protocols import HostStore
-from .tp import agree
+from ..errors import TriforceError
+from ..protocols import HostStore
+from ..model.tp import agree
 
 HOST_HINT = "lower --max-context or --max-new-tokens (or shorten the prompt)"
 RESIDENT_HINT = HOST_HINT + ", or keep the KV in host memory with --offload on"
@@ -141,7 +141,7 @@ class OffloadedCache(KVCache):
         self.store: HostStore = HostKVStore(spec)
         self.copier = copier_cls(device, self.spans)
         weakref.finalize(self, self.copier.close)  # stop the copier thread with the cache
-        self.sched = PipelineScheduler(self.store, self.copier, transfer_chunk, device, depth,
+        self.sched = TransferPipeline(self.store, self.copier, transfer_chunk, device, depth,
                                        overlap, self.spans) if spec.layers else None
         self.chip = FullCache(cfg, capacity, batch, dtype, device, layers=chip) if chip else None
         self.write_backs = {}  # layer -> Signal of its latest write-back

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .cache import copy_prefix, held_from
-from .kv_disk import KVDir, covers, longest_prefix
-from .options import parse_size
+from .kv import copy_prefix, held_from
+from .disk import KVDir, covers, longest_prefix
+from ..options import parse_size
 
 ROOM = 1024  # kept caches' capacity is a multiple of this many tokens
 
@@ -57,7 +57,7 @@ class Entry:
 class PrefixCache:
     def __init__(self, max_bytes: int, disk=None, save_later: bool = False):
         self.max_bytes = max_bytes  # kept caches' bytes at most (cache.nbytes())
-        self.disk = disk  # a kv_disk.KVDir (--kv-dir): runs' KV saved there, prefixes loaded
+        self.disk = disk  # a cache.disk.KVDir (--kv-dir): runs' KV saved there, prefixes loaded
         self.save_later = save_later  # keep() queues the disk save for save() (the server)
         self.entries: list[Entry] = []  # least recently used first
         self.unsaved: list[tuple] = []  # (cache, ids, activations) to write to disk
@@ -111,7 +111,7 @@ class PrefixCache:
 
     def keep(self, cache, ids: list[int], act: str = ""):
         """Keep `cache` holding the KV of ids[:cache.length] (and save it to disk); drops
-        entries it covers (`kv_disk.covers`) and evicts the least recently used ones beyond
+        entries it covers (`disk.covers`) and evicts the least recently used ones beyond
         max_bytes."""
         cache.hold(None)  # a layer-major prefill may have been cancelled
         n = min(cache.length, len(ids))

@@ -36,10 +36,10 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.attention import attention, sdpa, static_attention
-from .config import ModelConfig
-from .errors import TriforceError
-from ..settings import env
+from ...kernels.attention import attention, sdpa, static_attention
+from ..model.config import ModelConfig
+from ..errors import TriforceError
+from ...settings import env
 
 
 class KVCache:
@@ -305,7 +305,7 @@ class FullCache(KVCache):
 
     def put(self, layer: int, start: int, k, v):
         """Write K, V [B, Hkv, T, D] of positions start.. as they are (a kept or saved
-        prefix, runtime/prefix_cache.py); the caller commits."""
+        prefix, runtime/cache/prefix.py); the caller commits."""
         end = self.check_end(start + k.shape[2])
         if self.ring is not None and layer in self.ring:
             return self.ring.put(layer, start, k, v)

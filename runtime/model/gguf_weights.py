@@ -28,8 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..kernels.qlinear import QPart, pack4, quantize
-from .errors import TriforceError
+from ...kernels.qlinear import QPart, pack4, quantize
+from ..errors import TriforceError
 
 # GGUF tensor names -> the HF names the model loads (N is the layer)
 NAMES = {"token_embd": "model.embed_tokens", "output": "lm_head", "output_norm": "model.norm",

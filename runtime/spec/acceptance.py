@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from .hostread import to_device, to_host
-from .sampling import argmax, sample
+from ..hostread import to_device, to_host
+from ..sampling import argmax, sample
 
 
 def one_hot(tokens: list[int], vocab: int, device="cpu") -> torch.Tensor:

@@ -55,7 +55,7 @@ class Pass:
         return order[i] if i < len(order) else None
 
 
-class PipelineScheduler:
+class TransferPipeline:
     def __init__(self, store: HostKVStore, copier: ChunkCopier, transfer_chunk: int, device,
                  depth: int = STAGE_DEPTH, overlap: bool = True, timeline: Timeline | None = None):
         if transfer_chunk < 1:

@@ -18,9 +18,9 @@ import torch
 
 from . import gguf_check, hub
 from .config import ModelConfig, apply_rope_override
-from .errors import TriforceError
-from .model import STACKED, Rotary, Transformer, stack_parts
-from ..settings import environment
+from ..errors import TriforceError
+from .transformer import STACKED, Rotary, Transformer, stack_parts
+from ...settings import environment
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -63,7 +63,7 @@ def file_key(path: Path, block: int = 1 << 24) -> str:
 def model_path(path: str | os.PathLike | None) -> Path:
     """Check that `path` (None: the bundled model) is a GGUF file or a model directory; a
     path that does not exist but spells a hub id (`org/name`, `org/name:Q4_K_M`, ...)
-    comes from the Hugging Face cache (runtime/hub.py)."""
+    comes from the Hugging Face cache (runtime/model/hub.py)."""
     p = default_model_path() if path is None else Path(path).expanduser()
     if not p.exists() and path is not None and (hid := hub.parse(str(path))) is not None:
         p = hub.resolve(hid)

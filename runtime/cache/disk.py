@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .cache import band_held, held_from
+from .kv import band_held, held_from
 
 
 MAGIC = b"TRIFORCE-KV 1\n"  # unchanged by `layers`: entries written before it still load

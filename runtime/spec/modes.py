@@ -14,19 +14,19 @@ import torch
 
 from .drafters import ModelLevel, NgramDrafter, check_vocab
 from .engine import KAPPA, AutoGamma, Bypass, Engine, Rebuild, rollback_depth
-from .errors import TriforceError
-from .generate import Stats, capacity, peak_memory_gb, prefill, stop_ids
-from .graphs import combined, graphable, keeps, kept, room_for
-from .hostread import to_device, to_host
-from .offloaded import finish_stats, make_full_cache
-from .prefix_cache import lease
-from . import quantized
-from .retrieval import Recorder, RetrievalCache
-from .sampling import next_token
-from .streaming import StreamingCache
-from .options import GenerationOptions
-from .protocols import RetrievalKV
-from .tp import agree
+from ..errors import TriforceError
+from ..generate import Stats, capacity, peak_memory_gb, prefill, stop_ids
+from ..graphs import combined, graphable, keeps, kept, room_for
+from ..hostread import to_device, to_host
+from ..cache.offloaded import finish_stats, make_full_cache
+from ..cache.prefix import lease
+from ..model import quantized
+from ..cache.retrieval import Recorder, RetrievalCache
+from ..sampling import next_token
+from ..cache.streaming import StreamingCache
+from ..options import GenerationOptions
+from ..protocols import RetrievalKV
+from ..model.tp import agree
 
 
 def make_drafter(o: GenerationOptions, loaded, prompt, full):
@@ -41,7 +41,7 @@ def make_drafter(o: GenerationOptions, loaded, prompt, full):
         cache = mk(loaded.cfg)
         cache.load_from(full, len(prompt))  # the target's own KV of sink + window
         return ModelLevel(loaded.model, cache, "self", held=len(prompt))
-    from .loader import load_model
+    from ..model.loader import load_model
     model, cfg, tok = load_model(o.draft, loaded.dtype, loaded.device)
     check_vocab(loaded.tokenizer, tok)
     lv = ModelLevel(model, mk(cfg), "draft")
@@ -53,7 +53,7 @@ def check_draft(o: GenerationOptions, loaded):
     """Compare a draft model's tokenizer with the target's before its weights load (a GGUF
     draft's first conversion prints progress bars: a mismatch stays one line)."""
     if o.draft not in ("ngram", "self"):
-        from .loader import peek_tokenizer
+        from ..model.loader import peek_tokenizer
         check_vocab(loaded.tokenizer, peek_tokenizer(o.draft))
 
 

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.retrieval import chunk_means, chunk_scores, gather_chunks, top_chunks
-from .cache import KVCache, PerForward, WindowRing, static_slots, window_attention, write_and_attend
-from .errors import TriforceError
+from ...kernels.retrieval import chunk_means, chunk_scores, gather_chunks, top_chunks
+from .kv import KVCache, PerForward, WindowRing, static_slots, window_attention, write_and_attend
+from ..errors import TriforceError
 
 
 class Recorder:

@@ -18,8 +18,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..kernels.linear import Linear, by_rows
-from ..kernels.qlinear import QLinear
+from ...kernels.linear import Linear, by_rows
+from ...kernels.qlinear import QLinear
 from .config import ModelConfig, rope_frequencies
 
 

@@ -13,10 +13,10 @@ from typing import Iterable
 
 import torch
 
-from ..kernels.qlinear import QEmbedding, QLinear, QPart, activations, quantize
+from ...kernels.qlinear import QEmbedding, QLinear, QPart, activations, quantize
 from .config import ModelConfig
-from .errors import TriforceError
-from .model import Rotary, Transformer
+from ..errors import TriforceError
+from .transformer import Rotary, Transformer
 
 # the model's projections and the HF tensors stacked into each (rows in this order)
 LINEARS = {("self_attn", "qkv_proj"): ("q_proj", "k_proj", "v_proj"), ("self_attn", "o_proj"): ("o_proj",),

@@ -1,0 +1,2 @@
+"""The model: configuration, loading (HF folders, GGUF, hub names), the forward, quantized
+weights and tensor parallelism."""

@@ -1,0 +1,2 @@
+"""Speculative decoding: the levels and drafters, the N-level engine, the acceptance rule,
+and the speculative modes' runners."""
