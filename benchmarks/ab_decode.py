@@ -66,7 +66,15 @@ def package(src: Path, name: str, tmp: Path):
     spec = importlib.util.spec_from_file_location(name, d / "__init__.py", submodule_search_locations=[str(d)])
     sys.modules[name] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sys.modules[name])
-    return importlib.import_module(f"{name}.runtime.loader"), importlib.import_module(f"{name}.runtime.cache")
+    return _either(name, "runtime.model.loader", "runtime.loader"), _either(name, "runtime.cache.kv", "runtime.cache")
+
+
+def _either(name: str, new: str, old: str):
+    """A module by its place in the layout of runtime/model, cache, spec (new) or before it."""
+    try:
+        return importlib.import_module(f"{name}.{new}")
+    except ModuleNotFoundError:
+        return importlib.import_module(f"{name}.{old}")
 
 
 def prefill(v, ids, cache, chunk: int):

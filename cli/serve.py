@@ -51,7 +51,10 @@ def serve(
     loaded.prefix = prefix_store(reuse, loaded, memory=True, save_later=True,
                                  note=lambda m: err.print(m, highlight=False))
     opts, metrics = RunOptions(gen, retrieval, offload), Metrics()
-    worker = Worker(loaded, srv.max_queue, metrics, srv.max_batch)
+    worker = Worker(loaded, srv.max_queue, metrics, srv.max_batch,
+                    prefill_budget=srv.prefill_budget or opts.prefill_chunk,
+                    kv_memory=None if srv.kv_memory == "auto" else parse_size(srv.kv_memory),
+                    host_reserve=parse_size(reuse.kv_cache_mem))
     name = srv.served_model_name or model_name(model.model)
     served = Served(loaded, opts, name, worker, metrics, srv.api_key, srv.request_timeout, int(time.time()),
                     None if srv.max_body == "auto" else parse_size(srv.max_body))

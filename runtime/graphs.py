@@ -272,6 +272,7 @@ class Direct:
     once, or in its batch's round when the thread's sequence belongs to one."""
 
     static = False  # the dynamic-shape forward (an int start), whatever the cache
+    prefill = True  # a batch's per-round prefill budget counts its tokens
 
     def __init__(self, model, cache):
         self.model, self.cache = model, cache
@@ -285,6 +286,7 @@ class Call:
     layer-major prefill): `alone()` calls it."""
 
     static = True  # never shares a forward
+    prefill = True  # a layer-major prefill: the round's whole prefill budget
 
     def __init__(self, fn):
         self.fn = fn

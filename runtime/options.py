@@ -255,9 +255,16 @@ class ServeOptions(Options):
                                         "(default: the model's file or folder name).")
     api_key: str | None = opt(None, "Require 'Authorization: Bearer KEY' (401 without).")
     max_queue: int = opt(16, "Requests that may wait for the model; more get 429.", check=at_least(1))
-    max_batch: int = opt(1, "Requests generating at once: their forwards share rounds (each answer "
-                         "stays equal to its answer alone); a request joins when one leaves "
-                         "(docs/batching.md).", check=at_least(1))
+    max_batch: int = opt(4, "Requests generating at once: their forwards share rounds (each answer "
+                         "stays equal to its answer alone); a request joins when one leaves and "
+                         "its KV caches fit --kv-memory (docs/batching.md).", check=at_least(1))
+    prefill_budget: int = opt(0, "Prompt tokens all requests prefill in one round (0: one "
+                              "--prefill-chunk): a long prompt prefills a chunk per round while "
+                              "the running streams go on.", check=at_least(0))
+    kv_memory: str = opt("auto", "Memory the running requests' KV caches may take together, e.g. "
+                         "8G (auto: 90% of what is free after loading, less --kv-cache-mem). A "
+                         "request that does not fit beside the running ones waits; one that "
+                         "never fits gets 400.", check=lambda v: None if v == "auto" else _size(v))
     request_timeout: float = opt(600.0, "Seconds a request may take from arrival; generation then "
                                  "stops (finish_reason length).",
                                  check=lambda v: None if v > 0 else "must be > 0")

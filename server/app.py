@@ -132,12 +132,17 @@ def build(s: Served) -> FastAPI:
     @app.get("/metrics")
     def metrics():
         store = s.loaded.prefix
-        gauges = {"queue_depth": s.worker.depth(), "running": s.worker.running_count(),
+        w = s.worker
+        gauges = {"queue_depth": w.depth(), "waiting": w.depth(), "running": w.running_count(),
                   "host_kv_bytes": store.nbytes() if store else 0,
-                  "kv_entries": len(store.entries) if store else 0}
-        b = s.worker.batch.batcher.figures()
+                  "kv_entries": len(store.entries) if store else 0,
+                  "tokens_per_second": s.metrics.tokens_per_second(),
+                  "kv_memory_used_bytes": sum(w.budget.used), "kv_memory_budget_bytes": w.budget.device}
+        b, r = w.batch.batcher.figures(), w.batch.batcher
         gauges.update(batch_rounds=b["batch_rounds"], batch_forwards_shared=b["batch_forwards_shared"],
-                      batch_seqs_per_forward=b["batch_seqs_per_forward"])
+                      batch_seqs_per_forward=b["batch_seqs_per_forward"],
+                      batch_seqs_per_round=b["batch_seqs_per_round"], batch_prefill_tokens=r.last_prefill,
+                      batch_prefill_tokens_total=r.prefill_tokens, batch_prefill_deferred_total=r.deferred)
         return PlainTextResponse(s.metrics.render(gauges), media_type="text/plain; version=0.0.4")
 
     @app.post("/v1/chat/completions")
@@ -262,7 +267,12 @@ def make_job(s: Served, req: Request, ids: list[int], max_tokens: int | None) ->
                           max_new_tokens=min(max_tokens or s.opts.max_new_tokens, limit - n))
     except TriforceError as e:
         raise ApiError(400, str(e)) from None
-    return Job(ids, opts, req.stops(), asyncio.get_running_loop(), time.monotonic() + s.timeout)
+    job = Job(ids, opts, req.stops(), asyncio.get_running_loop(), time.monotonic() + s.timeout)
+    never = s.worker.price(job)  # a request that could never fit is told so, not queued
+    if never:
+        raise ApiError(400, f"{never} (--kv-memory); shorten the prompt or max_tokens",
+                       "messages" if isinstance(req, ChatRequest) else "prompt", "kv_memory_exceeded")
+    return job
 
 
 async def events(job: Job, request: HttpRequest, every: float = 0.5):

@@ -6,10 +6,13 @@ runs `api.generate` with an `on_token` that decodes the text, holds back what ma
 stop string, and hands each new piece to the job's asyncio queue; it returns True (end
 generation) on a stop string, a cancel (the client hung up, the server stops) or the time
 limit, so generation ends within one verification. A cancel during the prefill ends it at
-the next prefill chunk (the progress callback). The worker thread admits queued jobs
-while fewer than --max-batch run (a job joins at the next round) and runs the rounds, in
-which the running jobs' forwards share one forward per model; each answer equals its
-answer alone (docs/batching.md). With --max-batch 1 it is one generation at a time.
+the next prefill chunk (the progress callback). The worker thread admits queued jobs, oldest
+first, while fewer than --max-batch run and the job's KV caches fit beside the running ones'
+(`batch.memory.Budget`, --kv-memory: the oldest waits for memory, and the others behind it;
+one that could never fit was refused with a 400 before it queued). A job joins at the next
+round; in a round the running jobs' forwards share one forward per model, and the prompts
+arriving together prefill at most --prefill-budget tokens (the others' decodes do not wait
+for them). Each answer equals its answer alone (docs/batching.md).
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from dataclasses import dataclass, field
 
 from ..offload.errors import OffloadError
 from ..runtime import api
+from ..runtime.batch.memory import Budget
 from ..runtime.batch.runner import Batch
 from ..runtime.errors import TriforceError
 from .metrics import Metrics
@@ -57,6 +61,7 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # ("delta", str) ... ("done", Result)
     cancelled: threading.Event = field(default_factory=threading.Event)
     arrived: float = field(default_factory=time.monotonic)
+    kv: tuple = (0, 0)  # (device, host) bytes its caches take (Worker.price)
 
     def emit(self, kind: str, value=None):
         try:
@@ -104,12 +109,18 @@ class TextStream:
 
 
 class Worker:
-    def __init__(self, loaded: api.Loaded, max_queue: int, metrics: Metrics, max_batch: int = 1):
+    def __init__(self, loaded: api.Loaded, max_queue: int, metrics: Metrics, max_batch: int = 1,
+                 prefill_budget: int | None = None, kv_memory: int | None = None, host_reserve: int = 0):
+        """`prefill_budget`: prompt tokens per round over all requests (None: no cap);
+        `kv_memory`: bytes the running requests' caches may take (None: what is free now, less
+        `host_reserve` host bytes: the kept prefixes')."""
         self.loaded, self.metrics, self.max_batch = loaded, metrics, max_batch
         self.queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self.running: list[Job] = []  # jobs generating now (their member threads run)
-        self.lock = threading.Lock()  # `running` is changed by member threads
-        self.batch = Batch(loaded)
+        self.lock = threading.Lock()  # `running` and the budget are changed by member threads
+        self.batch = Batch(loaded, prefill_budget=prefill_budget)
+        self.budget = Budget(loaded, kv_memory, host_reserve)
+        self.head: Job | None = None  # the oldest queued job, waiting for memory
         self.closing = False
         # the generating threads alone use loaded.tokenizer (decoding): requests encode with a copy
         self.thread = threading.Thread(target=self._loop, name="generation", daemon=True)
@@ -118,6 +129,11 @@ class Worker:
     def running_count(self) -> int:
         return len(self.running)
 
+    def price(self, job: Job) -> str | None:
+        """Price the job's caches (job.kv); why it could never run, or None."""
+        job.kv = self.budget.price(job.ids, job.opts)
+        return self.budget.refusal(job.kv)
+
     def submit(self, job: Job):
         """Queue the job; queue.Full when --max-queue jobs wait already."""
         if self.closing:
@@ -125,7 +141,8 @@ class Worker:
         self.queue.put_nowait(job)
 
     def depth(self) -> int:
-        return self.queue.qsize()
+        """Requests waiting: queued, and the oldest waiting for memory."""
+        return self.queue.qsize() + (self.head is not None)
 
     def shutdown(self):
         """Cancel the running job and every queued one; the thread ends."""
@@ -154,13 +171,26 @@ class Worker:
         ending = False
         while not ending or self.running:  # a job leaves `running` once its KV is saved
             while not ending and len(self.running) < self.max_batch:
-                try:
-                    job = self.queue.get(block=not self.running)
-                except queue.Empty:
-                    break
+                job, self.head = self.head, None
+                if job is None:
+                    try:
+                        job = self.queue.get(block=not self.running)
+                    except queue.Empty:
+                        break
                 if job is None:
                     ending = True
-                elif not job.cancelled.is_set():  # else it hung up while queued
+                elif job.cancelled.is_set():  # it hung up while queued
+                    continue
+                elif self.closing:
+                    job.emit("error", (503, "the server is shutting down"))
+                else:
+                    with self.lock:
+                        fits = self.budget.fits(job.kv) or not self.running
+                        if fits:
+                            self.budget.take(job.kv)
+                    if not fits:  # waits until running jobs give their memory back
+                        self.head = job
+                        break
                     self._start(job)
             try:
                 self.batch.step(0.05)
@@ -199,6 +229,7 @@ class Worker:
         finally:
             with self.lock:
                 self.running = [j for j in self.running if j is not job]
+                self.budget.give(job.kv)
 
     def _save(self):
         """--kv-dir: write the finished request's KV once its response is out."""
@@ -210,11 +241,17 @@ class Worker:
 
     def _run(self, job: Job):
         text = TextStream(self.loaded.tokenizer, job.stops)
-        state = {"first": None, "timed_out": False}
+        state = {"first": None, "timed_out": False, "last": None}
 
         def on_token(t: int) -> bool:
+            now = time.monotonic()
             if state["first"] is None:
-                state["first"] = time.monotonic()
+                state["first"] = now
+                self.metrics.histogram("time_to_first_token_seconds", now - job.arrived)
+            else:
+                self.metrics.histogram("inter_token_seconds", now - state["last"])
+            state["last"] = now
+            self.metrics.token(now)
             piece = text.add(t)
             if piece:
                 job.emit("delta", piece)

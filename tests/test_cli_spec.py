@@ -10,7 +10,8 @@ LONGER = "Hello there, hello there, " * 6 + "hello"  # longer than a budget of 8
 
 
 def run_json(model_dir, *args):
-    r = cli("run", "--model", model_dir, "--prompt", "Hello there, hello there, hello", "--no-chat",
+    prompt = () if "--prompt" in args else ("--prompt", "Hello there, hello there, hello")
+    r = cli("run", "--model", model_dir, *prompt, "--no-chat",
             "--max-new-tokens", "12", "--dtype", "fp32", "--json", *args)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout.strip().splitlines()[-1])

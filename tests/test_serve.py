@@ -207,6 +207,54 @@ def test_batched_clients_get_their_lone_answers_while_one_hangs_up(srv, tmp_path
         assert chat(bbase, asks[1], 12).choices[0].message.content == alone[1]  # it keeps serving
 
 
+def test_memory_admission_queues_what_does_not_fit_and_refuses_what_never_will(tmp_path):
+    """--kv-memory 4M holds one short request's caches (~2.5 MB of bf16 KV) but not two: four
+    concurrent requests under --max-batch 4 run one after another, each its answer alone; a
+    prompt whose caches alone exceed it is a 400 at once; the server keeps serving."""
+    asks = ["Count to five.", "Say hello in French.", "What is 2+2?", "Name a fruit."]
+    with server(tmp_path, "--max-batch", "4", "--kv-memory", "4M") as (base, _):
+        alone = [chat(base, a, 12).choices[0].message.content for a in asks]
+        with ThreadPoolExecutor(4) as ex:
+            together = list(ex.map(lambda a: chat(base, a, 12).choices[0].message.content, asks))
+        assert together == alone
+        m = httpx.get(base + "/metrics", timeout=30).text
+        assert metric(base, "triforce_kv_memory_budget_bytes") == 4 * 2 ** 20
+        assert metric(base, "triforce_batch_forwards_shared") == 0, m  # never two at once: memory
+        deadline = time.monotonic() + 30  # every price given back (a job leaves after its answer)
+        while metric(base, "triforce_kv_memory_used_bytes") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert metric(base, "triforce_kv_memory_used_bytes") == 0
+        r = httpx.post(base + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "Summarize: " + "word " * 400}], "max_tokens": 8})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "kv_memory_exceeded" and "GB of KV caches" in err["message"], err
+        assert chat(base, asks[1], 12).choices[0].message.content == alone[1]
+
+
+def test_prompts_arriving_together_prefill_within_the_round_budget(tmp_path):
+    """--prefill-chunk 32 (the per-round budget): two long prompts arriving together take
+    turns chunk by chunk (a chunk waits for the next round), a short request streams beside
+    them, every answer equals its answer alone; the rounds' and tokens' figures are scraped."""
+    longs = ["Summarize this: " + " ".join(f"item{i}" for i in range(k, k + 120)) for k in (0, 500)]
+    short = "Count to five."
+    with server(tmp_path, "--max-batch", "4", "--prefill-chunk", "32") as (base, _):
+        alone = [chat(base, a, 8).choices[0].message.content for a in longs + [short]]
+        before = metric(base, "triforce_batch_prefill_deferred_total")
+        with ThreadPoolExecutor(3) as ex:
+            together = list(ex.map(lambda a: chat(base, a, 8).choices[0].message.content, longs + [short]))
+        assert together == alone
+        m = httpx.get(base + "/metrics", timeout=30).text
+        assert metric(base, "triforce_batch_prefill_deferred_total") > before, m
+        assert 0 < metric(base, "triforce_batch_prefill_tokens_total")
+        assert metric(base, "triforce_batch_seqs_per_round") >= 1
+        n_itl = metric(base, "triforce_inter_token_seconds_count")
+        assert n_itl > 0 and metric(base, re.escape('triforce_inter_token_seconds_bucket{le="+Inf"}')) == n_itl
+        buckets = [float(v) for v in re.findall(r'^triforce_time_to_first_token_seconds_bucket\{le="[^"]+"\} (\S+)$', m, re.M)]
+        assert len(buckets) > 3 and buckets == sorted(buckets) and buckets[-1] == 6  # cumulative, one per request
+        assert metric(base, "triforce_tokens_per_second") > 0
+
+
 GOOD = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 BAD = [
     ("malformed JSON", b"{not json", 400, None),
@@ -299,7 +347,8 @@ def test_acceptance_gauge_is_accepted_over_drafted():
 
 
 def test_key_queue_limit_time_limit_and_sigterm(tmp_path):
-    with server(tmp_path, "--api-key", "sesame", "--max-queue", "1", "--request-timeout", "6") as (base, p):
+    with server(tmp_path, "--api-key", "sesame", "--max-queue", "1", "--max-batch", "1",
+                "--request-timeout", "6") as (base, p):
         assert httpx.get(base + "/v1/models").status_code == 401
         assert httpx.get(base + "/v1/models", headers={"authorization": "Bearer nope"}).status_code == 401
         c = client(base).with_options(api_key="sesame")

@@ -39,25 +39,59 @@ def sequence_bytes(loaded, prompt: list[int], opts) -> tuple[int, int]:
     return dev + full, 0
 
 
+class Budget:
+    """Bytes the caches of the sequences running at once may take: on the device (a GPU; on a
+    CPU the host, where everything lives) and, for offloaded sequences, in host memory. A
+    server takes a request's price when it starts and gives it back when it ends."""
+
+    def __init__(self, loaded, device_bytes: int | None = None, host_reserve: int = 0):
+        """`device_bytes`: the device budget (default HEADROOM of what is free now);
+        `host_reserve`: host bytes kept for something else (a server's kept prefixes)."""
+        free_dev = device_available(loaded.device)
+        free_host = max(int(HEADROOM * psutil.virtual_memory().available) - host_reserve, 0)
+        self.loaded, self.on_host, self.given = loaded, free_dev is None, device_bytes is not None
+        self.where = "host memory" if self.on_host else f"{loaded.device} memory"
+        self.device = device_bytes if device_bytes is not None else (
+            free_host if self.on_host else int(HEADROOM * free_dev))
+        self.host = free_host  # offloaded KV (a GPU's runs): pinned host memory
+        self.used = (0, 0)
+
+    def price(self, prompt: list[int], opts) -> tuple[int, int]:
+        """(device, host) bytes of one sequence's caches, as this budget counts them."""
+        d, h = sequence_bytes(self.loaded, prompt, opts)
+        return (d + h, 0) if self.on_host else (d, h)
+
+    def refusal(self, need: tuple[int, int], what: str = "this request") -> str | None:
+        """Why `need` can never fit, however few others run (None: it can)."""
+        if need[0] > self.device:
+            return (f"{what} needs {need[0] / 2**30:.2f} GB of KV caches but {self.device / 2**30:.2f} GB "
+                    f"of {self.where} is {'given' if self.given else 'free'} for them")
+        if need[1] > self.host:
+            return (f"{what}'s offloaded KV needs {need[1] / 2**30:.2f} GB of host memory but "
+                    f"{self.host / 2**30:.2f} GB is free")
+        return None
+
+    def fits(self, need: tuple[int, int]) -> bool:
+        return self.used[0] + need[0] <= self.device and self.used[1] + need[1] <= self.host
+
+    def take(self, need: tuple[int, int]):
+        self.used = (self.used[0] + need[0], self.used[1] + need[1])
+
+    def give(self, need: tuple[int, int]):
+        self.used = (max(self.used[0] - need[0], 0), max(self.used[1] - need[1], 0))
+
+
 def check_batch(loaded, prompts: list[list[int]], opts: list, budget: int | None = None) -> int:
     """Refuse a batch whose caches do not fit: on the device (`budget` bytes if given, else
     HEADROOM of its free memory; the host's on a CPU) and, for offloaded sequences, in host
     memory. Returns the device bytes it prices."""
-    dev = host = 0
+    b = Budget(loaded, budget)
+    need = [0, 0]
     for p, o in zip(prompts, opts):
-        d, h = sequence_bytes(loaded, p, o)
-        dev, host = dev + d, host + h
-    free_dev = device_available(loaded.device)
-    free_host = psutil.virtual_memory().available
-    on_host = free_dev is None  # a CPU: the caches are host memory
-    limit = budget if budget is not None else int(HEADROOM * (free_host if on_host else free_dev))
-    need = dev + (host if on_host else 0)
-    where = "host memory" if on_host else f"{loaded.device} memory"
-    if need > limit:
-        raise TriforceError(f"a batch of {len(prompts)} sequences needs {need / 2**30:.2f} GB of KV caches but "
-                            f"{limit / 2**30:.2f} GB of {where} is {'given' if budget is not None else 'free'}; "
-                            "run fewer sequences at once, shorten the prompts or --max-new-tokens, or offload")
-    if not on_host and host > HEADROOM * free_host:
-        raise TriforceError(f"a batch's offloaded KV needs {host / 2**30:.2f} GB of host memory but "
-                            f"{free_host / 2**30:.2f} GB is free; run fewer sequences at once")
-    return need
+        d, h = b.price(p, o)
+        need = [need[0] + d, need[1] + h]
+    why = b.refusal(tuple(need), f"a batch of {len(prompts)} sequences")
+    if why:
+        raise TriforceError(f"{why}; run fewer sequences at once, shorten the prompts or "
+                            "--max-new-tokens, or offload")
+    return need[0]

@@ -16,7 +16,10 @@ Sequences join at any time (`Batch.add`, also from an `on_token` callback) and l
 they finish: the next round simply has more or fewer forwards. Prefill runs in the member
 thread: its chunks (`--prefill-chunk` tokens each) are forwards like the others, so a
 prompt prefills a chunk per round beside the running sequences' decodes, in the same
-forward where the model allows (`rows.exact`).
+forward where the model allows (`rows.exact`). A `prefill_budget` caps the prompt tokens
+all sequences prefill in one round (vLLM's max_num_batched_tokens): the chunks past it wait
+for the next round, oldest first, and the decodes of the running sequences do not wait for
+the prompts that arrive together.
 """
 from __future__ import annotations
 
@@ -48,6 +51,15 @@ class Ask:
     error: BaseException | None = None
     done: bool = False
 
+    @property
+    def prefill(self) -> bool:
+        """A prefill chunk (graphs.Direct) or a layer-major prefill (graphs.Call)."""
+        return getattr(self.step, "prefill", False)
+
+    @property
+    def tokens(self) -> int:
+        return 0 if self.ids is None else self.ids.shape[1]
+
     def mergeable(self) -> bool:
         """Whether it can share a ragged forward: a dynamic-shape step on a row-exact model."""
         return (not self.step.static and self.ids is not None and self.ids.device.type == "cpu"
@@ -58,8 +70,9 @@ class Batcher:
     """The rendezvous: members `ask` for forwards and wait; the driving thread runs a round
     once every running member is waiting (`round`). Counts rounds, rows and forwards."""
 
-    def __init__(self, threads: int | None = None):
+    def __init__(self, threads: int | None = None, prefill_budget: int | None = None):
         self.threads = threads or torch.get_num_threads()  # what the driving thread computes with
+        self.prefill_budget = prefill_budget  # prompt tokens per round (None: every chunk asked)
         self._cv = threading.Condition()
         self._running = 0  # members whose thread has not finished
         self._asks: list[Ask] = []
@@ -68,6 +81,10 @@ class Batcher:
         self.rows = 0  # rows computed in ragged forwards
         self.merged = 0  # sequence forwards that ran inside ragged forwards
         self.forward_s = 0.0
+        self.seqs = 0  # sequence forwards run, over all rounds (per round: the batch's size)
+        self.prefill_tokens = 0  # prompt tokens prefilled, over all rounds
+        self.last_prefill = 0  # ... in the last round
+        self.deferred = 0  # prefill chunks that waited a round for the budget
 
     def join(self):
         with self._cv:
@@ -101,7 +118,7 @@ class Batcher:
             ok = self._cv.wait_for(lambda: len(self._asks) >= self._running, timeout)
             if not ok:
                 return True  # a member is still busy (prefill): come back
-            asks, self._asks = self._asks, []
+            asks, self._asks = self._within_budget(self._asks)
         if not asks:
             return self._running > 0
         self._drive()
@@ -115,6 +132,9 @@ class Batcher:
         finally:
             self.forward_s += time.perf_counter() - t0
             self.rounds += 1
+            self.seqs += len(asks)
+            self.last_prefill = sum(a.tokens for a in asks if a.prefill)
+            self.prefill_tokens += self.last_prefill
             with self._cv:
                 for a in asks:
                     if a.out is None and a.error is None:  # never left waiting without an answer
@@ -124,6 +144,26 @@ class Batcher:
         if isinstance(failed, (KeyboardInterrupt, SystemExit)):
             raise failed
         return True
+
+    def _within_budget(self, asks: list[Ask]) -> tuple[list[Ask], list[Ask]]:
+        """(this round's asks, those that wait): every decode, verification and draft step,
+        and prefill chunks in the order asked while their tokens fit the budget (the first
+        one always: a prompt never starves). A waiting chunk keeps its place in line."""
+        if self.prefill_budget is None:
+            return asks, []
+        run, wait, used = [], [], 0
+        for a in asks:
+            if not a.prefill:
+                run.append(a)
+            elif used == 0 or used + a.tokens <= self.prefill_budget:
+                run.append(a)
+                used += max(a.tokens, 1)  # a layer-major prefill (no ids) takes the round's share
+                if a.ids is None:
+                    used = max(used, self.prefill_budget)
+            else:
+                wait.append(a)
+        self.deferred += len(wait)
+        return run, wait
 
     def _drive(self):
         """The driving thread computes with the thread count the batch was made with (a
@@ -176,6 +216,7 @@ class Batcher:
         f = self.forwards["ragged"]
         return {"batch_rounds": self.rounds, "batch_forwards_shared": f,
                 "batch_forwards_alone": self.forwards["alone"],
+                "batch_seqs_per_round": round(self.seqs / self.rounds, 2) if self.rounds else 0.0,
                 "batch_seqs_per_forward": round(self.merged / f, 2) if f else 0.0,
                 "batch_rows_per_forward": round(self.rows / f, 2) if f else 0.0}
 
@@ -209,11 +250,12 @@ class Batch:
     """Sequences decoding together on one loaded model. `add` a sequence (any thread), then
     `drain` (run rounds until every member finished) or `step` rounds from a serving loop."""
 
-    def __init__(self, loaded, generate=None):
+    def __init__(self, loaded, generate=None, prefill_budget: int | None = None):
         # a sequence's run: `generate(loaded, prompt, opts, on_token, progress)`, by default
-        # the loaded model's own (`api.Loaded.generate`: api imports this package, not back)
+        # the loaded model's own (`api.Loaded.generate`: api imports this package, not back);
+        # `prefill_budget`: prompt tokens all sequences prefill in one round (None: no cap)
         self.loaded, self.generate = loaded, generate or _solo
-        self.batcher = Batcher(torch.get_num_threads())  # the creating thread's count drives
+        self.batcher = Batcher(torch.get_num_threads(), prefill_budget)  # the creating thread's count drives
         self.members: list[Member] = []
 
     def add(self, prompt: list[int], opts, on_token=None, progress=None) -> Member:
