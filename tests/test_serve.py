@@ -238,7 +238,7 @@ def test_prompts_arriving_together_prefill_within_the_round_budget(tmp_path):
     them, every answer equals its answer alone; the rounds' and tokens' figures are scraped."""
     longs = ["Summarize this: " + " ".join(f"item{i}" for i in range(k, k + 120)) for k in (0, 500)]
     short = "Count to five."
-    with server(tmp_path, "--max-batch", "4", "--prefill-chunk", "32") as (base, _):
+    with server(tmp_path, "--max-batch", "4", "--prefill-chunk", "32", "--kv-cache-mem", "0") as (base, _):
         alone = [chat(base, a, 8).choices[0].message.content for a in longs + [short]]
         before = metric(base, "triforce_batch_prefill_deferred_total")
         with ThreadPoolExecutor(3) as ex:
