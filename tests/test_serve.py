@@ -179,6 +179,12 @@ def test_batched_clients_get_their_lone_answers_while_one_hangs_up(srv, tmp_path
     asks = ["Count to five.", "Say hello in French.", "What is 2+2?", "Name a fruit.", "Spell cat."]
     alone = [chat(base, a, 12).choices[0].message.content for a in asks]
     stop_alone = chat(base, asks[0], 12, stop=[","]).choices[0].message.content
+
+    def sampled(b):  # a seeded sampled request: the same draws alone or in a batch
+        r = client(b).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": asks[2]}],
+                                              max_tokens=12, temperature=0.9, seed=5)
+        return r.choices[0].message.content
+    sampled_alone = sampled(base)
     with server(tmp_path, "--max-batch", "4", "--max-queue", "8") as (bbase, _):
         def streamed(a):
             parts = client(bbase).chat.completions.create(
@@ -191,13 +197,15 @@ def test_batched_clients_get_their_lone_answers_while_one_hangs_up(srv, tmp_path
                            json={"messages": [{"role": "user", "content": "word " * 800}], "max_tokens": 64})
             except httpx.TimeoutException:
                 pass
-        with ThreadPoolExecutor(7) as ex:
+        with ThreadPoolExecutor(8) as ex:
             gone = ex.submit(hang_up)
             plain = [ex.submit(lambda a=a: chat(bbase, a, 12).choices[0].message.content) for a in asks[:3]]
             stream = [ex.submit(streamed, a) for a in asks[3:]]
             stop = ex.submit(lambda: chat(bbase, asks[0], 12, stop=[","]).choices[0].message.content)
+            drawn = ex.submit(sampled, bbase)
             got = [f.result() for f in plain + stream]
             assert stop.result() == stop_alone
+            assert drawn.result() == sampled_alone
             gone.result()
         assert got == alone
         m = httpx.get(bbase + "/metrics", timeout=30).text

@@ -114,6 +114,9 @@ def prefill_device_bytes(cfg, tokens: int, chunk: int, batch: int, elem: int,
     return whole + fresh + c * batch * max(attn, mlp)
 
 
+EXACT_ROWS = 64  # forwards of up to this many tokens on a CPU: each row as its decode (_attend_rows)
+
+
 class OffloadedCache(KVCache):
     """Full cache whose layers >= on_chip live in the host store, streamed per verification
     (`protocols.OffloadedKV`)."""
@@ -209,12 +212,53 @@ class OffloadedCache(KVCache):
             return self._attend_held(layer, q, k, v, start)
         if self.windows[layer] is not None:
             return self._attend_window(layer, q, k, v, start)
+        if 1 < q.shape[2] <= EXACT_ROWS and q.device.type == "cpu":  # a verification: rows as decodes
+            return self._attend_rows(layer, q, k, v, start)
         acc = StreamedAttention(q, k.shape[1], softcap=self.softcap)
         with Span(self.spans, "compute", f"attention L{layer}", tokens=q.shape[2]):
             for _, kc, vc in self.sched.stream(layer, start):
                 acc.add(kc, vc)  # all keys < start: no mask
             acc.add_causal(k, v, start, start)  # the forward's own tokens
             out = acc.result(q.dtype)
+        self._write_back(layer, k, v, start)
+        return out
+
+    def _attend_rows(self, layer, q, k, v, start):
+        """A forward of several tokens on a CPU (a verification, a prefill chunk), each row
+        computed exactly as its one-token decode: over the same key blocks, merged in the same
+        order. A decode at p streams the grid chunks [cC, min((c+1)C, p)) out of the store
+        (the keys at the KV dtype) and adds its own key last; so row i (position start + i)
+        gets the whole chunks below start's cell once for all rows, then its cell's keys up to
+        start + i in grid chunks, the stored ones and the forward's earlier ones at the KV
+        dtype (what the store will hold), then its own key. Only the rows' small tail blocks
+        are built per row; the streamed chunks are read once."""
+        T, C = q.shape[2], self.sched.transfer_chunk
+        accs = [StreamedAttention(q[:, :, i:i + 1], k.shape[1], softcap=self.softcap) for i in range(T)]
+        cell = start // C * C  # the grid chunk start falls in: its stored part is [cell, start)
+        tail = None
+        with Span(self.spans, "compute", f"attention L{layer}", tokens=T):
+            for c0, kc, vc in self.sched.stream(layer, start):
+                if c0 < cell:
+                    for a in accs:
+                        a.add(kc, vc)
+                else:  # the stored part of start's cell: a staging slot, reused after the loop
+                    tail = (kc.clone(), vc.clone())
+            kn, vn = k.to(self.store.spec.dtype), v.to(self.store.spec.dtype)
+            for i, a in enumerate(accs):
+                p, lo = start + i, cell
+                while lo < p:  # the grid chunks of [cell, p), as the decode at p streams them
+                    hi = min(lo + C, p)
+                    ks, vs = [], []
+                    if lo < start:
+                        ks.append(tail[0][:, :, lo - cell:min(hi, start) - cell])
+                        vs.append(tail[1][:, :, lo - cell:min(hi, start) - cell])
+                    if hi > start:
+                        ks.append(kn[:, :, max(lo, start) - start:hi - start])
+                        vs.append(vn[:, :, max(lo, start) - start:hi - start])
+                    a.add(torch.cat(ks, 2) if len(ks) > 1 else ks[0], torch.cat(vs, 2) if len(vs) > 1 else vs[0])
+                    lo = hi
+                a.add_causal(k[:, :, i:i + 1], v[:, :, i:i + 1], p, p)  # its own key, last
+            out = torch.cat([a.result(q.dtype) for a in accs], 2)
         self._write_back(layer, k, v, start)
         return out
 
