@@ -150,7 +150,10 @@ def _dequantize(gguf: Path, out: Path) -> None:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, config=gguf_config(gguf),
                                                   dtype=torch.float32)
-    except GGUF_ERRORS as e:
+    except MemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 - transformers' and huggingface_hub's own errors on
+        # damaged metadata (GGUF_ERRORS, a config its validators refuse: hidden size 17 over 2 heads)
         raise TriforceError(not_gguf(gguf, e)) from None
     from safetensors.torch import save_file
     out.mkdir(parents=True, exist_ok=True)
@@ -340,7 +343,10 @@ def weights_class(path: str | os.PathLike | None, weights: str = "auto") -> str:
         return "dense"
     check_gguf(p)
     from .gguf_weights import reader, weight_class
-    return weight_class(reader(p))
+    try:
+        return weight_class(reader(p))
+    except GGUF_ERRORS as e:  # gguf's reader on damaged metadata (a duplicate key, ...)
+        raise TriforceError(not_gguf(p, e)) from None
 
 
 def load_model(path=None, dtype=torch.float32, device="cpu", rope_scaling: str | None = None,
