@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 
 from ...kernels.attention import attention
+from ...kernels import chunked
 from ...kernels.chunked import StreamedAttention
 from ...offload.copier import ChunkCopier
 from ...offload.costmodel import STAGE_DEPTH, staging_bytes
@@ -114,7 +115,7 @@ def prefill_device_bytes(cfg, tokens: int, chunk: int, batch: int, elem: int,
     return whole + fresh + c * batch * max(attn, mlp)
 
 
-EXACT_ROWS = 64  # forwards of up to this many tokens on a CPU: each row as its decode (_attend_rows)
+EXACT_ROWS = 64  # forwards of up to this many tokens on the CPU path: each row as its decode (_attend_rows)
 
 
 class OffloadedCache(KVCache):
@@ -212,7 +213,7 @@ class OffloadedCache(KVCache):
             return self._attend_held(layer, q, k, v, start)
         if self.windows[layer] is not None:
             return self._attend_window(layer, q, k, v, start)
-        if 1 < q.shape[2] <= EXACT_ROWS and q.device.type == "cpu":  # a verification: rows as decodes
+        if 1 < q.shape[2] <= EXACT_ROWS and chunked.default_path(q.device) != "cuda":  # rows as decodes
             return self._attend_rows(layer, q, k, v, start)
         acc = StreamedAttention(q, k.shape[1], softcap=self.softcap)
         with Span(self.spans, "compute", f"attention L{layer}", tokens=q.shape[2]):
