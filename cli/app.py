@@ -22,9 +22,8 @@ app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
 
 
 def read_prompt(prompt: Optional[str], prompt_file: Optional[Path]) -> Optional[str]:
-    """The prompt text, None for the built-in one; refuses binary files and empty prompts."""
-    if prompt is not None and prompt_file is not None:
-        raise TriforceError("give --prompt or --prompt-file, not both")
+    """The text of one --prompt or one --prompt-file (the other None), None for neither;
+    refuses binary files and empty prompts."""
     if prompt == "-" or (prompt_file is not None and str(prompt_file) == "-"):
         return _nonempty(_utf8(sys.stdin.buffer.read(), "stdin"), "stdin")
     if prompt_file is not None:

@@ -157,9 +157,8 @@ class Batcher:
                 run.append(a)
             elif used == 0 or used + a.tokens <= self.prefill_budget:
                 run.append(a)
-                used += max(a.tokens, 1)  # a layer-major prefill (no ids) takes the round's share
-                if a.ids is None:
-                    used = max(used, self.prefill_budget)
+                # a layer-major prefill (no ids: the whole prompt) takes the round's budget
+                used += a.tokens if a.ids is not None else self.prefill_budget
             else:
                 wait.append(a)
         self.deferred += len(wait)

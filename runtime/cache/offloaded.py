@@ -225,14 +225,15 @@ class OffloadedCache(KVCache):
         return out
 
     def _attend_rows(self, layer, q, k, v, start):
-        """A forward of several tokens on a CPU (a verification, a prefill chunk), each row
-        computed exactly as its one-token decode: over the same key blocks, merged in the same
-        order. A decode at p streams the grid chunks [cC, min((c+1)C, p)) out of the store
-        (the keys at the KV dtype) and adds its own key last; so row i (position start + i)
-        gets the whole chunks below start's cell once for all rows, then its cell's keys up to
-        start + i in grid chunks, the stored ones and the forward's earlier ones at the KV
-        dtype (what the store will hold), then its own key. Only the rows' small tail blocks
-        are built per row; the streamed chunks are read once."""
+        """A forward of several tokens on the CPU path (a verification), each row computed
+        exactly as its one-token decode: over the same key blocks, merged in the same order.
+        A decode at p streams the grid chunks [cC, min((c+1)C, p)) out of the store (the keys
+        at the KV dtype) and adds its own key last; so row i (position start + i) gets the
+        whole chunks below start's cell, then its cell's keys up to start + i in grid chunks,
+        the stored ones and the forward's earlier ones at the KV dtype (what the store will
+        hold), then its own key. The chunks stream once, but each row's accumulator attends
+        to each of them on its own (the CPU flash kernel is not row-exact across query rows):
+        T attention calls per chunk, about twice the shared path's decode time at T ~ 7."""
         T, C = q.shape[2], self.sched.transfer_chunk
         accs = [StreamedAttention(q[:, :, i:i + 1], k.shape[1], softcap=self.softcap) for i in range(T)]
         cell = start // C * C  # the grid chunk start falls in: its stored part is [cell, start)
