@@ -121,3 +121,19 @@ def test_run_kv_dir_twice(tmp_path):
     assert third["text"] == first["text"] and third["reused_tokens"] == 0
     assert len([ln for ln in err.splitlines() if ln.startswith("kv-dir: skipping")]) == 1, err
     assert "Traceback" not in err
+
+
+def test_an_edited_header_is_caught_by_its_crc(tmp_path):
+    """The trailer holds the header line's CRC-32: a header that still parses but says other
+    things (here: other window spans or token ids would put right KV at wrong positions) is
+    skipped with one line, and the run prefills cold."""
+    L, notes = tiny(vocab=64), []
+    cold = api.generate(with_dir(L, tmp_path, notes), PROMPT, opts())[0]
+    f = next(tmp_path.glob("*.kv"))
+    magic, head, rest = f.read_bytes().split(b"\n", 2)
+    h = json.loads(head)
+    h["ids"][-1] = (h["ids"][-1] + 1) % 64  # the prompt still shares every token before it
+    f.write_bytes(magic + b"\n" + json.dumps(h).encode() + b"\n" + rest)
+    out, st = api.generate(with_dir(L, tmp_path, notes), PROMPT, opts())
+    assert out == cold and st.extra["reused_tokens"] == 0
+    assert notes == [f"kv-dir: skipping {f.name}: its header is damaged (CRC mismatch)"], notes

@@ -3,7 +3,8 @@ later run or server of the same model instead of prefilling that prefix.
 
 One file per entry: a magic line, a JSON header line, each layer's K and V, token-major
 ([N, B, Hkv, D]) in the KV dtype, and a JSON trailer line with the CRC-32 of every block
-(checked on loading: wrong KV would silently change the output). The header names the model
+and of the header line (checked on loading: wrong KV, or right KV put at the wrong
+positions, would silently change the output). The header names the model
 (a hash of its weights and of its config without RoPE), the dtype, the RoPE settings, the
 cache shape, the token ids, and each layer's kind (`layers`: full_attention or
 sliding_attention) with the `window`; an entry that differs in any of them is not used (one
@@ -213,7 +214,7 @@ class KVDir:
                       "the entry some of their positions only")
             return False
         try:
-            crcs = read_trailer(f, head["offset"] + 2 * sum(map(tokens, held)) * B * H * D * self.elem)
+            crcs = read_trailer(f, head, head["offset"] + 2 * sum(map(tokens, held)) * B * H * D * self.elem)
             buf = torch.empty((2, N, B, H, D), dtype=self.dtype)  # K, V [N, B, Hkv, D]
             band = None  # the first position window layers were given
             with open(f, "rb") as fh:
@@ -267,7 +268,8 @@ class KVDir:
         tmp = self.path / f".{name}.{os.getpid()}.tmp"
         try:
             with open(tmp, "wb") as fh:
-                fh.write(MAGIC + json.dumps(head).encode() + b"\n")
+                line = json.dumps(head).encode() + b"\n"
+                fh.write(MAGIC + line)
                 crcs = []
                 for layer, kind in enumerate(head["layers"]):
                     crcs.append([])
@@ -276,7 +278,7 @@ class KVDir:
                         raw = memoryview(t.permute(2, 0, 1, 3).contiguous().cpu().view(torch.uint8).numpy()).cast("B")
                         fh.write(raw)
                         crcs[-1].append(zlib.crc32(raw))
-                fh.write(json.dumps({"crc32": crcs}).encode() + b"\n")
+                fh.write(json.dumps({"crc32": crcs, "header": zlib.crc32(line)}).encode() + b"\n")
             os.replace(tmp, self.path / name)  # no fsync: after a crash the CRCs catch a torn entry
         except OSError as e:
             tmp.unlink(missing_ok=True)
@@ -311,9 +313,19 @@ def read_header(f: Path) -> dict:
             raise ValueError("the header is cut short")
         head = json.loads(line)
         head["offset"] = fh.tell()
+    if not isinstance(head, dict):
+        raise ValueError("the header is not a JSON object")
     for k in ("model", "dtype", "rope", "shape", "ids"):
         if k not in head:
             raise ValueError(f"the header lacks {k!r}")
+    ids, shape = head["ids"], head["shape"]
+    if not (isinstance(ids, list) and all(type(t) is int and 0 <= t < 2 ** 63 for t in ids)):
+        raise ValueError("the header's ids are not token ids")
+    if not (isinstance(shape, list) and len(shape) == 4 and all(type(x) is int and x > 0 for x in shape)):
+        raise ValueError(f"the header's shape {shape} is not 4 positive integers")
+    if not isinstance(head.get("activations", ""), str):
+        raise ValueError("the header's activations is not a string")
+    head["crc"] = zlib.crc32(line)  # the trailer's `header`
     if "layers" in head:
         check_kinds(head)
     return head
@@ -338,11 +350,16 @@ def check_kinds(head: dict):
     head["window_held"] = held
 
 
-def read_trailer(f: Path, at: int) -> list:
-    """The CRC-32s [layer][K, V] in the trailer line at byte `at` (where the KV ends)."""
+def read_trailer(f: Path, head: dict, at: int) -> list:
+    """The CRC-32s [layer][K, V] in the trailer line at byte `at` (where the KV ends), once
+    the trailer's CRC-32 of the header line matches `head` (entries written before it was
+    recorded have none: their header is taken as it parses)."""
     with open(f, "rb") as fh:
         fh.seek(at)
         line = fh.readline(HEADER_MAX)
     if not line.endswith(b"\n"):
         raise ValueError(f"the file ends early ({f.stat().st_size} bytes; its KV alone takes {at})")
-    return json.loads(line)["crc32"]
+    trailer = json.loads(line)
+    if "header" in trailer and trailer["header"] != head["crc"]:
+        raise ValueError("its header is damaged (CRC mismatch)")
+    return trailer["crc32"]
