@@ -7,10 +7,13 @@ blocks: issue 12) and its neighbours: decode and tiled row counts, row slicing, 
 blocks, queries that see only the first keys, keys far beyond the last visible position,
 prefill chunks over prompt lengths around the block and tile sizes, fp32 and bf16, head
 sizes 16-128, grouped-query ratios 1 and 3, no keys at all, and soft-capped scores (Gemma 2:
-row tails of every length 1-16).
+row tails of every length 1-16); then seeded random shapes (issue 39's fuzzed shapes): block
+and scratch sizes, dtypes, head sizes 16-256, grouped-query ratios, row and key counts,
+query and key offsets, cache capacities and soft caps drawn at random.
 Exits 1 naming the first case whose output differs from plain float64 attention.
 """
 import itertools
+import random
 import sys
 
 import torch
@@ -92,7 +95,29 @@ def main():
         out, lse = native.attend(q, K, V, 0, 0, out_dtype=torch.float32)
         assert (S == 0) == bool(torch.isinf(lse).all()), f"S={S}: lse {lse}"
         n += 1
+    n += fuzzed(g)
     print(f"{n} native attention cases match float64 attention")
+
+
+def fuzzed(g, cases: int = 80, seed: int = 39) -> int:
+    """Random shapes within what the kernel takes (D a multiple of 16 up to 256, blocks a
+    multiple of 32 keys): each case against float64 attention."""
+    rng = random.Random(seed)
+    for i in range(cases):
+        native.BLOCK = rng.choice((32, 64, 96, 256))
+        native.SCRATCH_BYTES = rng.choice((16 << 10, 256 << 10, 32 << 20))
+        dtype = rng.choice((torch.float32, torch.bfloat16))
+        D, G, Hkv = 16 * rng.randint(1, 16), rng.randint(1, 4), rng.randint(1, 3)
+        T = rng.choice((1, rng.randint(2, 7), rng.randint(8, 40)))
+        S = rng.choice((0, 1, rng.randint(2, 64), rng.randint(65, 3000)))
+        k_pos0 = rng.randint(0, 50)
+        q_pos0 = rng.randint(0, k_pos0 + S + 10)
+        softcap = rng.choice((None, None, 2.0 + 40 * rng.random()))
+        q, K, V = tensors(g, Hkv, G, T, S, D, dtype, cap_extra=rng.randint(0, 40))
+        check(f"fuzzed {i}: block {native.BLOCK} scratch {native.SCRATCH_BYTES} {dtype} D={D} G={G} "
+              f"Hkv={Hkv} T={T} S={S} q_pos0={q_pos0} k_pos0={k_pos0} softcap={softcap}",
+              q * 2, K, V, q_pos0, k_pos0, softcap)
+    return cases
 
 
 if __name__ == "__main__":

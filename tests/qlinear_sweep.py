@@ -3,11 +3,13 @@ inside a build with a sanitizer or _FORTIFY_SOURCE: an out-of-bounds access abor
 
 Covers int8 and int4, float16 and float32 scales, with and without offsets, groups of 16 to
 K, output counts around the 8-row tile (the zero-padded last tile), one row and many, strided
-rows, several parts writing side by side into one output, and the embedding lookup; each
+rows, several parts writing side by side into one output, the embedding lookup, and seeded
+random shapes (issue 39's fuzzed shapes: bits, K, group, N, M, scales, offsets, strides); each
 case with float activations and with int8 ones (x quantized per row and 32 inputs: compared
 with the float64 product of the quantized x, and every row with that row alone).
 Exits 1 naming the first case that differs from the float64 reference.
 """
+import random
 import sys
 
 import torch
@@ -50,6 +52,25 @@ def main() -> int:
                                     print(f"differs: bits {bits} N {N} K {K} G {G} M {M} f16 {f16} {act}")
                                     return 1
                                 n += 1
+    rng = random.Random(39)  # fuzzed shapes
+    for i in range(60):
+        bits, K = rng.choice((4, 8)), 32 * rng.randint(1, 24)
+        G = rng.choice([c for c in ((16, 32, 64) if bits == 8 else (32, 64)) if K % c == 0] + [K])
+        N, M = rng.randint(1, 70), rng.choice((1, rng.randint(2, 9), rng.randint(10, 40)))
+        p = part(bits, N, K, G, rng.random() < 0.5, bits == 4 or rng.random() < 0.5, g)
+        step = rng.choice((1, 1, 2, 3))
+        x = torch.randn(M, step * K, generator=g)[:, ::step]
+        for act in ("fp32", "int8"):
+            lin = QLinear([p], torch.randn(N, generator=g) if rng.random() < 0.5 else None, act=act)
+            y = lin(x)
+            xr = quantize_x(x) if act == "int8" and p.q8_ok() else x  # else x stays float
+            b = lin.bias.double() if lin.bias is not None else None
+            ref = torch.nn.functional.linear(xr.double(), p.dequantize().double(), b)
+            rows = torch.cat([lin(x[j:j + 1]) for j in range(M)])
+            if not torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-4) or not torch.equal(rows, y):
+                print(f"differs: fuzzed {i}: bits {bits} N {N} K {K} G {G} M {M} stride {step} {act}")
+                return 1
+            n += 1
     for K, M, N in ((64, 1, 9), (192, 5, 17)):  # the fused pass: norm, SwiGLU, residual
         p = part(4, N, K, 32, True, True, g)
         lin = QLinear([p], torch.randn(N, generator=g), act="int8")
