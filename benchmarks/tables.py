@@ -211,7 +211,9 @@ class Table:
 
     def lines(self) -> list[str]:
         made = " and ".join(f"`{c}`" for c in self.commands)
-        if self.device == "predicted":
+        if self.device == "generated":
+            head = f"Generated from `{self.source}` by {made}."
+        elif self.device == "predicted":
             head = f"Predicted by the cost model (`{self.source}`), not measured; printed by {made}."
         else:
             head = f"Rows from `{self.source}`, measured on a {self.device}; made with {made}."
@@ -277,6 +279,8 @@ TABLES = {
                   lambda: niah_table(rows_between("niah.jsonl", *NIAH))),
     "costmodel": Table("offload/costmodel.py", "predicted",
                        ("python benchmarks/tables.py --print costmodel",), costmodel_table),
+    "refusals": Table("runtime/conflicts.py", "generated", ("python benchmarks/tables.py --print refusals",),
+                      lambda: __import__("triforce_offload.runtime.conflicts", fromlist=["table"]).table().splitlines()),
     "plan": Table("offload/costmodel.py", "predicted",
                   ("triforce-offload plan --gpus 2x4090 --model llama2-7b-128k --context 128k",), plan_table),
 }

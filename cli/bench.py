@@ -21,6 +21,7 @@ from ..bench.bandwidth import copy_bandwidth
 from ..runtime import api
 from ..runtime.data import check_builtin_prompt
 from ..runtime.errors import TriforceError
+from ..runtime.conflicts import refuse
 from ..runtime.options import GenerationOptions, ModelOptions, RetrievalOptions
 from .app import app
 from .options import options, pick
@@ -131,7 +132,7 @@ def bench_batch(model: ModelOptions, gen, retrieval, sizes: list[int], names: li
     gguf = gguf or (model.model if str(model.model or "").endswith(".gguf") else
                     None if model.model else default_model_path())
     if "llama.cpp" in names and gguf is None:
-        raise TriforceError("--batch with llama.cpp needs a GGUF: give --gguf")
+        refuse("batch-bench-llamacpp")
     spec = {k: v for k, v in dict(draft=gen.draft, gamma1=gen.gamma1, gamma2=gen.gamma2, budget=retrieval.budget,
                                   retrieval_chunk=retrieval.retrieval_chunk).items() if v is not None}
     meta = {**run_meta(loaded, BenchOptions(contexts, new_tokens, modes=["autoregressive"]), model.model),

@@ -13,6 +13,7 @@ from ..runtime import api
 from ..runtime.model import tp as tensor_parallel
 from ..runtime.data import builtin_prompt, check_builtin_prompt, encode_prompt
 from ..runtime.errors import TriforceError
+from ..runtime.conflicts import refuse
 from ..runtime.options import (GenerationOptions, ModelOptions, OffloadOptions, ParallelOptions,
                                RetrievalOptions, ReuseOptions, RunOptions)
 from ..runtime.cache.prefix import prefix_store
@@ -59,12 +60,12 @@ def run(
     if compare is not None:
         gen.but(mode=compare)  # checks the name before any loading
     if reuse.kv_dir and parallel.tp > 1:
-        raise TriforceError("--kv-dir works in one process: each --tp rank holds another slice of the KV")
+        refuse("tp-kv-dir")
     texts = read_prompts(prompt, prompt_file)  # here: ranks have no stdin
     if len(texts) > 1 and compare is not None:
-        raise TriforceError("--compare runs one prompt; give one --prompt")
+        refuse("compare-batch")
     if len(texts) > 1 and parallel.tp > 1:
-        raise TriforceError("several prompts run as one batch in one process; --tp runs one prompt")
+        refuse("tp-batch")
     job = Job(model, RunOptions(gen, retrieval, offload), texts, (builtin_prompt, prompt_tokens),
               chat, plan, compare, as_json, reuse)
     if not launch_ranks(run_job, parallel.tp, model, gen.draft, dict(job=job, tp=parallel.tp)):
@@ -85,7 +86,7 @@ def run_job(job: Job, tp: int):
     loaded = api.load(model, progress=lambda m: err.print(m), shard=tensor_parallel.shard_fn())
     if job.reuse is not None and job.reuse.kv_dir:
         if api.world_size() > 1:
-            raise TriforceError("--kv-dir works in one process: each rank holds another slice of the KV")
+            refuse("tp-kv-dir")
         loaded.prefix = prefix_store(job.reuse, loaded, memory=False,
                                      note=lambda m: err.print(m, highlight=False))
     prompts = ([builtin_prompt(loaded.tokenizer, *job.builtin, chat=job.chat)] if not job.texts

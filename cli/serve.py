@@ -15,6 +15,7 @@ from pathlib import Path
 from ..runtime import api
 from ..runtime.model import hub
 from ..runtime.errors import TriforceError
+from ..runtime.conflicts import refuse
 from ..runtime.options import (GenerationOptions, ModelOptions, OffloadOptions, RetrievalOptions,
                                ReuseOptions, RunOptions, ServeOptions, parse_size)
 from ..runtime.cache.prefix import prefix_store
@@ -45,7 +46,7 @@ def serve(
         raise TriforceError(f"serve needs fastapi and uvicorn ({e.name} is missing): "
                             "pip install 'triforce-offload[serve]'") from None
     if api.world_size() > 1:
-        raise TriforceError("serve runs in one process; tensor parallelism (--tp, torchrun) is run's")
+        refuse("tp-serve")
     sock = listen(srv.host, srv.port)  # a taken port is an error before the model loads
     loaded = api.load(model, progress=lambda m: err.print(m))
     loaded.prefix = prefix_store(reuse, loaded, memory=True, save_later=True,

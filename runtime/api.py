@@ -16,6 +16,7 @@ from .model import quantized
 from .model.config import ModelConfig
 from .data import use_chat_template
 from .errors import TriforceError
+from .conflicts import refuse
 from .generate import autoregressive, capacity, stop_ids
 from .model.loader import load_model, parse_dtype
 from .modes import MODES, register_mode  # noqa: F401  (register_mode: the API's entry)
@@ -96,8 +97,7 @@ def load(model: ModelOptions | str | None = None, dtype: str | None = None, devi
     weights = o.weights
     if shard is not None:  # tensor parallelism shards dense weights only: auto means dense there
         if weights in ("int8", "int4"):
-            raise TriforceError(f"--tp: tensor parallelism shards dense weights only, not --weights "
-                                f"{weights} (pass --weights fp32 or bf16)")
+            refuse("tp-quantized", weights=weights)
         weights = "fp32" if weights == "auto" else weights
     started = time.perf_counter()
     model, cfg, tok = load_model(o.model, dt, dev if shard is None else "cpu", o.rope_scaling, progress,
@@ -131,8 +131,7 @@ def compute_dtype(o: ModelOptions, dev: torch.device) -> torch.dtype:
     named = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(o.weights)
     dt = parse_dtype(o.dtype) if o.dtype else named or parse_dtype(default_dtype(dev))
     if named is not None and dt != named:
-        raise TriforceError(f"--weights {o.weights} with --dtype {o.dtype}: dense weights run at the "
-                            "compute dtype; give one of the two")
+        refuse("weights-dtype", weights=o.weights, dtype=o.dtype)
     return dt
 
 

@@ -27,6 +27,7 @@ import torch
 from ..offload.costmodel import STAGE_DEPTH
 from ..settings import Options, at_least, one_of, opt
 from .errors import TriforceError
+from .conflicts import refuse
 from .modes import mode_names
 
 # The retrieval budget `auto` keeps this fraction of the prompt (rounded to whole retrieval
@@ -191,8 +192,7 @@ class RetrievalOptions(Options):
 
     def validate(self):
         if self.budget is not None and self.budget < 2 * self.retrieval_chunk:
-            raise TriforceError(f"--budget {self.budget}: must be at least 2 chunks (2 x "
-                                f"--retrieval-chunk {self.retrieval_chunk} = {2 * self.retrieval_chunk} tokens)")
+            refuse("budget-chunk", budget=self.budget, chunk=self.retrieval_chunk, least=2 * self.retrieval_chunk)
 
     def budget_for(self, n_prompt: int) -> int:
         """The budget in tokens for a prompt of n_prompt tokens: the given one, or `auto`

@@ -9,7 +9,8 @@ the rows come from a small greedy generator with a fixed seed, and the covered p
 printed. The CUDA dry run covers the combinations that reach CUDA code
 (tests/test_cuda_dryrun.py); --tp runs in processes (tests/test_tp.py), --plan auto is a
 CPU no-op (it keeps the defaults there) and --compile is CUDA's, so on this path they are
-values that must run or be refused like the others.
+values that must run or be refused like the others. A refusal must be one of the combinations
+runtime/conflicts.py lists (docs/design.md's table).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import pytest
 
 from triforce_offload.offload.errors import OffloadError
 from triforce_offload.runtime import api
+from triforce_offload.runtime.conflicts import ConflictError
 from triforce_offload.runtime.errors import TriforceError
 from triforce_offload.runtime.options import (GenerationOptions, ModelOptions, OffloadOptions,
                                               ParallelOptions, RetrievalOptions, RunOptions,
@@ -30,7 +32,7 @@ from triforce_offload.runtime.options import (GenerationOptions, ModelOptions, O
 MATRIX = {
     # the model and its numbers
     "dtype": ["float32", "bfloat16"],
-    "weights": ["auto", "int8", "int4"],
+    "weights": ["auto", "int8", "int4", "bf16"],  # bf16 at --dtype float32: refused
     "activations": ["auto", "fp32", "int8"],
     "kv_dtype": ["auto", "fp32", "bf16", "fp16"],
     "rope_scaling": [None, "linear:2"],
@@ -43,7 +45,7 @@ MATRIX = {
     "compile": [False, True],
     "temperature": [0.0, 0.8],  # greedy, sampled
     # the retrieval level
-    "budget": [None, 32],
+    "budget": [None, 32, 12],  # 12 at --retrieval-chunk 8: refused
     "retrieval_chunk": [8, 4],
     "rebuild": ["never", "every:8", "adaptive"],
     # offloading
@@ -92,6 +94,14 @@ def test_every_option_has_a_place_in_the_matrix():
     assert not set(MATRIX) & set(EXEMPT)
 
 
+def test_the_matrix_meets_refused_combinations():
+    """The matrix's values include combinations that are refused (so the refusal path is
+    covered): bf16 weights at --dtype float32, a budget below two retrieval chunks."""
+    refused = {r["weights"] == "bf16" and r["dtype"] == "float32" or
+               r["budget"] is not None and r["budget"] < 2 * r["retrieval_chunk"] for r in ROWS}
+    assert refused == {True, False}
+
+
 def all_pairs(factors: dict[str, list], seed: int = SEED, tries: int = 30) -> list[dict]:
     """Rows covering every pair of values of two factors (greedy, seeded)."""
     rng = random.Random(seed)
@@ -133,7 +143,9 @@ PROMPT = [(i * 7 + 3) % 97 + 10 for i in range(300)] + list(range(40, 60)) * 5
 
 
 def one_line(e: BaseException) -> bool:
-    return bool(str(e).strip()) and "\n" not in str(e).strip()
+    """A refusal in one line, of a combination runtime/conflicts.py lists (docs/design.md's
+    table): a refusal of anything else in the matrix is a gap."""
+    return isinstance(e, ConflictError) and bool(str(e).strip()) and "\n" not in str(e).strip()
 
 
 @pytest.fixture(scope="module")
