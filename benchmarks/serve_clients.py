@@ -43,6 +43,10 @@ def args_():
     ap.add_argument("--ours", default="autoregressive:1,autoregressive:8,triforce:8",
                     help="our servers as mode:max-batch, comma-separated")
     ap.add_argument("--no-llama", action="store_true", help="skip llama-server")
+    ap.add_argument("--chat-template", default=None,
+                    help="both servers' chat template by name (gemma, chatml, ...), for a GGUF without one")
+    ap.add_argument("--slot-context", type=int, default=4096,
+                    help="llama-server's context per slot (-c is this times --clients)")
     ap.add_argument("--out", default="results/serve_clients.jsonl")
     return ap.parse_args()
 
@@ -96,7 +100,8 @@ def one(base: str, text: str, new: int) -> tuple[float, int, str]:
             "stream": True, "stream_options": {"include_usage": True}}
     t0, first, out, usage = time.perf_counter(), None, [], None
     with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=600) as r:
-        r.raise_for_status()
+        if r.status_code != 200:
+            raise SystemExit(f"{base}: {r.status_code} {r.read().decode(errors='replace')[:500]}")
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -136,13 +141,18 @@ def main():
         mode, batch = spec.split(":")
         cmd = [sys.executable, "-m", "triforce_offload.cli", "serve", "--model", gguf, "--port", "0", "--mode", mode,
                "--max-batch", batch, "--max-queue", str(max(16, a.clients)), "--kv-cache-mem", "0"]
+        cmd += ["--chat-template", a.chat_template] if a.chat_template else []
         with started(cmd, env, r"on (http://127\.0\.0\.1:\d+)/v1", tmp / f"ours-{mode}-{batch}.log") as base:
             rows.append({"server": f"triforce-offload serve --mode {mode} --max-batch {batch}", **measure(base, texts, a.new_tokens)})
     exe = os.path.join(os.environ.get("LLAMA_CPP_BIN", ""), "llama-server")
     if not a.no_llama and os.path.isfile(exe):
         port = free_port()
         cmd = [exe, "-m", gguf, "--port", str(port), "-t", str(a.threads), "--parallel", str(a.clients),
-               "-c", str(a.clients * 2048), "--no-webui"]
+               "-c", str(a.clients * a.slot_context), "--no-webui"]
+        if a.chat_template:  # the same Jinja text as ours (llama-server takes a bare name as a template)
+            from triforce_offload.runtime.data import chat_template_source
+            (tmp / "template.jinja").write_text(chat_template_source(a.chat_template))
+            cmd += ["--chat-template-file", str(tmp / "template.jinja")]
         with started(cmd, env, f"http://127.0.0.1:{port}", tmp / "llama-server.log") as base:
             rows.append({"server": f"llama-server --parallel {a.clients}", **measure(base, texts, a.new_tokens)})
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -13,8 +13,14 @@ def current():
     return getattr(_local, "batcher", None)
 
 
-def enter(batcher) -> None:
-    _local.batcher = batcher
+def enter(batcher, order: int = 0) -> None:
+    """This thread is a member of `batcher`'s batch, the `order`-th to join (its prefill
+    chunks go before those of members that joined later)."""
+    _local.batcher, _local.order = batcher, order
+
+
+def order() -> int:
+    return getattr(_local, "order", 0)
 
 
 def leave() -> None:

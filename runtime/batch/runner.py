@@ -18,7 +18,7 @@ thread: its chunks (`--prefill-chunk` tokens each) are forwards like the others,
 prompt prefills a chunk per round beside the running sequences' decodes, in the same
 forward where the model allows (`rows.exact`). A `prefill_budget` caps the prompt tokens
 all sequences prefill in one round (vLLM's max_num_batched_tokens): the chunks past it wait
-for the next round, oldest first, and the decodes of the running sequences do not wait for
+for the next round, those of the sequence that joined first first, and the decodes of the running sequences do not wait for
 the prompts that arrive together.
 """
 from __future__ import annotations
@@ -47,6 +47,7 @@ class Ask:
     ids: torch.Tensor  # [1, T]
     start: int
     last_only: bool
+    order: int = 0  # the member's place in joining order (prefill: the oldest first)
     out: torch.Tensor | None = None  # logits, as step(ids, start, last_only) returns them
     error: BaseException | None = None
     done: bool = False
@@ -76,6 +77,7 @@ class Batcher:
         self._cv = threading.Condition()
         self._running = 0  # members whose thread has not finished
         self._asks: list[Ask] = []
+        self.joined = 0  # members that joined, ever (each member's `order`)
         self.rounds = 0  # rounds run
         self.forwards = Counter()  # "ragged" (shared forwards), "alone" (forwards run by themselves)
         self.rows = 0  # rows computed in ragged forwards
@@ -86,9 +88,12 @@ class Batcher:
         self.last_prefill = 0  # ... in the last round
         self.deferred = 0  # prefill chunks that waited a round for the budget
 
-    def join(self):
+    def join(self) -> int:
+        """A member joins; its order (0, 1, ...: prefill chunks of earlier ones go first)."""
         with self._cv:
             self._running += 1
+            self.joined += 1
+            return self.joined - 1
 
     def leave(self):
         with self._cv:
@@ -101,7 +106,7 @@ class Batcher:
 
     def ask(self, step, ids, start: int, last_only: bool):
         """A member's forward: wait for its round; its logits (or its error, raised here)."""
-        a = Ask(step, ids, start, last_only)
+        a = Ask(step, ids, start, last_only, member.order())
         with self._cv:
             self._asks.append(a)
             self._cv.notify_all()
@@ -147,12 +152,15 @@ class Batcher:
 
     def _within_budget(self, asks: list[Ask]) -> tuple[list[Ask], list[Ask]]:
         """(this round's asks, those that wait): every decode, verification and draft step,
-        and prefill chunks in the order asked while their tokens fit the budget (the first
-        one always: a prompt never starves). A waiting chunk keeps its place in line."""
+        and prefill chunks, those of the member that joined first first (first come, first
+        served: the oldest prompt finishes its prefill before the next one starts, which
+        brings the mean time to first token down from every prompt's end to each one's
+        turn), while their tokens fit the budget (the first one always: a prompt never
+        starves)."""
         if self.prefill_budget is None:
             return asks, []
         run, wait, used = [], [], 0
-        for a in asks:
+        for a in sorted(asks, key=lambda a: a.order if a.prefill else -1):  # stable: decodes as asked
             if not a.prefill:
                 run.append(a)
             elif used == 0 or used + a.tokens <= self.prefill_budget:
@@ -277,15 +285,15 @@ class Batch:
         its forwards in this batch's rounds; then `after()` in the same thread, no longer a
         member (a --kv-dir save: the rounds do not wait for it). Neither may raise (they
         own their errors)."""
-        self.batcher.join()  # before the thread starts: a round never runs without it
+        order = self.batcher.join()  # before the thread starts: a round never runs without it
         try:
-            threading.Thread(target=self._member, args=(body, after), daemon=True, name=name).start()
+            threading.Thread(target=self._member, args=(body, after, order), daemon=True, name=name).start()
         except BaseException:
             self.batcher.leave()
             raise
 
-    def _member(self, body, after=None):
-        member.enter(self.batcher)
+    def _member(self, body, after=None, order: int = 0):
+        member.enter(self.batcher, order)
         # a member thread samples and keeps its engine's books; the forwards run in the
         # driving thread. One thread: an OpenMP team per member thread would spin beside
         # the forwards (libgomp keeps a team per thread that starts parallel regions)
