@@ -53,7 +53,7 @@ def serve(
                                  note=lambda m: err.print(m, highlight=False))
     opts, metrics = RunOptions(gen, retrieval, offload), Metrics()
     worker = Worker(loaded, srv.max_queue, metrics, srv.max_batch,
-                    prefill_budget=srv.prefill_budget or opts.prefill_chunk,
+                    prefill_budget=srv.prefill_budget or opts.prefill_chunk, max_stall=srv.max_stall or None,
                     kv_memory=None if srv.kv_memory == "auto" else parse_size(srv.kv_memory),
                     host_reserve=parse_size(reuse.kv_cache_mem))
     name = srv.served_model_name or model_name(model.model)

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .errors import TriforceError
-from .graphs import Step, kept, run_alone, run_model
+from .graphs import Step, kept, prefill_tokens, run_alone, run_model
 from .hostread import to_device, to_host
 from .cache.offloaded import prefill_layer_major
 from .sampling import SamplingParams, next_token
@@ -96,13 +96,14 @@ def prefill(model, cache, ids: torch.Tensor, start: int = 0, prefill_chunk: int 
 
 def _prefill_chunks(model, cache, ids, start, prefill_chunk, progress):
     T = ids.shape[1]
-    logits = None
-    for s in range(0, T, prefill_chunk):
-        e = min(s + prefill_chunk, T)
+    logits, s = None, 0
+    while s < T:  # in a batch, chunks may be shorter while others decode (Batcher.prefill_tokens)
+        e = min(s + prefill_tokens(model, cache, prefill_chunk), T)
         logits = run_model(model, cache, ids[:, s:e], start + s, last_only=True)[:, -1]  # in a batch's round
         cache.commit(start + e)
         if progress:
             progress(e, T)
+        s = e
     return logits
 
 

@@ -301,6 +301,13 @@ def run_alone(fn):
     return fn() if b is None else b.ask(Call(fn), None, 0, False)
 
 
+def prefill_tokens(model, cache, chunk: int) -> int:
+    """Tokens of a prompt's next prefill forward: `chunk`, or fewer in a batch while other
+    sequences decode (`runner.Batcher.chunk_tokens`)."""
+    b = member.current()
+    return chunk if b is None else b.chunk_tokens(model, cache, chunk)
+
+
 def run_model(model, cache, ids: torch.Tensor, start: int, last_only: bool = False) -> torch.Tensor:
     """`model(ids, start, cache, last_only)`; in a batch, inside its round (runtime/batch)."""
     b = member.current()

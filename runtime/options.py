@@ -261,6 +261,11 @@ class ServeOptions(Options):
     prefill_budget: int = opt(0, "Prompt tokens all requests prefill in one round (0: one "
                               "--prefill-chunk): a long prompt prefills a chunk per round while "
                               "the running streams go on.", check=at_least(0))
+    max_stall: float = opt(3.0, "While requests decode, a round that also prefills a prompt takes "
+                           "at most this times a round of their decodes alone: the prompt prefills in "
+                           "shorter chunks, sized by measurement (where its chunk boundaries change "
+                           "no output: docs/batching.md). 0: chunks of --prefill-chunk.",
+                           check=lambda v: None if v == 0 or v > 1 else "must be 0 (off) or > 1")
     kv_memory: str = opt("auto", "Memory the running requests' KV caches may take together, e.g. "
                          "8G (auto: 90% of what is free after loading, less --kv-cache-mem). A "
                          "request that does not fit beside the running ones waits; one that "

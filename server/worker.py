@@ -110,15 +110,18 @@ class TextStream:
 
 class Worker:
     def __init__(self, loaded: api.Loaded, max_queue: int, metrics: Metrics, max_batch: int = 1,
-                 prefill_budget: int | None = None, kv_memory: int | None = None, host_reserve: int = 0):
+                 prefill_budget: int | None = None, kv_memory: int | None = None, host_reserve: int = 0,
+                 max_stall: float | None = None):
         """`prefill_budget`: prompt tokens per round over all requests (None: no cap);
+        `max_stall`: a round with prefill beside decodes within this times theirs alone
+        (`runner.Batcher.chunk_tokens`; None: chunks of --prefill-chunk);
         `kv_memory`: bytes the running requests' caches may take (None: what is free now, less
         `host_reserve` host bytes: the kept prefixes')."""
         self.loaded, self.metrics, self.max_batch = loaded, metrics, max_batch
         self.queue: queue.Queue = queue.Queue(maxsize=max_queue)
         self.running: list[Job] = []  # jobs generating now (their member threads run)
         self.lock = threading.Lock()  # `running` and the budget are changed by member threads
-        self.batch = Batch(loaded, prefill_budget=prefill_budget)
+        self.batch = Batch(loaded, prefill_budget=prefill_budget, max_stall=max_stall)
         self.budget = Budget(loaded, kv_memory, host_reserve)
         self.head: Job | None = None  # the oldest queued job, waiting for memory
         self.closing = False

@@ -352,3 +352,62 @@ def test_fixed_shape_batch_caches_have_the_solo_runs_capacity(monkeypatch):
     n_solo = list(made)
     assert [t for t, _ in generate_batch(L, ps, opts)] == solo
     assert set(made[len(n_solo):]) <= set(n_solo) and len(made) > len(n_solo)
+
+
+def prefilled_kv(L, prompt, chunks):
+    """(logits after the prompt, every layer's K and V) of a prefill in `chunks` tokens each."""
+    from triforce_offload.runtime.generate import _prefill_chunks
+    cache = FullCache(L.cfg, len(prompt) + 4, dtype=L.kv_dtype)
+    sizes = iter(chunks)
+    import triforce_offload.runtime.generate as g
+    real = g.prefill_tokens
+    g.prefill_tokens = lambda model, cache, chunk: next(sizes)
+    try:
+        with torch.inference_mode():
+            logits = _prefill_chunks(L.model, cache, torch.tensor([prompt]), 0, 512, None)
+    finally:
+        g.prefill_tokens = real
+    n = len(prompt)
+    return logits, [t.clone() for layer in range(L.cfg.n_layers) for t in cache.keys(layer, n)]
+
+
+def test_chunk_invariant_models_prefill_the_same_at_any_chunk_boundaries():
+    """What `runner.chunk_invariant` promises (and Batcher.chunk_tokens relies on): the
+    same logits and KV bit for bit whatever the chunk sizes; a window layer breaks it."""
+    from triforce_offload.runtime.batch.runner import chunk_invariant
+    L = MODELS["int4:int8"]()
+    p = repetitive_prompt(300, L.cfg.vocab_size, seed=5)
+    ref = prefilled_kv(L, p, [300])
+    assert chunk_invariant(L.model, FullCache(L.cfg, 8, dtype=L.kv_dtype))
+    for chunks in ([16] * 19, [100, 17, 64, 119], [1] * 3 + [297]):
+        got = prefilled_kv(L, p, chunks)
+        assert torch.equal(got[0], ref[0]) and all(torch.equal(a, b) for a, b in zip(got[1], ref[1])), chunks
+    W = MODELS["window"]()
+    assert not chunk_invariant(W.model, FullCache(W.cfg, 8, dtype=W.kv_dtype))
+    assert not chunk_invariant(MODELS["fp32"]().model, FullCache(L.cfg, 8))  # dense float32 projections
+
+
+def test_a_prompt_prefills_in_shorter_chunks_while_others_decode():
+    """With max_stall, a prompt that arrives while another sequence decodes prefills in
+    chunks sized to keep each round within max_stall times a decode round (shorter than
+    --prefill-chunk, at least PREFILL_MIN); both answers equal their solo runs."""
+    from triforce_offload.runtime.batch.runner import PREFILL_MIN
+    L = MODELS["int4:int8"]()
+    short, long = (repetitive_prompt(n, L.cfg.vocab_size, seed=s) for n, s in ((30, 6), (900, 7)))
+    opts = RunOptions.of(mode="autoregressive", max_new_tokens=60, ignore_eos=True, prefill_chunk=256)
+    solo = [generate(L, p, opts)[0] for p in (short, long)]
+    b = Batch(L, prefill_budget=256, max_stall=2.0)
+    ends, later = [], []
+
+    def on_token(t, seen=[]):
+        seen.append(t)
+        if len(seen) == 5:
+            later.append(b.add(long, opts, progress=lambda e, T: ends.append(e)))
+        return False
+    first = b.add(short, opts, on_token)
+    b.drain()
+    assert first.result()[0] == solo[0] and later[0].result()[0] == solo[1]
+    sizes = [e - s for s, e in zip([0] + ends, ends)]
+    print("chunks", sizes)
+    assert sum(sizes) == len(long) and max(sizes) <= 256
+    assert min(sizes[:-1]) >= PREFILL_MIN and len(sizes) > -(-len(long) // 256), sizes  # shorter chunks

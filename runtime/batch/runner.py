@@ -38,6 +38,23 @@ from .rows import Rows, exact, forward
 
 
 _driving = threading.local()  # the thread count a driving thread has set (Batcher._drive)
+PREFILL_MIN = 16  # Batcher.chunk_tokens: the fewest tokens a prompt prefills in a round
+
+
+def chunk_invariant(model, cache) -> bool:
+    """Whether a prefill of `model` into `cache` gives the same KV and logits whatever its
+    chunk boundaries: an in-memory cache on a CPU (`FullCache`), every layer global (a
+    window layer's prefill blocks its queries by chunk: `cache.window_attention`), every
+    projection row-exact at any row count (`rows.exact`), and attention on the native
+    kernel (each row over fixed key blocks: float32 or bfloat16 KV, head size a multiple of
+    16 up to 256)."""
+    from ...kernels import native
+    from ..cache.kv import FullCache
+    cfg = model.config
+    k = next((t for t in cache.k if t is not None), None) if type(cache) is FullCache else None
+    return (k is not None and k.device.type == "cpu" and all(w is None for w in cfg.windows)
+            and exact(model, 1 << 20) and native.enabled() and k.dtype in (torch.float32, torch.bfloat16)
+            and cfg.head_dim % 16 == 0 and cfg.head_dim <= 256)
 
 
 @dataclass
@@ -71,9 +88,16 @@ class Batcher:
     """The rendezvous: members `ask` for forwards and wait; the driving thread runs a round
     once every running member is waiting (`round`). Counts rounds, rows and forwards."""
 
-    def __init__(self, threads: int | None = None, prefill_budget: int | None = None):
+    def __init__(self, threads: int | None = None, prefill_budget: int | None = None,
+                 max_stall: float | None = None):
         self.threads = threads or torch.get_num_threads()  # what the driving thread computes with
         self.prefill_budget = prefill_budget  # prompt tokens per round (None: every chunk asked)
+        # a round with prefill beside decodes takes at most this times a round of the decodes
+        # alone (None: chunks of --prefill-chunk): see `chunk_tokens`
+        self.max_stall = max_stall
+        self.decode_s: float | None = None  # EMA: a round of decodes alone
+        self.token_s: float | None = None  # EMA: a prefill token's share of a round
+        self.decoding = 0  # decode, verification and draft forwards in the last round
         self._cv = threading.Condition()
         self._running = 0  # members whose thread has not finished
         self._asks: list[Ask] = []
@@ -135,11 +159,14 @@ class Batcher:
         else:
             failed = None
         finally:
-            self.forward_s += time.perf_counter() - t0
+            took = time.perf_counter() - t0
+            self.forward_s += took
             self.rounds += 1
             self.seqs += len(asks)
             self.last_prefill = sum(a.tokens for a in asks if a.prefill)
             self.prefill_tokens += self.last_prefill
+            self.decoding = sum(not a.prefill for a in asks)
+            self._timed(took)
             with self._cv:
                 for a in asks:
                     if a.out is None and a.error is None:  # never left waiting without an answer
@@ -149,6 +176,31 @@ class Batcher:
         if isinstance(failed, (KeyboardInterrupt, SystemExit)):
             raise failed
         return True
+
+    def _timed(self, took: float, keep: float = 0.7):
+        """The round's time into the EMAs `chunk_tokens` sizes chunks by: a round of
+        decodes alone, and a prefill token's share (the rest of a round with both)."""
+        if self.last_prefill == 0:
+            if self.decoding:
+                self.decode_s = took if self.decode_s is None else keep * self.decode_s + (1 - keep) * took
+            return
+        if self.decoding and self.decode_s is None:
+            return  # the decodes' share is not known yet
+        share = max(took - (self.decode_s if self.decoding else 0.0), 0.0) / self.last_prefill
+        self.token_s = share if self.token_s is None else keep * self.token_s + (1 - keep) * share
+
+    def chunk_tokens(self, model, cache, chunk: int) -> int:
+        """Tokens of a prompt's next prefill forward, `chunk` (--prefill-chunk) at most: while
+        other sequences decode and `max_stall` is set, as many as keep the round within
+        max_stall times a round of their decodes alone (at least PREFILL_MIN: a prompt always
+        moves), measured; else `chunk`. Only on a model whose prefill gives the same KV and
+        logits at any chunk boundaries (`chunk_invariant`): elsewhere a prompt's chunks must be
+        those of its solo run."""
+        if (self.max_stall is None or not self.decoding or self.decode_s is None or self.token_s is None
+                or not chunk_invariant(model, cache)):
+            return chunk
+        fit = int((self.max_stall - 1) * self.decode_s / max(self.token_s, 1e-9))
+        return max(PREFILL_MIN, min(chunk, fit))
 
     def _within_budget(self, asks: list[Ask]) -> tuple[list[Ask], list[Ask]]:
         """(this round's asks, those that wait): every decode, verification and draft step,
@@ -257,12 +309,13 @@ class Batch:
     """Sequences decoding together on one loaded model. `add` a sequence (any thread), then
     `drain` (run rounds until every member finished) or `step` rounds from a serving loop."""
 
-    def __init__(self, loaded, generate=None, prefill_budget: int | None = None):
+    def __init__(self, loaded, generate=None, prefill_budget: int | None = None,
+                 max_stall: float | None = None):
         # a sequence's run: `generate(loaded, prompt, opts, on_token, progress)`, by default
         # the loaded model's own (`api.Loaded.generate`: api imports this package, not back);
         # `prefill_budget`: prompt tokens all sequences prefill in one round (None: no cap)
         self.loaded, self.generate = loaded, generate or _solo
-        self.batcher = Batcher(torch.get_num_threads(), prefill_budget)  # the creating thread's count drives
+        self.batcher = Batcher(torch.get_num_threads(), prefill_budget, max_stall)  # the creating thread's count drives
         self.members: list[Member] = []
 
     def add(self, prompt: list[int], opts, on_token=None, progress=None) -> Member:

@@ -167,6 +167,7 @@ def _folded(q, n_kv: int):
 
 
 ROWWISE_MAX = 64  # window_attention: up to this many queries whose bands differ go row by row on a CPU
+BAND_BLOCK = 128  # window_attention: a CPU prefill chunk's queries in blocks of this many, each over its band
 
 
 def window_attention(q, k, v, q_pos0: int, k_pos0: int, window: int | None,
@@ -175,8 +176,8 @@ def window_attention(q, k, v, q_pos0: int, k_pos0: int, window: int | None,
     (positions k_pos0..) where a query at p sees only keys at p - window < pos <= p (None:
     every key up to p). Keys before the first query's band are cut off: a decode step is
     plain attention over its last `window` keys; where the queries' bands still differ, on a
-    CPU up to ROWWISE_MAX queries (a verification) each as its decode, else (a prefill chunk,
-    a GPU) SDPA with a band mask. `softcap`: soft-capped scores
+    CPU up to ROWWISE_MAX queries (a verification) each as its decode, else SDPA with a band
+    mask (`band_sdpa`; on a CPU in blocks of BAND_BLOCK queries, each over its own band). `softcap`: soft-capped scores
     (Gemma 2), on every path (kernels/attention.py)."""
     if window is None:
         return attention(q, k, v, q_pos0, k_pos0, softcap=softcap)
@@ -191,6 +192,21 @@ def window_attention(q, k, v, q_pos0: int, k_pos0: int, window: int | None,
         # band mask's other summation order into other tokens between modes)
         return torch.cat([window_attention(q[:, :, t: t + 1], k, v, q_pos0 + t, k_pos0, window, softcap)
                           for t in range(T)], 2)
+    if q.device.type != "cpu":
+        return band_sdpa(q, k, v, q_pos0, k_pos0, window, softcap)
+    # a prefill chunk on a CPU: blocks of BAND_BLOCK queries, each over its own band (one
+    # mask over T + window - 1 keys for the whole chunk would mask out about half of what
+    # SDPA computes: Gemma 3 270M's 2K-token prefill 2.20 -> 2.04 s, 2 threads)
+    return torch.cat([band_sdpa(q[:, :, t: t + BAND_BLOCK], k, v, q_pos0 + t, k_pos0, window, softcap)
+                      for t in range(0, T, BAND_BLOCK)], 2)
+
+
+def band_sdpa(q, k, v, q_pos0: int, k_pos0: int, window: int, softcap: float | None = None):
+    """SDPA of q [B, Hq, T, D] over the keys its band reaches, with a band mask."""
+    lo = max(q_pos0 + 1 - window - k_pos0, 0)
+    hi = min(q_pos0 + q.shape[2] - k_pos0, k.shape[2])  # past the last query: never seen
+    k, v, k_pos0 = k[:, :, lo:hi], v[:, :, lo:hi], k_pos0 + lo
+    B, Hq, T, D = q.shape
     qp = torch.arange(q_pos0, q_pos0 + T, device=q.device)[:, None]
     kp = torch.arange(k_pos0, k_pos0 + k.shape[2], device=q.device)[None, :]
     mask = ((kp <= qp) & (kp > qp - window)).repeat(Hq // k.shape[1], 1)  # [G*T, S]
