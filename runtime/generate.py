@@ -117,7 +117,7 @@ def decode(model, cache, first_logits, start: int, sp: SamplingParams, max_new: 
     gen = gen or sp.generator(first_logits.device)
     step = step or Step(model, cache, graphs=False)
     for _ in range(max_new):
-        tok = next_token(logits, sp, gen)  # [B]
+        tok = next_token(logits, sp, gen, pos)  # [B]: token index pos
         t = to_host(tok[0])  # the one blocking read per token
         out.append(t)
         if (on_token and on_token(t)) or t in eos or len(out) == max_new:

@@ -93,10 +93,11 @@ class SamplingParams(Options):
     def greedy(self) -> bool:
         return self.temperature == 0
 
-    def generator(self, device="cpu") -> torch.Generator:
-        g = torch.Generator(device=device)
-        g.manual_seed(self.seed if self.seed is not None else torch.seed())
-        return g
+    def generator(self, device="cpu"):
+        """The sequence's `sampling.Draws` (its seed, else a fresh random one); `device` is
+        not needed (the uniforms are host numbers) and kept for callers."""
+        from .sampling import Draws
+        return Draws(self.seed if self.seed is not None else torch.seed())
 
 
 def _mode(v: str):

@@ -1,10 +1,23 @@
 """Sampling: temperature, top-k, top-p, seed. Greedy is the one-hot distribution at the
-argmax, so speculative acceptance needs no special case for it."""
+argmax, so speculative acceptance needs no special case for it.
+
+A sampled sequence draws token t (its index in the sequence) as `pick(p_t, u_t)`: the
+inverse CDF of p_t at one uniform u_t that depends on the seed and t alone (`Draws`). Each
+token is then distributed exactly as p_t (u_t is uniform and independent of every other
+position's), and the text is a function of the seed, the prompt and the model: not of the
+speculative path that produced it (which levels ran, how many tokens they drafted: choices
+made from timings), nor of the batch it ran in. So a seeded request gives the same text alone
+or beside others, in every mode, and equals autoregressive sampling with the same seed token
+for token, as greedy decoding does. A draft token at index t is accepted iff it is the
+token the verifier picks there (`accept_greedy` over picked tokens): a deterministic draft d
+with probability p_t(d), as speculative sampling's min(1, p/q) gives a one-hot q; a model
+drafter picks with the same u_t, so where its q_t is near p_t it picks the same token."""
 from __future__ import annotations
 
 import numpy
 import torch
 
+from .hostread import to_device
 from .options import SamplingParams  # noqa: F401  (defined with the other options)
 
 
@@ -43,19 +56,58 @@ def _top_p(p: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def sample(p: torch.Tensor, gen: torch.Generator | None = None) -> torch.Tensor:
-    """Draw one token per row of p [..., V] -> [...] (long)."""
+    """Draw one token per row of p [..., V] -> [...] (long) from a torch generator (the
+    classic speculative-sampling rule, `acceptance.verdict`; sequences sample with `Draws`)."""
     flat = p.reshape(-1, p.shape[-1])
     return torch.multinomial(flat, 1, generator=gen).reshape(p.shape[:-1])
 
 
-def draw(p: torch.Tensor, sp: SamplingParams, gen: torch.Generator | None = None) -> torch.Tensor:
-    """A token per row of `probs(logits, sp)`: greedy takes the one-hot's argmax (the same
-    token a draw would give, without an exponential per vocabulary entry); else `sample`."""
-    return argmax(p) if sp.greedy else sample(p, gen)
+_M64 = (1 << 64) - 1
 
 
-def next_token(logits: torch.Tensor, sp: SamplingParams, gen: torch.Generator | None = None) -> torch.Tensor:
-    """`draw(probs(logits, sp), sp, gen)`: greedy straight from the logits' argmax (the
-    same token: the one-hot's argmax is the logits' first maximum), without building the
-    one-hot distribution over the vocabulary each step."""
-    return argmax(logits) if sp.greedy else draw(probs(logits, sp), sp, gen)
+def _mix(x: int) -> int:
+    """splitmix64's finalizer: 64 well-mixed bits of x."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+class Draws:
+    """A sampled sequence's uniforms: u_t in [0, 1) for token index t, from the seed and t
+    alone (module docstring). The same on every device and tensor-parallel rank."""
+
+    def __init__(self, seed: int):
+        self.seed, self._key = seed, _mix(seed & _M64)
+
+    def u(self, t: int) -> float:
+        return (_mix(self._key ^ t) >> 11) * 2.0 ** -53
+
+    def us(self, t0: int, n: int) -> list[float]:
+        return [self.u(t) for t in range(t0, t0 + n)]
+
+
+def pick(p: torch.Tensor, us: list[float]) -> torch.Tensor:
+    """Rows p [T, V] (T = len(us)) -> [T] tokens: row i's inverse CDF at us[i], the first
+    token whose cumulative probability passes us[i] of the row's total (a token of
+    probability 0 is never picked)."""
+    cum = p.float().cumsum(-1)
+    at = to_device(us, p.device, torch.float32)[:, None] * cum[:, -1:]
+    return torch.searchsorted(cum, at, right=True)[:, 0].clamp_max(p.shape[-1] - 1)
+
+
+def draw(p: torch.Tensor, sp: SamplingParams, draws: Draws | None = None, t: int = 0) -> torch.Tensor:
+    """Token index t's token from p [V] = `probs(logits, sp)`: greedy takes the one-hot's
+    argmax (the same token a pick would give, without a cumulative sum; rows [..., V] too);
+    else `pick` at u_t (a 0-dim tensor)."""
+    return argmax(p) if sp.greedy else pick(p[None], draws.us(t, 1))[0]
+
+
+def next_token(logits: torch.Tensor, sp: SamplingParams, draws: Draws | None = None, t: int = 0) -> torch.Tensor:
+    """`draw(probs(logits, sp), sp, draws, t)` for logits [1, V] (-> [1]) or [V] (-> []):
+    greedy straight from the logits' argmax (the same token: the one-hot's argmax is the
+    logits' first maximum), without building the one-hot distribution each step."""
+    if sp.greedy:
+        return argmax(logits)
+    p = probs(logits, sp)
+    return pick(p.reshape(1, -1), draws.us(t, 1)).reshape(p.shape[:-1])

@@ -28,7 +28,7 @@ from triforce_offload.runtime.spec import acceptance
 from triforce_offload.runtime.cache import kv as cache
 from triforce_offload.runtime import hostread
 from triforce_offload.runtime.cache import offloaded
-from triforce_offload.runtime import options
+from triforce_offload.runtime import sampling
 from triforce_offload.runtime.api import generate
 from triforce_offload.runtime.options import RunOptions
 from triforce_offload.runtime.cache.prefix import PrefixCache
@@ -192,14 +192,18 @@ def test_load_a_quantized_checkpoint_onto_the_device(tiny_model_dir):
     assert len(toks) == 8 and dry.gpu.launches["flash_attn_with_kvcache"] > 0
 
 
-def test_sampling_draws_with_a_cuda_generator(model, prompt):
-    """temperature > 0: acceptance draws on the device with the CUDA generator (a CPU one
-    underneath, so the CPU's tokens for the same seed; without the timed level bypass, so
-    both runs draw the same numbers)."""
-    o = opts("triforce", temperature=0.8, bypass=False)
+def test_sampling_picks_on_the_device(model, prompt):
+    """temperature > 0: each verification picks its tokens on the device (the uniforms
+    copied in, one host read of the picks), clean of the dry run's findings; the seed's
+    text is the device's autoregressive text token for token (sampling.py), with the level
+    bypass on (the path it takes changes no token). Not the CPU's: the device's attention
+    rounds otherwise, and a pick near a boundary of the cumulative probabilities follows."""
+    o = opts("triforce", temperature=0.8)
     toks, st, dry = dry_run(model, prompt, o)
     dry.check()
-    assert toks == cpu_tokens(model, prompt, o)
+    ar, _, dry_ar = dry_run(model, prompt, opts("autoregressive", temperature=0.8))
+    dry_ar.check()
+    assert toks == ar and len(toks) == N
 
 
 # ---- the checks fire: one line of the runtime changed each
@@ -258,10 +262,12 @@ def test_a_cpu_tensor_in_a_cuda_op(model, prompt, monkeypatch):
     assert kinds == {"device"} and "mixes CUDA tensors with a CPU tensor" in text
 
 
-def test_a_cpu_generator_for_cuda_sampling(model, prompt, monkeypatch):
-    plant(monkeypatch, options.SamplingParams, "generator", "torch.Generator(device=device)", "torch.Generator()")
-    kinds, _ = kinds_and_text(planted(model, prompt, opts("triforce", temperature=0.8)))
-    assert kinds == {"generator"}
+def test_a_pageable_copy_of_the_uniforms_when_sampling(model, prompt, monkeypatch):
+    plant(monkeypatch, sampling, "pick", "to_device(us, p.device, torch.float32)",
+          "torch.tensor(us, dtype=torch.float32).to(p.device)")
+    monkeypatch.setattr(acceptance, "pick", sampling.pick)  # the verification's picks too
+    kinds, text = kinds_and_text(planted(model, prompt, opts("triforce", temperature=0.8)))
+    assert kinds == {"pageable"}, text
 
 
 @pytest.mark.parametrize("line,finding", [

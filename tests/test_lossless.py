@@ -11,9 +11,8 @@ import torch
 from scipy.stats import chisquare
 
 from triforce_offload.runtime.spec import engine as engine_mod
-from triforce_offload.runtime.spec import acceptance
 from triforce_offload.runtime.cache.kv import FullCache
-from triforce_offload.runtime.sampling import SamplingParams, probs, sample
+from triforce_offload.runtime.sampling import SamplingParams, pick, probs
 
 from helpers_spec import repetitive_prompt, run, tiny
 
@@ -127,19 +126,30 @@ def test_sampling_matches_target_distribution(mode, extra, temperature):
     assert chi2_p(counts, want) > 1e-3
 
 
-def wrong_accept(draft, q, p, gen=None):
-    """A classic bug: on rejection resample from p instead of norm(max(0, p - q))."""
-    k, _ = acceptance.accept(draft, q, p, gen)
-    nxt = p[k] if k < len(draft) else p[len(draft)]
-    return k, int(sample(nxt, gen))
+def wrong_accept(draft, p, draws, t0):
+    """A plausible bug: every row picked at the first row's uniform (u_t0), not its own."""
+    top = pick(p, [draws.u(t0)] * p.shape[0]).tolist()
+    k = next((i for i, t in enumerate(draft) if top[i] != t), len(draft))
+    return k, top[k]
 
 
 # the self drafter (a 2-token window) is far from the target, so rejections are frequent;
 # retrieval alone and sparse n-gram drafts are too close/rare here for the wrong rule to show
 @pytest.mark.parametrize("mode,extra", [SAMPLING_MODES[1], SAMPLING_MODES[3]])
 def test_wrong_acceptance_rule_fails_the_same_test(monkeypatch, mode, extra):
-    monkeypatch.setattr(engine_mod, "accept", wrong_accept)
+    monkeypatch.setattr(engine_mod, "accept_drawn", wrong_accept)
     L, prompt = sampling_setup()
     want = exact_joint(L, prompt, SamplingParams(temperature=1.0))
     counts = empirical(L, prompt, mode, extra, 1.0, 1500)
     assert chi2_p(counts, want) < 1e-3
+
+
+@pytest.mark.parametrize("mode,extra", SAMPLING_MODES)
+def test_sampled_speculation_equals_sampled_autoregression_token_for_token(mode, extra):
+    """Token index t is picked at the seed's u_t (sampling.py): the text of a seed does not
+    depend on the speculative path, so every mode gives autoregressive sampling's tokens."""
+    L, prompt = sampling_setup()
+    for seed, temperature in ((0, 1.0), (1, 0.6), (2, 1.0), (3, 0.8)):
+        want, _ = run(L, prompt, "autoregressive", 24, temperature=temperature, seed=seed)
+        got, _ = run(L, prompt, mode, 24, temperature=temperature, seed=seed, **extra)
+        assert got == want, (seed, mode)

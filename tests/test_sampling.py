@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from triforce_offload.runtime.errors import TriforceError
-from triforce_offload.runtime.sampling import SamplingParams, draw, next_token, probs, sample
+from triforce_offload.runtime.sampling import Draws, SamplingParams, draw, next_token, pick, probs, sample
 
 
 def test_greedy_is_one_hot_at_argmax():
@@ -13,7 +13,7 @@ def test_greedy_is_one_hot_at_argmax():
 
 def test_next_token_is_draw_of_probs():
     """The greedy shortcut takes the logits' argmax: the token draw(probs(...)) gives, ties
-    (the first maximum) and bf16 logits included; sampled draws are draw's own."""
+    (the first maximum) and bf16 logits included; sampled tokens are draw's at the index."""
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(5, 1000, generator=g)
     logits[1, [7, 900]] = 50.0  # a tie: both take the first
@@ -21,30 +21,31 @@ def test_next_token_is_draw_of_probs():
         assert torch.equal(next_token(x, SamplingParams()), draw(probs(x, SamplingParams()), SamplingParams()))
     assert next_token(logits, SamplingParams())[1].item() == 7
     sp = SamplingParams(temperature=0.8, seed=3)
-    a = next_token(logits, sp, sp.generator("cpu"))
-    b = draw(probs(logits, sp), sp, sp.generator("cpu"))
-    assert torch.equal(a, b)
+    for t in range(5):
+        a = next_token(logits[t], sp, sp.generator(), 100 + t)
+        assert a.shape == () and a == draw(probs(logits[t], sp), sp, sp.generator(), 100 + t)
+        assert next_token(logits[t:t + 1], sp, sp.generator(), 100 + t).tolist() == [a.item()]
 
 
-def test_temperature_top_k_top_p():
-    logits = torch.tensor([2.0, 1.0, 0.0, -1.0])
-    p = probs(logits, SamplingParams(temperature=0.5))
-    torch.testing.assert_close(p, torch.softmax(logits / 0.5, -1))
-    p = probs(logits, SamplingParams(temperature=1.0, top_k=2))
-    assert (p[2:] == 0).all() and abs(p.sum().item() - 1) < 1e-6
-    full = torch.softmax(logits, -1)  # [0.644, 0.237, 0.087, 0.032]
-    p = probs(logits, SamplingParams(temperature=1.0, top_p=0.85))
-    assert (p > 0).tolist() == [True, True, False, False]  # 0.644 < 0.85 <= 0.644+0.237
-    p = probs(logits, SamplingParams(temperature=1.0, top_p=0.9))
-    assert (p > 0).tolist() == [True, True, True, False]  # 0.881 < 0.9 needs a third
-    torch.testing.assert_close(p[:3], full[:3] / full[:3].sum())
+def test_seeded_draws_are_reproducible_by_index_and_follow_p():
+    """Token index t's uniform depends on the seed and t alone; picks at 4000 indices follow
+    p; a token of probability 0 is never picked."""
+    p = torch.tensor([0.5, 0.3, 0.0, 0.2])
+    a, b, c = Draws(7), Draws(7), Draws(8)
+    assert a.us(0, 50) == b.us(0, 50) != c.us(0, 50)
+    assert a.us(10, 5) == a.us(0, 15)[10:]  # by index, not by how many were drawn before
+    toks = pick(p.expand(4000, 4), a.us(0, 4000))
+    freq = torch.bincount(toks, minlength=4).float() / 4000
+    assert (freq - p).abs().max() < 0.03 and freq[2] == 0
+    us = torch.tensor(a.us(0, 20000))
+    assert 0 <= us.min() and us.max() < 1 and abs(us.mean().item() - 0.5) < 0.01
+    assert abs((us < 0.1).float().mean().item() - 0.1) < 0.01
 
 
-def test_seeded_sampling_is_reproducible_and_follows_p():
+def test_classic_sampling_with_a_torch_generator():
     p = torch.tensor([0.5, 0.3, 0.2])
-    sp = SamplingParams(temperature=1.0, seed=7)
-    a = sample(p.expand(4000, 3), sp.generator())
-    b = sample(p.expand(4000, 3), sp.generator())
+    a = sample(p.expand(4000, 3), torch.Generator().manual_seed(7))
+    b = sample(p.expand(4000, 3), torch.Generator().manual_seed(7))
     assert torch.equal(a, b)
     freq = torch.bincount(a, minlength=3).float() / 4000
     assert (freq - p).abs().max() < 0.03

@@ -433,3 +433,102 @@ def test_kv_dir_outlives_the_server(tmp_path):
     assert cold["reused_tokens"] == 0 and warm["reused_from"] == "disk"
     assert warm["reused_tokens"] == cold["prompt_tokens"] - 1 and text == cold_text
     assert cold["prefill_s"] >= 5 * warm["prefill_s"], (cold["prefill_s"], warm["prefill_s"])
+
+
+def mixed_requests(n: int = 16, seed: int = 37) -> list[dict]:
+    """`n` requests as a server's clients send them: prompts of 3 to ~900 tokens, 6 to 40 new
+    tokens, greedy or seeded sampling (temperature, top-p, top-k), some streamed, some with
+    a stop string, chat or completion; each with its arrival delay (seconds)."""
+    import random
+    from triforce_offload.runtime.data import essays
+    rng, words = random.Random(seed), essays().split()
+    out = []
+    for i in range(n):
+        k = rng.choice((2, 12, 60, 250, 700))
+        at = rng.randrange(0, len(words) - k)
+        text = " ".join(words[at:at + k])
+        body = {"max_tokens": rng.choice((6, 16, 40)), "temperature": 0}
+        if rng.random() < 0.4:
+            body.update(temperature=rng.choice((0.7, 1.0)), seed=rng.randrange(1 << 30))
+            body.update(rng.choice(({}, {"top_p": 0.9}, {"top_k": 20})))
+        if rng.random() < 0.25:
+            body["stop"] = rng.choice(([".", "\n"], ","))
+        if rng.random() < 0.5:
+            route, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": text + "\nContinue."}]
+        else:
+            route, body["prompt"] = "/v1/completions", text
+        out.append({"route": route, "body": body, "stream": rng.random() < 0.5, "delay": rng.uniform(0, 2.0)})
+    return out
+
+
+def answer(base: str, req: dict) -> str:
+    """The request's text, streamed or whole."""
+    body = {**req["body"], "stream": req["stream"]}
+    if not req["stream"]:
+        r = httpx.post(base + req["route"], json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        c = r.json()["choices"][0]
+        return c["message"]["content"] if "message" in c else c["text"]
+    parts = []
+    with httpx.stream("POST", base + req["route"], json=body, timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        for ln in r.iter_lines():
+            if ln.startswith("data: {"):
+                for c in json.loads(ln[6:]).get("choices", []):
+                    parts.append((c.get("delta") or {}).get("content") or c.get("text") or "")
+    return "".join(parts)
+
+
+def test_sixteen_mixed_clients_each_get_their_answer_alone(tmp_path):
+    """16 clients arriving over 2 s with mixed prompt lengths, lengths, sampling settings,
+    stop strings, routes and streaming, under --max-batch 6 and a --kv-memory that holds
+    only some of them (the others wait, then run), while one more client hangs up
+    mid-stream: each greedy answer equals the request alone, each seeded sampled answer the
+    same seed alone; every slot and every byte of the memory budget is given back; then
+    SIGTERM with three streams running closes each with [DONE] and exits 0."""
+    reqs = mixed_requests()
+    with server(tmp_path, "--max-batch", "6", "--max-queue", "32", "--kv-memory", "64M",
+                "--kv-cache-mem", "0") as (base, p):
+        alone = [answer(base, r) for r in reqs]
+
+        def late(r):
+            time.sleep(r["delay"])
+            return answer(base, r)
+
+        def hang_up():  # reads three chunks of a long stream, then closes the connection
+            body = {"prompt": "Once upon a time", "max_tokens": 400, "stream": True}
+            with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
+                for i, _ in enumerate(r.iter_lines()):
+                    if i >= 3:
+                        break
+        with ThreadPoolExecutor(len(reqs) + 1) as ex:
+            gone = ex.submit(hang_up)
+            together = [f.result() for f in [ex.submit(late, r) for r in reqs]]
+            gone.result()
+        assert together == alone
+        deadline = time.monotonic() + 30  # the hung-up slot and every price come back
+        while (metric(base, "triforce_running") or metric(base, "triforce_kv_memory_used_bytes")) \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert metric(base, "triforce_running") == 0 and metric(base, "triforce_kv_memory_used_bytes") == 0
+        assert metric(base, "triforce_batch_seqs_per_round") > 1  # they did share rounds
+
+        lines = [[], [], []]
+
+        def doomed(i):
+            body = {"prompt": f"Story {i}: once upon a time", "max_tokens": 600, "stream": True}
+            with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
+                for ln in r.iter_lines():
+                    lines[i].append(ln)
+        threads = [threading.Thread(target=doomed, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while not all(lines) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(15) == 0
+        for t in threads:
+            t.join(10)
+        for got in lines:
+            assert [ln for ln in got if ln][-1] == "data: [DONE]"

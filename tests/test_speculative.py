@@ -8,10 +8,10 @@ from triforce_offload.runtime.spec.drafters import NgramDrafter, check_vocab, dr
 from triforce_offload.runtime.spec.engine import AutoGamma, LevelStats, Rebuild
 from triforce_offload.runtime.errors import TriforceError
 from triforce_offload.runtime.options import RunOptions
-from triforce_offload.runtime.spec.acceptance import (accept, accept_greedy, greedy_verdict, n_accepted, one_hot,
+from triforce_offload.runtime.spec.acceptance import (accept, accept_drawn, accept_greedy, greedy_verdict, n_accepted, one_hot,
                                                   residual)
 from triforce_offload.runtime.hostread import to_host
-from triforce_offload.runtime.sampling import SamplingParams, draw, probs, sample
+from triforce_offload.runtime.sampling import SamplingParams, draw, pick, probs, sample
 
 
 def test_greedy_accepts_while_argmax_agrees():
@@ -38,15 +38,27 @@ def test_greedy_rule_equals_the_sampling_rule_on_one_hot_rows():
         assert accept_greedy(draft, None, logits) == tuple(to_host(greedy_verdict(draft, logits)))
 
 
-def test_draw_is_the_argmax_when_greedy_and_a_sample_otherwise():
+def test_draw_is_the_argmax_when_greedy_and_a_pick_otherwise():
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1))
     greedy = SamplingParams()
     assert draw(probs(logits, greedy), greedy).tolist() == logits.argmax(-1).tolist()
     assert draw(probs(logits, greedy), greedy).tolist() == sample(probs(logits, greedy)).tolist()
-    hot = SamplingParams(temperature=0.8)
-    p = probs(logits, hot)
-    assert draw(p, hot, torch.Generator().manual_seed(3)).tolist() == \
-        sample(p, torch.Generator().manual_seed(3)).tolist()
+    hot = SamplingParams(temperature=0.8, seed=3)
+    p, d = probs(logits, hot), hot.generator()
+    assert [draw(p[t], hot, d, 40 + t).item() for t in range(6)] == pick(p, d.us(40, 6)).tolist()
+
+
+def test_sampled_acceptance_is_the_leading_picks():
+    """accept_drawn: the draft's leading tokens that are the verifier's picks at their
+    indices, then the next pick; a one-hot draft d is accepted as often as p(d)."""
+    from triforce_offload.runtime.sampling import Draws
+    p = torch.tensor([[0.6, 0.4, 0.0], [0.0, 0.5, 0.5], [0.2, 0.2, 0.6]])
+    d = Draws(11)
+    picks = pick(p, d.us(20, 3)).tolist()
+    assert accept_drawn(picks[:2], p, d, 20) == (2, picks[2])
+    assert accept_drawn([2], p, d, 20) == (0, picks[0])  # probability 0 at index 20: never accepted
+    hits = sum(accept_drawn([0], p[:2], Draws(s), 5)[0] for s in range(3000))
+    assert abs(hits / 3000 - 0.6) < 0.03
 
 
 def test_n_accepted_is_vectorised_prefix():

@@ -1,6 +1,11 @@
-"""The acceptance rule of speculative sampling, as small pure functions (vectorised over the drafted tokens).
+"""Acceptance rules, as small pure functions (vectorised over the drafted tokens).
 
-A draft d_1..d_g drawn from q is checked against the target's p at the same positions
+The engine's: greedy (`accept_greedy`: the verifier's argmax) and sampled (`accept_drawn`:
+the token the verifier picks at each index's uniform, sampling.py), both a leading-match
+count and the next token, so a sequence's text does not depend on the speculative path.
+
+The classic rule of speculative sampling (`accept`, `verdict`; an engine's `accept_fn` may
+use it): a draft d_1..d_g drawn from q is checked against the target's p at the same positions
 plus one more: accept d_i with probability min(1, p(d_i)/q(d_i)) until the first
 rejection; there, sample from norm(max(0, p - q)); if all are accepted, sample a bonus
 token from p_{g+1}. The output is distributed exactly as sampling from p. Greedy needs no
@@ -15,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..hostread import to_device, to_host
-from ..sampling import argmax, sample
+from ..sampling import argmax, pick, sample
 
 
 def one_hot(tokens: list[int], vocab: int, device="cpu") -> torch.Tensor:
@@ -80,6 +85,15 @@ def accept_greedy(draft: list[int], q: torch.Tensor, p: torch.Tensor, gen=None) 
         return k, top[k]
     k, x = to_host(greedy_verdict(draft, p))
     return k, x
+
+
+def accept_drawn(draft: list[int], p: torch.Tensor, draws, t0: int) -> tuple[int, int]:
+    """`accept_greedy` for a sampled sequence (sampling.py): row r of p [g+1, V] picks its
+    token at index t0 + r's uniform; the draft's leading tokens that are those picks are
+    accepted, the next token is the pick after them. One blocking host read."""
+    top = to_host(pick(p, draws.us(t0, p.shape[0])))
+    k = next((i for i, t in enumerate(draft) if top[i] != t), len(draft))
+    return k, top[k]
 
 
 def accept(draft: list[int], q: torch.Tensor, p: torch.Tensor, gen=None) -> tuple[int, int]:

@@ -65,7 +65,7 @@ class ModelLevel:
         qs = []
         for _ in range(g):
             p = probs(self.forward(seq, 1)[0], sp)  # [V]
-            seq.append(to_host(draw(p, sp, gen)))
+            seq.append(to_host(draw(p, sp, gen, len(seq))))
             qs.append(p)
         return torch.stack(qs)
 

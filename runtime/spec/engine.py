@@ -19,7 +19,7 @@ from ..hostread import READS, to_device, to_host
 from ..options import Rebuild  # noqa: F401  (a policy value: parsed with the other options)
 from ..protocols import RetrievalKV, SizingDrafter, VerifyingLevel
 from ..sampling import SamplingParams, argmax, probs
-from .acceptance import accept, accept_greedy
+from .acceptance import accept_drawn, accept_greedy
 
 
 @dataclass
@@ -382,10 +382,10 @@ class Engine:
     levels: list  # [drafter, model levels ..., target over the full cache]
     gammas: list[int]  # gammas[i]: tokens level i proposes per verification by level i+1
     sp: SamplingParams  # the target's sampling (every level samples with it)
-    gen: torch.Generator  # randomness for drafts, acceptance and resampling
+    gen: object  # sampling.Draws: the uniform each token index is picked with
     auto: AutoGamma | None = None  # adapt gammas[-1]
     rebuild: Rebuild = field(default_factory=Rebuild)  # retrieval cache policy
-    accept_fn: object = None  # the acceptance rule; None: accept (accept_greedy when greedy), looked up per call
+    accept_fn: object = None  # an acceptance rule (draft, q, p, gen) -> (k, x); None: accept_greedy, or accept_drawn when sampled
     agree: object = int  # makes a value every tensor-parallel rank's (spec.modes passes tp.agree)
     stats: list = field(default_factory=list)  # LevelStats per verifying level
     drafts: list = field(default_factory=list)  # DraftStats per drafting level (levels[:-1])
@@ -466,12 +466,16 @@ class Engine:
         q = torch.zeros(0) if j is None else self.produce(j, seq, self.gammas[j])
         t1, cap = time.perf_counter(), self._capture_s(lv)
         draft = seq[m:]
-        rule = self.accept_fn or (accept_greedy if self.sp.greedy else accept)
-        p = lv.forward(seq, len(draft) + 1)  # [g+1, V] logits
-        if rule is not accept_greedy:  # it reads the argmax alone: no one-hot rows for it
+        p = lv.forward(seq, len(draft) + 1)  # [g+1, V] logits: row r picks token index m + r
+        if self.accept_fn is not None or not self.sp.greedy:  # accept_greedy reads the argmax alone
             p = probs(p, self.sp)
         self._timed(i, len(draft) + 1, time.perf_counter() - t1 - (self._capture_s(lv) - cap))
-        k, x = rule(draft, q, p, self.gen)
+        if self.accept_fn is not None:
+            k, x = self.accept_fn(draft, q, p, self.gen)
+        elif self.sp.greedy:
+            k, x = accept_greedy(draft, q, p)
+        else:  # the token each row picks at its index's uniform (sampling.py): as greedy's argmax
+            k, x = accept_drawn(draft, p, self.gen, m)
         if j is not None:
             self.accept[j].add(k, int(k < len(draft)), len(draft), k + 1)
         del seq[m + k:]

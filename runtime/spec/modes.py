@@ -157,7 +157,7 @@ def speculate(kind: str, loaded, prompt, opts, full, logits, on_token=None):
                  bypass=bypass_for(levels, gammas, loaded.device.type == "cuda" and o.graphs) if o.bypass else None,
                  read_ratio=read_ratio(levels, loaded))
     t1 = time.perf_counter()
-    seq = list(prompt) + [to_host(next_token(logits[0], sp, gen))]  # counted as 'other'
+    seq = list(prompt) + [to_host(next_token(logits[0], sp, gen, len(prompt)))]  # counted as 'other'
     with torch.inference_mode():
         toks = eng.run(seq, opts.max_new_tokens, stop_ids(loaded, opts), on_token)
     t2 = time.perf_counter()
