@@ -262,12 +262,10 @@ def test_a_cpu_tensor_in_a_cuda_op(model, prompt, monkeypatch):
     assert kinds == {"device"} and "mixes CUDA tensors with a CPU tensor" in text
 
 
-def test_a_pageable_copy_of_the_uniforms_when_sampling(model, prompt, monkeypatch):
-    plant(monkeypatch, sampling, "pick", "to_device(us, p.device, torch.float32)",
-          "torch.tensor(us, dtype=torch.float32).to(p.device)")
-    monkeypatch.setattr(acceptance, "pick", sampling.pick)  # the verification's picks too
-    kinds, text = kinds_and_text(planted(model, prompt, opts("triforce", temperature=0.8)))
-    assert kinds == {"pageable"}, text
+def test_a_cpu_generator_for_cuda_sampling(model, prompt, monkeypatch):
+    plant(monkeypatch, sampling.Draws, "exp", "torch.Generator(device=device)", "torch.Generator()")
+    kinds, _ = kinds_and_text(planted(model, prompt, opts("triforce", temperature=0.8)))
+    assert kinds == {"generator"}
 
 
 @pytest.mark.parametrize("line,finding", [

@@ -12,7 +12,7 @@ from scipy.stats import chisquare
 
 from triforce_offload.runtime.spec import engine as engine_mod
 from triforce_offload.runtime.cache.kv import FullCache
-from triforce_offload.runtime.sampling import SamplingParams, pick, probs
+from triforce_offload.runtime.sampling import SamplingParams, argmax, probs
 
 from helpers_spec import repetitive_prompt, run, tiny
 
@@ -127,8 +127,8 @@ def test_sampling_matches_target_distribution(mode, extra, temperature):
 
 
 def wrong_accept(draft, p, draws, t0):
-    """A plausible bug: every row picked at the first row's uniform (u_t0), not its own."""
-    top = pick(p, [draws.u(t0)] * p.shape[0]).tolist()
+    """A plausible bug: every row races with the first row's variables (E_t0), not its own."""
+    top = argmax(p / draws.exp(t0, p.shape[-1], p.device)).tolist()
     k = next((i for i, t in enumerate(draft) if top[i] != t), len(draft))
     return k, top[k]
 

@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -28,18 +30,19 @@ def test_next_token_is_draw_of_probs():
 
 
 def test_seeded_draws_are_reproducible_by_index_and_follow_p():
-    """Token index t's uniform depends on the seed and t alone; picks at 4000 indices follow
-    p; a token of probability 0 is never picked."""
+    """Token index t's exponentials depend on the seed and t alone; picks at 4000 indices
+    follow p; a token of probability 0 is never picked."""
     p = torch.tensor([0.5, 0.3, 0.0, 0.2])
     a, b, c = Draws(7), Draws(7), Draws(8)
-    assert a.us(0, 50) == b.us(0, 50) != c.us(0, 50)
-    assert a.us(10, 5) == a.us(0, 15)[10:]  # by index, not by how many were drawn before
-    toks = pick(p.expand(4000, 4), a.us(0, 4000))
+    assert torch.equal(a.rows(0, 50, 4, "cpu"), b.rows(0, 50, 4, "cpu"))
+    assert not torch.equal(a.rows(0, 50, 4, "cpu"), c.rows(0, 50, 4, "cpu"))
+    assert torch.equal(Draws(7).rows(10, 5, 4, "cpu"), a.rows(0, 15, 4, "cpu")[10:])  # by index alone
+    toks = pick(p.expand(4000, 4), a, 0)
     freq = torch.bincount(toks, minlength=4).float() / 4000
     assert (freq - p).abs().max() < 0.03 and freq[2] == 0
-    us = torch.tensor(a.us(0, 20000))
-    assert 0 <= us.min() and us.max() < 1 and abs(us.mean().item() - 0.5) < 0.01
-    assert abs((us < 0.1).float().mean().item() - 0.1) < 0.01
+    e = a.rows(0, 200, 100, "cpu")
+    assert e.min() > 0 and abs(e.mean().item() - 1) < 0.02  # Exp(1)
+    assert abs((e < 0.1).float().mean().item() - (1 - math.exp(-0.1))) < 0.01
 
 
 def test_classic_sampling_with_a_torch_generator():

@@ -45,7 +45,7 @@ def test_draw_is_the_argmax_when_greedy_and_a_pick_otherwise():
     assert draw(probs(logits, greedy), greedy).tolist() == sample(probs(logits, greedy)).tolist()
     hot = SamplingParams(temperature=0.8, seed=3)
     p, d = probs(logits, hot), hot.generator()
-    assert [draw(p[t], hot, d, 40 + t).item() for t in range(6)] == pick(p, d.us(40, 6)).tolist()
+    assert [draw(p[t], hot, d, 40 + t).item() for t in range(6)] == pick(p, d, 40).tolist()
 
 
 def test_sampled_acceptance_is_the_leading_picks():
@@ -54,7 +54,7 @@ def test_sampled_acceptance_is_the_leading_picks():
     from triforce_offload.runtime.sampling import Draws
     p = torch.tensor([[0.6, 0.4, 0.0], [0.0, 0.5, 0.5], [0.2, 0.2, 0.6]])
     d = Draws(11)
-    picks = pick(p, d.us(20, 3)).tolist()
+    picks = pick(p, d, 20).tolist()
     assert accept_drawn(picks[:2], p, d, 20) == (2, picks[2])
     assert accept_drawn([2], p, d, 20) == (0, picks[0])  # probability 0 at index 20: never accepted
     hits = sum(accept_drawn([0], p[:2], Draws(s), 5)[0] for s in range(3000))

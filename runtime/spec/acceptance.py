@@ -1,7 +1,7 @@
 """Acceptance rules, as small pure functions (vectorised over the drafted tokens).
 
 The engine's: greedy (`accept_greedy`: the verifier's argmax) and sampled (`accept_drawn`:
-the token the verifier picks at each index's uniform, sampling.py), both a leading-match
+the token the verifier picks at each index, sampling.py), both a leading-match
 count and the next token, so a sequence's text does not depend on the speculative path.
 
 The classic rule of speculative sampling (`accept`, `verdict`; an engine's `accept_fn` may
@@ -89,9 +89,9 @@ def accept_greedy(draft: list[int], q: torch.Tensor, p: torch.Tensor, gen=None) 
 
 def accept_drawn(draft: list[int], p: torch.Tensor, draws, t0: int) -> tuple[int, int]:
     """`accept_greedy` for a sampled sequence (sampling.py): row r of p [g+1, V] picks its
-    token at index t0 + r's uniform; the draft's leading tokens that are those picks are
-    accepted, the next token is the pick after them. One blocking host read."""
-    top = to_host(pick(p, draws.us(t0, p.shape[0])))
+    token at index t0 + r; the draft's leading tokens that are those picks are accepted,
+    the next token is the pick after them. One blocking host read."""
+    top = to_host(pick(p, draws, t0))
     k = next((i for i, t in enumerate(draft) if top[i] != t), len(draft))
     return k, top[k]
 
