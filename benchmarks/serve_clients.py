@@ -94,25 +94,29 @@ def prompts(n: int, words: int) -> list[str]:
     return [" ".join(w[i * words: (i + 1) * words]) + "\n\nContinue this text." for i in range(n)]
 
 
+def events(base: str, route: str, body: dict, timeout: float = 900):
+    """The JSON events of a streamed request (an error status ends the script in one line)."""
+    with httpx.stream("POST", base + route, json=body, timeout=timeout) as r:
+        if r.status_code != 200:
+            raise SystemExit(f"{base}: {r.status_code} {r.read().decode(errors='replace')[:500]}")
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])
+
+
 def one(base: str, text: str, new: int) -> tuple[float, int, str]:
     """(time to first token, completion tokens, text) of one streamed chat request."""
     body = {"messages": [{"role": "user", "content": text}], "max_tokens": new, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
     t0, first, out, usage = time.perf_counter(), None, [], None
-    with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=600) as r:
-        if r.status_code != 200:
-            raise SystemExit(f"{base}: {r.status_code} {r.read().decode(errors='replace')[:500]}")
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            d = json.loads(line[6:])
-            if d.get("usage"):
-                usage = d["usage"]["completion_tokens"]
-            for c in d.get("choices", []):
-                piece = (c.get("delta") or {}).get("content") or ""
-                if piece and first is None:
-                    first = time.perf_counter() - t0
-                out.append(piece)
+    for d in events(base, "/v1/chat/completions", body):
+        if d.get("usage"):
+            usage = d["usage"]["completion_tokens"]
+        for c in d.get("choices", []):
+            piece = (c.get("delta") or {}).get("content") or ""
+            if piece and first is None:
+                first = time.perf_counter() - t0
+            out.append(piece)
     return first or 0.0, usage or 0, "".join(out)
 
 

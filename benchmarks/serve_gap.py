@@ -25,10 +25,9 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_clients import free_port, started  # noqa: E402
+from serve_clients import events, free_port, started  # noqa: E402
 
 
 def args_():
@@ -56,17 +55,11 @@ def stream(base: str, prompt: str, n: int, arrivals: list, started_at: threading
     """Stream a completion; (time, pieces) per chunk into `arrivals`; set `started_at` at the
     `after`-th chunk."""
     body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True}
-    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=900) as r:
-        if r.status_code != 200:
-            raise SystemExit(f"{base}: {r.status_code} {r.read().decode(errors='replace')[:300]}")
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            d = json.loads(line[6:])
-            if any(c.get("text") for c in d.get("choices", [])):
-                arrivals.append(time.perf_counter())
-                if started_at is not None and len(arrivals) == after:
-                    started_at.set()
+    for d in events(base, "/v1/completions", body):
+        if any(c.get("text") for c in d.get("choices", [])):
+            arrivals.append(time.perf_counter())
+            if started_at is not None and len(arrivals) == after:
+                started_at.set()
 
 
 def measure(base: str, a: args_, short: str, long: str) -> dict:
