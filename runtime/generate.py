@@ -11,7 +11,7 @@ from .errors import TriforceError
 from .graphs import Step, kept, prefill_tokens, run_alone, run_model
 from .hostread import to_device, to_host
 from .cache.offloaded import prefill_layer_major
-from .sampling import SamplingParams, next_token
+from .sampling import SamplingParams, draws, next_token
 
 
 @dataclass
@@ -114,7 +114,7 @@ def decode(model, cache, first_logits, start: int, sp: SamplingParams, max_new: 
     `step` (a graphs.Step over model and cache) runs the one-token forwards; default eager.
     `on_token(t)` returning True ends generation after t (a stop string, a cancelled request)."""
     out, logits, pos = [], first_logits, start
-    gen = gen or sp.generator(first_logits.device)
+    gen = gen or draws(sp)
     step = step or Step(model, cache, graphs=False)
     for _ in range(max_new):
         tok = next_token(logits, sp, gen, pos)  # [B]: token index pos

@@ -22,8 +22,6 @@ import math
 import re
 from dataclasses import dataclass, field, fields
 
-import torch
-
 from ..offload.costmodel import STAGE_DEPTH
 from ..settings import Options, at_least, one_of, opt
 from .errors import TriforceError
@@ -92,12 +90,6 @@ class SamplingParams(Options):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
-
-    def generator(self, device="cpu"):
-        """The sequence's `sampling.Draws` (its seed, else a fresh random one); `device` is
-        not needed (the uniforms are host numbers) and kept for callers."""
-        from .sampling import Draws
-        return Draws(self.seed if self.seed is not None else torch.seed())
 
 
 def _mode(v: str):

@@ -106,6 +106,11 @@ class Draws:
         return torch.stack([self.exp(t, vocab, device) for t in range(t0, t0 + n)])
 
 
+def draws(sp: SamplingParams) -> Draws:
+    """A sequence's Draws: from its seed, else from a fresh random one."""
+    return Draws(sp.seed if sp.seed is not None else torch.seed())
+
+
 def pick(p: torch.Tensor, draws: Draws, t0: int) -> torch.Tensor:
     """Rows p [T, V] of token indices t0.. -> [T] tokens: each row's largest p(v) / E(v)
     (a token of probability 0 is never picked while another has some)."""

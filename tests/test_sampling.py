@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from triforce_offload.runtime.errors import TriforceError
-from triforce_offload.runtime.sampling import Draws, SamplingParams, draw, next_token, pick, probs, sample
+from triforce_offload.runtime.sampling import Draws, SamplingParams, draw, draws, next_token, pick, probs, sample
 
 
 def test_greedy_is_one_hot_at_argmax():
@@ -24,9 +24,9 @@ def test_next_token_is_draw_of_probs():
     assert next_token(logits, SamplingParams())[1].item() == 7
     sp = SamplingParams(temperature=0.8, seed=3)
     for t in range(5):
-        a = next_token(logits[t], sp, sp.generator(), 100 + t)
-        assert a.shape == () and a == draw(probs(logits[t], sp), sp, sp.generator(), 100 + t)
-        assert next_token(logits[t:t + 1], sp, sp.generator(), 100 + t).tolist() == [a.item()]
+        a = next_token(logits[t], sp, draws(sp), 100 + t)
+        assert a.shape == () and a == draw(probs(logits[t], sp), sp, draws(sp), 100 + t)
+        assert next_token(logits[t:t + 1], sp, draws(sp), 100 + t).tolist() == [a.item()]
 
 
 def test_seeded_draws_are_reproducible_by_index_and_follow_p():

@@ -11,7 +11,7 @@ from triforce_offload.runtime.options import RunOptions
 from triforce_offload.runtime.spec.acceptance import (accept, accept_drawn, accept_greedy, greedy_verdict, n_accepted, one_hot,
                                                   residual)
 from triforce_offload.runtime.hostread import to_host
-from triforce_offload.runtime.sampling import SamplingParams, draw, pick, probs, sample
+from triforce_offload.runtime.sampling import SamplingParams, draw, draws, pick, probs, sample
 
 
 def test_greedy_accepts_while_argmax_agrees():
@@ -44,7 +44,7 @@ def test_draw_is_the_argmax_when_greedy_and_a_pick_otherwise():
     assert draw(probs(logits, greedy), greedy).tolist() == logits.argmax(-1).tolist()
     assert draw(probs(logits, greedy), greedy).tolist() == sample(probs(logits, greedy)).tolist()
     hot = SamplingParams(temperature=0.8, seed=3)
-    p, d = probs(logits, hot), hot.generator()
+    p, d = probs(logits, hot), draws(hot)
     assert [draw(p[t], hot, d, 40 + t).item() for t in range(6)] == pick(p, d, 40).tolist()
 
 

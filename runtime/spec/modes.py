@@ -22,7 +22,7 @@ from ..cache.offloaded import finish_stats, make_full_cache
 from ..cache.prefix import lease
 from ..model import quantized
 from ..cache.retrieval import Recorder, RetrievalCache
-from ..sampling import next_token
+from ..sampling import draws, next_token
 from ..cache.streaming import StreamingCache
 from ..options import GenerationOptions
 from ..protocols import RetrievalKV
@@ -150,7 +150,7 @@ def speculate(kind: str, loaded, prompt, opts, full, logits, on_token=None):
     notes = []
     levels, gammas = build_levels(kind, opts, loaded, prompt, full, notes)
     sp = opts.sampling
-    gen = sp.generator(loaded.device)
+    gen = draws(sp)
     auto = AutoGamma(o.gamma2_start) if o.gamma2 == "auto" and kind != "draft" else None  # adapts gamma2
     eng = Engine(levels, gammas, sp, gen, auto, Rebuild.parse(opts.retrieval.rebuild), agree=agree,
                  kappa=KAPPA.get(loaded.device.type, KAPPA["cpu"]),
