@@ -43,18 +43,20 @@ PREFILL_MIN = 16  # Batcher.chunk_tokens: the fewest tokens a prompt prefills in
 
 def chunk_invariant(model, cache) -> bool:
     """Whether a prefill of `model` into `cache` gives the same KV and logits whatever its
-    chunk boundaries: an in-memory cache on a CPU (`FullCache`), every layer global (a
-    window layer's prefill blocks its queries by chunk: `cache.window_attention`), every
-    projection row-exact at any row count (`rows.exact`), and attention on the native
-    kernel (each row over fixed key blocks: float32 or bfloat16 KV, head size a multiple of
-    16 up to 256)."""
+    chunk sizes: an in-memory cache on a CPU (`FullCache`), every projection row-exact at
+    any row count (`rows.exact`), attention on the native kernel (each row over fixed key
+    blocks: float32 or bfloat16 KV, head size a multiple of 16 up to 256); window layers
+    compute by blocks of absolute positions, never cut between forwards
+    (`cache.window_attention`, `cache.prefill_end`)."""
     from ...kernels import native
     from ..cache.kv import FullCache
     cfg = model.config
-    k = next((t for t in cache.k if t is not None), None) if type(cache) is FullCache else None
-    return (k is not None and k.device.type == "cpu" and all(w is None for w in cfg.windows)
-            and exact(model, 1 << 20) and native.enabled() and k.dtype in (torch.float32, torch.bfloat16)
-            and cfg.head_dim % 16 == 0 and cfg.head_dim <= 256)
+    if type(cache) is not FullCache:
+        return False
+    held = [t for t in cache.k if t is not None] + (list(cache.ring.k.values())
+                                                     if cache.ring is not None else [])
+    return (bool(held) and held[0].device.type == "cpu" and held[0].dtype in (torch.float32, torch.bfloat16)
+            and exact(model, 1 << 20) and native.enabled() and cfg.head_dim % 16 == 0 and cfg.head_dim <= 256)
 
 
 @dataclass

@@ -167,7 +167,7 @@ def _folded(q, n_kv: int):
 
 
 ROWWISE_MAX = 64  # window_attention: up to this many queries whose bands differ go row by row on a CPU
-BAND_BLOCK = 128  # window_attention: a CPU prefill chunk's queries in blocks of this many, each over its band
+BAND_BLOCK = 128  # window_attention on a CPU: rows in blocks of this many absolute positions
 
 
 def window_attention(q, k, v, q_pos0: int, k_pos0: int, window: int | None,
@@ -175,30 +175,61 @@ def window_attention(q, k, v, q_pos0: int, k_pos0: int, window: int | None,
     """`attention` of q [B, Hq, T, D] (positions q_pos0..) over k, v [B, Hkv, S, D]
     (positions k_pos0..) where a query at p sees only keys at p - window < pos <= p (None:
     every key up to p). Keys before the first query's band are cut off: a decode step is
-    plain attention over its last `window` keys; where the queries' bands still differ, on a
-    CPU up to ROWWISE_MAX queries (a verification) each as its decode, else SDPA with a band
-    mask (`band_sdpa`; on a CPU in blocks of BAND_BLOCK queries, each over its own band). `softcap`: soft-capped scores
-    (Gemma 2), on every path (kernels/attention.py)."""
+    plain attention over its last `window` keys. Where the queries' bands still differ: on
+    a GPU, SDPA with a band mask (`band_sdpa`); on a CPU, by blocks of BAND_BLOCK absolute
+    positions (`_cpu_blocks`), so that a row's computation depends on its position alone,
+    not on the forward it came in (a verification, or a prefill chunk of any size whose
+    ends fall on block boundaries: `prefill_end`). `softcap`: soft-capped scores (Gemma 2),
+    on every path (kernels/attention.py)."""
     if window is None:
         return attention(q, k, v, q_pos0, k_pos0, softcap=softcap)
     lo = max(q_pos0 + 1 - window - k_pos0, 0)
     k, v, k_pos0 = k[:, :, lo:], v[:, :, lo:], k_pos0 + lo
-    B, Hq, T, D = q.shape
+    T = q.shape[2]
     if k_pos0 > q_pos0 + T - 1 - window:  # the last query's band still holds the first key
         return attention(q, k, v, q_pos0, k_pos0, softcap=softcap)
-    if T <= ROWWISE_MAX and q.device.type == "cpu":
-        # a verification's rows as its decodes compute them, bit for bit: each row over its own
-        # band, the call a decode at that position makes (int8 activations would turn the
-        # band mask's other summation order into other tokens between modes)
-        return torch.cat([window_attention(q[:, :, t: t + 1], k, v, q_pos0 + t, k_pos0, window, softcap)
-                          for t in range(T)], 2)
     if q.device.type != "cpu":
         return band_sdpa(q, k, v, q_pos0, k_pos0, window, softcap)
-    # a prefill chunk on a CPU: blocks of BAND_BLOCK queries, each over its own band (one
-    # mask over T + window - 1 keys for the whole chunk would mask out about half of what
-    # SDPA computes: Gemma 3 270M's 2K-token prefill 2.20 -> 2.04 s, 2 threads)
-    return torch.cat([band_sdpa(q[:, :, t: t + BAND_BLOCK], k, v, q_pos0 + t, k_pos0, window, softcap)
-                      for t in range(0, T, BAND_BLOCK)], 2)
+    return _cpu_blocks(q, k, v, q_pos0, k_pos0, window, softcap)
+
+
+def _cpu_blocks(q, k, v, q_pos0: int, k_pos0: int, window: int, softcap):
+    """The rows of each block of BAND_BLOCK absolute positions this forward holds: up to
+    ROWWISE_MAX of them (a verification's rows, a prompt's short last block) each as its
+    decode computes it, bit for bit (int8 activations would turn another summation order
+    into other tokens between modes); more (a prefill chunk's) in one call over their band:
+    plain attention where every row's band still holds the first key, else SDPA with a
+    band mask (one mask over a whole chunk's T + window - 1 keys would mask out about half
+    of what SDPA computes: Gemma 3 270M's 2K-token prefill 2.20 -> 1.94 s, 2 threads)."""
+    parts, T = [], q.shape[2]
+    a = q_pos0
+    while a < q_pos0 + T:
+        b = min((a // BAND_BLOCK + 1) * BAND_BLOCK, q_pos0 + T)
+        qb = q[:, :, a - q_pos0: b - q_pos0]
+        if b - a <= ROWWISE_MAX:
+            parts += [window_attention(qb[:, :, t: t + 1], k, v, a + t, k_pos0, window, softcap)
+                      for t in range(b - a)]
+        else:
+            lo = max(a + 1 - window - k_pos0, 0)
+            kb, vb, kp = k[:, :, lo:], v[:, :, lo:], k_pos0 + lo
+            parts.append(attention(qb, kb, vb, a, kp, softcap=softcap) if kp > b - 1 - window
+                         else band_sdpa(qb, kb, vb, a, kp, window, softcap))
+        a = b
+    return torch.cat(parts, 2)
+
+
+def prefill_end(start: int, tokens: int, end: int, windows: bool = True) -> int:
+    """Where a prefill forward from position `start` that takes about `tokens` tokens
+    ends, at most `end`. With window layers (`windows`), on a multiple of BAND_BLOCK
+    (start + tokens rounded down, or the next multiple), so that their blocks are never cut
+    between two forwards (`_cpu_blocks`): a prompt's rows are then computed in the same
+    blocks at any chunk size. Without, start + tokens."""
+    if not windows:
+        return min(start + tokens, end)
+    e = (start + tokens) // BAND_BLOCK * BAND_BLOCK
+    if e <= start:
+        e = (start // BAND_BLOCK + 1) * BAND_BLOCK
+    return min(e, end)
 
 
 def band_sdpa(q, k, v, q_pos0: int, k_pos0: int, window: int, softcap: float | None = None):
