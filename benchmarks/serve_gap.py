@@ -25,9 +25,7 @@ import threading
 import time
 from pathlib import Path
 
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_clients import events, free_port, started  # noqa: E402
+from triforce_offload.bench.servers import events, free_port, started
 
 
 def args_():

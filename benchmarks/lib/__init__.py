@@ -12,4 +12,5 @@ knows nothing of it.
 | `offload_timing.py` | timed verifications through the offload pipeline (`tune`, offload_pipeline.py) |
 | `prefill.py` | one essay prompt per context prefilled once (speedup.py, retrieval_*.py) |
 | `geometries.py` | random-weight models of known shapes (gpu_decode.py, offload_pipeline.py) |
+| `servers.py` | servers as contenders: started on free ports, stopped by PID; a streamed request's events (serve_clients.py, serve_gap.py) |
 """

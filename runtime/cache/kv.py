@@ -166,7 +166,9 @@ def _folded(q, n_kv: int):
     return q.reshape(B, n_kv, (Hq // n_kv) * T, D)
 
 
-ROWWISE_MAX = 64  # window_attention: up to this many queries whose bands differ go row by row on a CPU
+# a forward of up to this many tokens on a CPU (a verification) computes each row's attention
+# as its decode does: window layers (`_cpu_blocks`), an offloaded cache (`_attend_rows`)
+ROWWISE_MAX = 64
 BAND_BLOCK = 128  # window_attention on a CPU: rows in blocks of this many absolute positions
 
 
@@ -183,14 +185,18 @@ def window_attention(q, k, v, q_pos0: int, k_pos0: int, window: int | None,
     on every path (kernels/attention.py)."""
     if window is None:
         return attention(q, k, v, q_pos0, k_pos0, softcap=softcap)
+    return _banded(q, k, v, q_pos0, k_pos0, window, softcap, band_sdpa if q.device.type != "cpu" else _cpu_blocks)
+
+
+def _banded(q, k, v, q_pos0: int, k_pos0: int, window: int, softcap, differ):
+    """Keys before the first query's band cut off; plain attention where the last query's
+    band still holds the first key (every row sees every key up to its own); else
+    `differ(q, k, v, q_pos0, k_pos0, window, softcap)`."""
     lo = max(q_pos0 + 1 - window - k_pos0, 0)
     k, v, k_pos0 = k[:, :, lo:], v[:, :, lo:], k_pos0 + lo
-    T = q.shape[2]
-    if k_pos0 > q_pos0 + T - 1 - window:  # the last query's band still holds the first key
+    if k_pos0 > q_pos0 + q.shape[2] - 1 - window:
         return attention(q, k, v, q_pos0, k_pos0, softcap=softcap)
-    if q.device.type != "cpu":
-        return band_sdpa(q, k, v, q_pos0, k_pos0, window, softcap)
-    return _cpu_blocks(q, k, v, q_pos0, k_pos0, window, softcap)
+    return differ(q, k, v, q_pos0, k_pos0, window, softcap)
 
 
 def _cpu_blocks(q, k, v, q_pos0: int, k_pos0: int, window: int, softcap):
@@ -210,10 +216,7 @@ def _cpu_blocks(q, k, v, q_pos0: int, k_pos0: int, window: int, softcap):
             parts += [window_attention(qb[:, :, t: t + 1], k, v, a + t, k_pos0, window, softcap)
                       for t in range(b - a)]
         else:
-            lo = max(a + 1 - window - k_pos0, 0)
-            kb, vb, kp = k[:, :, lo:], v[:, :, lo:], k_pos0 + lo
-            parts.append(attention(qb, kb, vb, a, kp, softcap=softcap) if kp > b - 1 - window
-                         else band_sdpa(qb, kb, vb, a, kp, window, softcap))
+            parts.append(_banded(qb, k, v, a, k_pos0, window, softcap, band_sdpa))
         a = b
     return torch.cat(parts, 2)
 

@@ -57,7 +57,7 @@ from ...offload import store as S
 from ...offload.store import HostKVStore, StoreSpec, _elem, check_memory
 from ...offload.timeline import Span, Timeline, device_clock
 from ...offload.tune import transfer_chunk_for
-from .kv import FullCache, KVCache, WindowRing, copy_prefix, window_attention
+from .kv import ROWWISE_MAX, FullCache, KVCache, WindowRing, copy_prefix, window_attention
 from ..spec.engine import rollback_depth
 from ..graphs import graphable, keeps, kept, room_for
 from .retrieval import RetrievalCache
@@ -113,9 +113,6 @@ def prefill_device_bytes(cfg, tokens: int, chunk: int, batch: int, elem: int,
     attn = (3 * H + 4 * q + 7 * kv) * elem + (2 * H + 2 * q) * 4
     mlp = (3 * H + 4 * inner) * elem + 2 * H * 4
     return whole + fresh + c * batch * max(attn, mlp)
-
-
-EXACT_ROWS = 64  # forwards of up to this many tokens on the CPU path: each row as its decode (_attend_rows)
 
 
 class OffloadedCache(KVCache):
@@ -213,7 +210,7 @@ class OffloadedCache(KVCache):
             return self._attend_held(layer, q, k, v, start)
         if self.windows[layer] is not None:
             return self._attend_window(layer, q, k, v, start)
-        if 1 < q.shape[2] <= EXACT_ROWS and chunked.default_path(q.device) != "cuda":  # rows as decodes
+        if 1 < q.shape[2] <= ROWWISE_MAX and chunked.default_path(q.device) != "cuda":  # rows as decodes
             return self._attend_rows(layer, q, k, v, start)
         acc = StreamedAttention(q, k.shape[1], softcap=self.softcap)
         with Span(self.spans, "compute", f"attention L{layer}", tokens=q.shape[2]):
