@@ -264,3 +264,86 @@ def test_a_retrieval_level_that_can_pay_little_is_scored_once_the_run_affords_it
     assert (st.extra.get("retrieval_scorings", 0) >= 1) == scored
     if not scored:  # never run (nor probed): every round with the retrieval level bypassed
         assert st.extra["bypassed_tokens"]["retrieval"] >= len(out) - 1
+
+
+def _forced(monkeypatch, pattern):
+    """Bypass.choose follows `pattern` (indices into its configurations), round by round."""
+    monkeypatch.setattr(Bypass, "choose", lambda self: self.configs[pattern[self.rounds % len(pattern)]])
+
+
+def _draft_model(monkeypatch, seed: int = 11):
+    """`--draft` a second tiny model (same vocabulary): make_drafter builds its level."""
+    from triforce_offload.runtime.cache.streaming import StreamingCache
+    from triforce_offload.runtime.spec import modes as spec_modes
+    from triforce_offload.runtime.spec.drafters import ModelLevel
+    other = tiny(scale=3.0, seed=seed)
+
+    def make(o, loaded, prompt, full):
+        lv = ModelLevel(other.model, StreamingCache(other.cfg, o.draft_sink, o.draft_window, max(64, o.gamma1 + 16)),
+                        "draft")
+        lv.prefill(prompt, prefill_chunk=lv.cache.pending)
+        return lv
+    monkeypatch.setattr(spec_modes, "make_drafter", make)
+
+
+@pytest.mark.parametrize("mode, drafter, pattern", [
+    ("draft", "self", [1, 1, 1, 0, 0]),  # configs: () runs the drafter, (0,) skips it
+    ("draft", "model", [1, 1, 1, 1, 0, 0, 1]),
+    ("triforce", "self", [3, 3, 0, 1, 2, 0]),  # (), (0,), (1,), (0, 1)
+    ("triforce", "model", [2, 3, 3, 0, 0, 1]),
+])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_model_drafter_skipped_and_resumed_is_lossless(model, monkeypatch, mode, drafter, pattern, temperature):
+    """A model drafter that the bypass skips falls behind; when it runs again it catches up
+    (`ModelLevel.resume`: the target copies its sink and window from the full cache, a draft
+    model runs over the last window of what it missed). Greedy and seeded sampled output
+    stay the target's own, token for token, however the rounds alternate."""
+    if drafter == "model":
+        _draft_model(monkeypatch)
+    _forced(monkeypatch, pattern)
+    prompt = repetitive_prompt(300, model.cfg.vocab_size, seed=3)
+    ref, _ = run(model, prompt, "autoregressive", 60, temperature=temperature, seed=4, ignore_eos=True)
+    out, st = run(model, prompt, mode, 60, temperature=temperature, seed=4, ignore_eos=True, budget=64,
+                  draft="self", draft_sink=4, draft_window=16)
+    assert out == ref
+    name = "self" if drafter == "self" else "draft"
+    assert st.extra["bypassed_tokens"][name] > 0 and st.extra["drafts"][name]["drafted"] > 0
+
+
+def test_resume_copies_the_targets_sink_and_window(model):
+    """After a skip, the self drafter's streaming cache holds exactly what a drafter built
+    from the full cache at that length holds."""
+    from triforce_offload.runtime.cache.kv import FullCache
+    from triforce_offload.runtime.cache.streaming import StreamingCache
+    from triforce_offload.runtime.spec.drafters import ModelLevel
+    seq = torch.randint(0, model.cfg.vocab_size, (120,), generator=torch.Generator().manual_seed(2)).tolist()
+    full = FullCache(model.cfg, 256)
+    top = ModelLevel(model.model, full, "full")
+    top.forward(seq[:100], 1)
+    top.commit(100)
+    lv = ModelLevel(model.model, StreamingCache(model.cfg, 4, 16, 64), "self", held=60)
+    lv.cache.load_from(full, 60)
+    top.forward(seq[:110], 1)
+    top.commit(110)
+    lv.resume(seq, top)
+    fresh = StreamingCache(model.cfg, 4, 16, 64)
+    fresh.load_from(full, 110)
+    assert lv.held == 110 and lv.cache.length == 110 and lv.cache.run_start == fresh.run_start
+    assert all(torch.equal(a, b) for a, b in zip(lv.cache.k + lv.cache.v, fresh.k + fresh.v))
+
+
+@pytest.mark.parametrize("ratio, runs", [(0.9, False), (0.01, True)])
+def test_a_model_drafter_is_probed_only_where_its_priced_best_case_pays(model, monkeypatch, ratio, runs):
+    """Engine.unready: a model drafter that never ran is probed only where its best case
+    (every draft accepted, its forwards priced by the bytes it reads: `read_ratio`) promises
+    EAGER times the plain decode; else the run decodes plain throughout (what it costs on a
+    CPU at a short context, where the weights set a step's time). Lossless alike."""
+    from triforce_offload.runtime.spec import modes as spec_modes
+    monkeypatch.setattr(spec_modes, "read_ratio", lambda levels, loaded: lambda i: ratio)
+    prompt = repetitive_prompt(300, model.cfg.vocab_size, seed=3)
+    ref, _ = run(model, prompt, "autoregressive", 48, ignore_eos=True)
+    out, st = run(model, prompt, "draft", 48, ignore_eos=True, draft="self", draft_sink=4, draft_window=16)
+    assert out == ref
+    assert (st.extra["drafts"]["self"]["drafted"] > 0) == runs
+    if not runs:
+        assert st.extra["bypassed_tokens"]["self"] >= len(out) - 1

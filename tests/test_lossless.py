@@ -24,10 +24,12 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 MODES = [
     ("draft", {}),
-    ("draft", {"draft": "self", "draft_sink": 4, "draft_window": 16}),
+    ("draft", {"draft": "self", "draft_sink": 4, "draft_window": 16, "bypass": False}),
+    ("draft", {"draft": "self", "draft_sink": 4, "draft_window": 16}),  # bypassed and resumed as it pays
     ("retrieval", {"budget": 64}),
     ("triforce", {"budget": 64}),
-    ("triforce", {"budget": 32, "retrieval_chunk": 4, "draft": "self", "draft_window": 8, "gamma2": "auto"}),
+    ("triforce", {"budget": 32, "retrieval_chunk": 4, "draft": "self", "draft_window": 8, "gamma2": "auto",
+                  "bypass": False}),
     ("triforce", {"budget": 60, "rebuild": "every:7", "gamma1": 2, "gamma2": "3"}),
     ("triforce", {"budget": 48, "rebuild": "adaptive"}),
     ("triforce", {"budget": 4096}),  # prompt shorter than the budget
@@ -105,9 +107,11 @@ def chi2_p(counts, probs_, min_expected=5.0):
 
 SAMPLING_MODES = [
     ("triforce", {"budget": 8, "retrieval_chunk": 4}),  # n-gram -> retrieval -> full
-    ("triforce", {"budget": 8, "retrieval_chunk": 4, "draft": "self", "draft_sink": 1, "draft_window": 2}),
+    # the model drafter always runs (its bypass would skip it here: a 24-token prompt)
+    ("triforce", {"budget": 8, "retrieval_chunk": 4, "draft": "self", "draft_sink": 1, "draft_window": 2,
+                  "bypass": False}),
     ("retrieval", {"budget": 8, "retrieval_chunk": 4, "gamma2": "2"}),
-    ("draft", {"draft": "self", "draft_sink": 1, "draft_window": 2}),
+    ("draft", {"draft": "self", "draft_sink": 1, "draft_window": 2, "bypass": False}),
 ]
 
 

@@ -69,6 +69,13 @@ class StreamingCache(KVCache):
             t[:, :, self.sink: self.sink + n] = t[:, :, src: src + n].clone()
         self.run_start = run_start
 
+    def skip_to(self, pos: int):
+        """Forget the run: the sink stays, the next token fed sits at position `pos` (>= the
+        sink and the length). Not with window rings (a window layer would miss its band)."""
+        if pos < max(self.sink, self.length) or self.ring is not None:
+            raise TriforceError(f"streaming cache: cannot skip to position {pos}")
+        self.run_start = self.length = pos
+
     @torch.inference_mode()
     def load_from(self, full, length: int):
         """Take sink + last `window` tokens of a full cache's first `length` tokens."""
@@ -78,6 +85,7 @@ class StreamingCache(KVCache):
             if self.ring is not None and layer in self.ring:
                 lo = self.ring.first(length)
                 self.ring.put(layer, lo, *full.recent(layer, lo, length))
+                self.ring.hold_from(lo)  # older slots may be stale (a drafter skipped a while)
                 continue
             K, V = full.keys(layer, length)
             for dst, src in ((self.k[layer], K), (self.v[layer], V)):

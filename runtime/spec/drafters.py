@@ -70,6 +70,28 @@ class ModelLevel:
         return torch.stack(qs)
 
     @torch.inference_mode()
+    def resume(self, seq: list[int], top):
+        """A model drafter that was skipped (the engine's bypass) catches up to the top
+        level's `held` positions: the target itself (`--draft self`) copies its streaming
+        cache's sink and window from the top's cache (exact KV); a draft model runs over the
+        last `window` of the tokens it missed (those before would be evicted; what it
+        drafts is checked, so a draft that misses older context costs acceptance, never
+        correctness)."""
+        t0, n, c = time.perf_counter(), top.held, self.cache
+        if self.model is top.model:
+            c.load_from(top.cache, n)
+        else:
+            lo = max(self.held, n - c.window, c.sink)
+            if lo > c.length:
+                c.skip_to(lo)
+            for s in range(c.length, n, c.pending):
+                ids = to_device([seq[s: min(s + c.pending, n)]], self.device)
+                run_model(self.model, c, ids, s, last_only=True)
+                c.commit(min(s + c.pending, n))
+        self.held = n
+        self.time += time.perf_counter() - t0
+
+    @torch.inference_mode()
     def prefill(self, prompt: list[int], prefill_chunk: int):
         """Run the prompt through this level's own cache (a draft model's streaming cache)."""
         t0 = time.perf_counter()

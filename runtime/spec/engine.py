@@ -550,23 +550,48 @@ class Engine:
         self.rebuilds += 1
         self._since_build, self._acc_ema = 0, 1.0
 
-    def best_case(self, skip: frozenset) -> float | None:
+    def best_case(self, skip: frozenset, priced: bool = False) -> float | None:
         """Seconds per token a round with `skip` costs at best: every draft accepted, so a
-        model level proposing g tokens runs g / (its drafter's γ + 1) forwards, each costing
-        its latest measured forward of that width (a forward of γ+1 tokens costs several of
-        one: a decode's cost is not a verification's). None until each level that runs has
-        been timed at the width it would run."""
+        model level proposing g tokens runs ceil(g / (its drafter's γ + 1)) forwards of that
+        width per call, each costing its latest measured forward of that width (a forward of
+        γ+1 tokens costs several of one: a decode's cost is not a verification's), and a
+        model drafter one forward of one token per drafted token (an n-gram lookup: next to
+        nothing). None until each level that runs has been timed at the width it would run;
+        `priced`: a level never timed is priced instead (`_priced`)."""
         run = [i for i in range(len(self.levels)) if i not in skip]
-        secs = 0.0
-        for n, i in enumerate(run):
-            if i == 0:
-                continue  # a drafter's own cost: n-gram lookups, next to nothing
+
+        def cost(i: int, w: int) -> float | None:
+            if (i, w) in self.forward_s:
+                return self.forward_s[(i, w)]
+            return self._priced(i, w) if priced else None
+
+        def make(n: int, want: int) -> float | None:  # seconds for level run[n] to produce `want` tokens
+            i = run[n]
+            if self.levels[i].cache is None:
+                return 0.0
             below = self.gammas[run[n - 1]] + 1 if n else 1  # tokens one forward yields at best
-            if (i, below) not in self.forward_s:
+            t = cost(i, below)
+            sub = make(n - 1, self.gammas[run[n - 1]]) if n else 0.0
+            if t is None or sub is None:
                 return None
-            calls = 1 if i == run[-1] else math.ceil(self.gammas[i] / below)
-            secs += calls * self.forward_s[(i, below)]
-        return secs / (self.gammas[run[-2]] + 1 if len(run) > 1 else 1)
+            return math.ceil(want / below) * (t + sub)
+
+        per = self.gammas[run[-2]] + 1 if len(run) > 1 else 1
+        secs = make(len(run) - 1, per)
+        return None if secs is None else secs / per
+
+    def _priced(self, i: int, w: int) -> float | None:
+        """Seconds of a forward of w tokens by level i: `cost`'s, or for a level that never
+        ran, the top's one-token forward scaled by what level i reads (`read_ratio`: an
+        estimate from below where compute, not reading, sets the time, as on a CPU) and by
+        the width's cost (`_width`). None while neither is known."""
+        t = self.cost(i, w)
+        if t is not None:
+            return t
+        t1, ratio = self.cost(len(self.levels) - 1, 1), self.read_ratio(i) if self.read_ratio else None
+        if t1 is None or ratio is None:
+            return None
+        return t1 * ratio * self._width(w) / self._width(1)
 
     def run(self, seq: list[int], max_new: int, eos: set[int], on_token=None) -> list[int]:
         """Decode after prefill: seq ends with the first new token (already sampled).
@@ -593,6 +618,8 @@ class Engine:
         c = b.configs[self.agree(b.configs.index(b.choose()))]
         if len(self.levels) - 2 not in c:
             self.catch_up()  # the level below the top runs again
+        if 0 not in c and self.levels[0].cache is not None and self.levels[0].held < self.top.held:
+            self.levels[0].resume(seq, self.top)  # a model drafter skipped until now
         self.skip, n0, t0 = c, len(seq), time.perf_counter()
         try:
             self.verify(len(self.levels) - 1, seq)
@@ -641,10 +668,19 @@ class Engine:
         return t1 >= EAGER * best
 
     def unready(self, c: frozenset) -> bool:
-        """c runs the retrieval level whose scoring waits (`_score_due`): no probe of it
-        before its acceptance is measured (a probe costs more than the scoring)."""
+        """c may not be probed yet: it runs the retrieval level whose scoring waits
+        (`_score_due`: no probe of it before its acceptance is measured, a probe costs more
+        than the scoring), or a model drafter that never ran and whose best case (every
+        draft accepted, levels that never ran priced by the bytes they read: `best_case`)
+        promises less than `EAGER` times the top's plain decode (a probe round of γ drafts
+        costs several decodes; the promise grows with the context)."""
         r = self._scored()
-        return self._deferring and r is not None and r not in c and self.accept[r].rate is None
+        if self._deferring and r is not None and r not in c and self.accept[r].rate is None:
+            return True
+        if 0 in c or self.levels[0].cache is None or self.accept[0].rate is not None:
+            return False
+        t1, best = self.cost(len(self.levels) - 1, 1), self.best_case(c, priced=True)
+        return t1 is None or best is None or t1 < EAGER * best
 
     def _score_rows(self, r: int) -> int:
         """Rows of a scoring forward of level r: its verification width."""

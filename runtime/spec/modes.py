@@ -177,34 +177,52 @@ EXPLORE = 0.03
 def read_ratio(levels, loaded):
     """ratio(i): bytes a one-token forward of level i reads over the top level's: the
     weights (`quantized.token_weight_bytes`) plus the KV it attends (a retrieval level: its
-    selected tokens and those since; the top: all it holds). None for other levels. The
-    weights are counted at the first call of the first run that prices a level (a walk over
-    every module, ~4 ms on the bundled model) and kept in `loaded.token_bytes`."""
+    selected tokens and those since; a model drafter: its streaming cache's sink and window;
+    the top: all it holds). None for other levels. The weights are counted at the first
+    call of the first run that prices a level (a walk over every module, ~4 ms on the
+    bundled model) and kept in `loaded.token_bytes` (a draft model's on its level)."""
     per_token = loaded.cfg.kv_bytes_per_token(loaded.kv_dtype.itemsize)
     top = levels[-1]
 
+    def weights(lv) -> int:
+        if lv.model is top.model:
+            if loaded.token_bytes is None:  # the loaded model's, counted once (a walk over every module)
+                loaded.token_bytes = quantized.token_weight_bytes(loaded.model)
+            return loaded.token_bytes
+        if getattr(lv, "token_bytes", None) is None:
+            lv.token_bytes = quantized.token_weight_bytes(lv.model)
+        return lv.token_bytes
+
     def ratio(i: int) -> float | None:
         lv = levels[i]
+        if isinstance(lv.cache, StreamingCache):  # a model drafter: weights and sink + window
+            c = lv.cache
+            kv = 2 * c.n_layers * c.n_kv_heads * c.head_dim * loaded.kv_dtype.itemsize
+            attended = min(c.sink + c.window, top.held)
+            return (weights(lv) + kv * attended) / (weights(top) + per_token * top.held)
         if not isinstance(lv.cache, RetrievalKV) or lv.model is not top.model:
             return None
-        if loaded.token_bytes is None:  # the loaded model's, counted once (a walk over every module)
-            loaded.token_bytes = quantized.token_weight_bytes(loaded.model)
-        w = loaded.token_bytes
+        w = weights(top)
         attended = lv.cache.n_retrieved + max(top.held - lv.cache.base, 0)
         return (w + per_token * attended) / (w + per_token * top.held)
     return ratio
 
 
 def bypass_for(levels, gammas, captures: bool = False) -> Bypass | None:
-    """The levels that may be skipped: retrieval levels (they stay in sync while skipped).
-    The n-gram drafter sizes its own drafts (none where they would not pay: a lookup's
-    price) and a model drafter always runs (its streaming cache would fall behind).
-    Decoding starts plain (the retrieval level skipped): the first probe cycle comes after
-    γ+1 tokens of the bottom level, enough text to score the retrieval level
-    (Engine.score), so it runs only where its measured acceptance and costs predict that it
-    pays (Engine.predict) or a probe shows it. `captures`: CUDA graphs, whose first replay
-    of a new width captures (not counted)."""
-    optional = [i for i, lv in enumerate(levels[:-1]) if isinstance(lv.cache, RetrievalKV)]
+    """The levels that may be skipped: retrieval levels (they stay in sync while skipped)
+    and a model drafter (its streaming cache catches up when it runs again:
+    `ModelLevel.resume`; a draft model with window layers always runs: its rings would miss
+    their bands). The n-gram drafter sizes its own drafts (none where they would not
+    pay: a lookup's price). Decoding starts plain (every optional level skipped): the
+    first probe cycle comes after γ+1 tokens of the bottom level, enough text to score the
+    retrieval level (Engine.score), so it runs only where its measured acceptance and costs
+    predict that it pays (Engine.predict) or a probe shows it; a model drafter is first
+    probed only where its best case, priced by the bytes it reads, promises `engine.EAGER`
+    (Engine.unready). `captures`: CUDA graphs, whose first replay of a new width captures
+    (not counted)."""
+    top = levels[-1]
+    optional = [i for i, lv in enumerate(levels[:-1]) if isinstance(lv.cache, RetrievalKV)
+                or (isinstance(lv.cache, StreamingCache) and (lv.model is top.model or lv.cache.ring is None))]
     if not optional:
         return None
     return Bypass(optional, warm=gammas[0] + 1, first_per_config=captures, start_plain=True,
