@@ -19,7 +19,11 @@
  * the activations feeding the next layer are quantized (a last-bit difference there can
  * flip a rounding). Blocks of keys have a fixed size (kernels/native.py BLOCK), so every
  * row's blocks and their merge order are the same too.
- * Probabilities and sums are float32 throughout. Soft-capped scores (Gemma 2: softcap > 0)
+ * With bfloat16 K and V, head sizes a multiple of 32 and a CPU with AVX512_BF16 (the build
+ * targets it), every call takes the bf16 path instead, decodes and verifications alike:
+ * queries rounded to bfloat16, pairs of products by vdpbf16ps, probabilities rounded to
+ * bfloat16 for the weighted sum of values (see BF_PATH below): half the instructions.
+ * Probabilities and sums are float32 throughout otherwise. Soft-capped scores (Gemma 2: softcap > 0)
  * become softcap * tanh(score * scale / softcap), element by element after the dot
  * products, so that identity holds for them too; softcap 0 takes the plain scaling loop.
  * Vectors are GCC/Clang vector extensions of 16 floats: the compiler maps them onto
@@ -122,9 +126,18 @@ static inline void softcap_row(float *restrict s, int64_t n, float scale, float 
     }
 }
 
+/* x rounded to bfloat16 (to nearest, ties to even; finite values), as float32 */
+static inline v16 round_bf16(v16 x) {
+    u32x16 u;
+    memcpy(&u, &x, sizeof u);
+    u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+
 /* softmax statistics of s[0 .. n-1] in place: s becomes exp(s - m) (0 from n on, up to
  * `len`, a multiple of 16); returns m, sets *l = sum */
-static inline float softmax_row(float *restrict s, int64_t n, int64_t len, float *l) {
+static inline float softmax_row(float *restrict s, int64_t n, int64_t len, float *l, int bfp) {
     v16 mv = {0};
     mv -= INFINITY;
     int64_t j = 0;
@@ -142,6 +155,7 @@ static inline float softmax_row(float *restrict s, int64_t n, int64_t len, float
         v16 x;
         memcpy(&x, s + j, sizeof x);
         x = exp_neg16(x - m);
+        if (bfp) x = round_bf16(x); /* the bf16 path weighs values by these: the sum is theirs */
         memcpy(s + j, &x, sizeof x);
     }
     for (j = n; j < len; j++) s[j] = 0.f;
@@ -314,11 +328,141 @@ static inline __attribute__((always_inline)) void pv_rows(
     for (int rr = 0; rr < NR; rr++) memcpy(ph + (r0 + rr) * W, a[rr], sizeof(float) * 16 * DV);
 }
 
+
+#if defined(__AVX512BF16__)
+/* The bf16 path (bfloat16 K and V, head size a multiple of 32, a CPU with AVX512_BF16):
+ * vdpbf16ps takes pairs of bfloat16 products, each exact in float32, and adds them to
+ * float32 accumulators, so a row costs half the instructions of float32 fused
+ * multiply-adds. Queries are rounded to bfloat16 once per call and probabilities after the
+ * exponential (the row's sum is of the rounded ones), as GPU flash attention does. Each
+ * score is one chain over the head dimension's pairs in increasing order, keys in the
+ * vector lanes; each output one chain over key pairs in increasing order: the same
+ * instructions in the same order for every row whatever the call, so a verification's rows
+ * are their decodes' bits. */
+#define BF_PATH 1
+
+/* qb[r][e] = the bfloat16 pair (q[r][2e], q[r][2e+1]) of each row, rows padded to MR */
+static inline void pack_rows_bf(uint32_t *restrict qb, const float *qh, int64_t R, int64_t D) {
+    const int64_t Rp = (R + MR - 1) / MR * MR, P2 = D / 2;
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t e = 0; e < P2; e++) {
+            uint32_t a, b;
+            memcpy(&a, qh + r * D + 2 * e, 4);
+            memcpy(&b, qh + r * D + 2 * e + 1, 4);
+            a = (a + 0x7fffu + ((a >> 16) & 1u)) >> 16;
+            b = (b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u;
+            qb[r * P2 + e] = b | a;
+        }
+    memset(qb + R * P2, 0, sizeof(uint32_t) * (Rp - R) * P2);
+}
+
+/* kt[e * TK + u] = the pair of elements (2e, 2e+1) of key j0 + u (bfloat16 bits, untouched);
+ * keys past jend repeat the last one (their scores are never used) */
+static inline __attribute__((always_inline)) void transpose_keys_bf(
+        uint32_t *restrict kt, const uint16_t *k, int64_t base, int64_t ss, int64_t j0, int64_t jend,
+        const int P2) {
+    for (int h = 0; h < TK / 16; h++)
+        for (int c = 0; c < P2 / 16; c++) {
+            u32x16 x[16];
+            for (int u = 0; u < 16; u++) {
+                int64_t j = j0 + 16 * h + u;
+                j = j < jend ? j : jend - 1;
+                memcpy(x + u, k + base + j * ss + 32 * c, sizeof x[u]);
+            }
+            transpose16(x);
+            for (int e = 0; e < 16; e++) memcpy(kt + (16 * c + e) * TK + 16 * h, x + e, sizeof x[e]);
+        }
+}
+
+static inline __attribute__((always_inline)) void score_rows_bf(
+        float *restrict scores, const uint32_t *qr, const uint32_t *kt, int64_t r0, int64_t col,
+        int64_t block, const int P2, const int NR) {
+    __m512 acc[MR][TK / 16];
+    for (int rr = 0; rr < NR; rr++)
+        for (int h = 0; h < TK / 16; h++) acc[rr][h] = _mm512_setzero_ps();
+    for (int e = 0; e < P2; e++) {
+        __m512i kv[TK / 16];
+        for (int h = 0; h < TK / 16; h++) kv[h] = _mm512_loadu_si512(kt + e * TK + 16 * h);
+        for (int rr = 0; rr < NR; rr++) {
+            const __m512i b = _mm512_set1_epi32((int)qr[rr * P2 + e]);
+            for (int h = 0; h < TK / 16; h++) acc[rr][h] = _mm512_dpbf16_ps(acc[rr][h], (__m512bh)kv[h], (__m512bh)b);
+        }
+    }
+    for (int rr = 0; rr < NR; rr++)
+        for (int h = 0; h < TK / 16; h++) _mm512_storeu_ps(scores + (r0 + rr) * block + col + 16 * h, acc[rr][h]);
+}
+
+static inline __attribute__((always_inline)) void scores_by_tile_bf(
+        float *restrict scores, const uint32_t *qb, const uint16_t *k, int64_t base, int64_t ss,
+        int64_t j0, int64_t jend, int64_t R, int64_t block, uint32_t *restrict kt, const int DV) {
+    const int P2 = 8 * DV; /* pairs per key */
+    for (int64_t jt = j0; jt < jend; jt += TK) {
+        transpose_keys_bf(kt, k, base, ss, jt, jend, P2);
+        for (int64_t r0 = 0; r0 < R; r0 += MR) {
+            const uint32_t *qr = qb + r0 * P2;
+            switch (R - r0 < MR ? (int)(R - r0) : MR) {
+#define ROWS_CASE(N) case N: score_rows_bf(scores, qr, kt, r0, jt - j0, block, P2, N); break;
+                ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4)
+                ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
+#undef ROWS_CASE
+            }
+        }
+    }
+}
+
+/* a row's n probabilities (float32, already bfloat16 values; zero from n to a multiple of
+ * 16, the row `block` floats long) become bfloat16 pairs in place: dword i = (p[2i], p[2i+1]) */
+static inline void pack_probs(float *restrict s, int64_t n) {
+    for (int64_t j = 0; j < n; j += 32) { /* writes trail reads: dwords j/2.. from floats j.. */
+        const __m512 lo = _mm512_loadu_ps(s + j), hi = _mm512_loadu_ps(s + j + 16);
+        const __m512bh pr = _mm512_cvtne2ps_pbh(hi, lo); /* exact: the values are bfloat16 */
+        memcpy((uint32_t *)s + j / 2, &pr, sizeof pr);
+    }
+}
+
+/* rows r0 .. r0+NR-1 of sum_j p[r][j] v[j] by pairs of keys: the pair (p[j], p[j+1]) (the
+ * rounded probabilities' bits) against the values of keys j and j+1 interleaved element by
+ * element (unpack within 128-bit lanes: accumulator c's lane k holds element
+ * 32 (c / 2) + 8 (k / 4) + 4 (c % 2) + k % 4, put back in order at the end) */
+static inline __attribute__((always_inline)) void pv_rows_bf(
+        float *restrict ph, int64_t W, const float *scores, const uint16_t *v, int64_t base,
+        int64_t ss, int64_t j0, int64_t jend, int64_t r0, int64_t block, const int NR, const int DV) {
+    __m512 a[NR][MAXV];
+    for (int rr = 0; rr < NR; rr++)
+        for (int i = 0; i < DV; i++) a[rr][i] = _mm512_setzero_ps();
+    for (int64_t j = j0; j < jend; j += 2) {
+        const int two = j + 1 < jend;
+        __m512i vp[MAXV];
+        for (int c = 0; c < DV / 2; c++) {
+            const __m512i va = _mm512_loadu_si512(v + base + j * ss + 32 * c);
+            const __m512i vb = two ? _mm512_loadu_si512(v + base + (j + 1) * ss + 32 * c) : _mm512_setzero_si512();
+            vp[2 * c] = _mm512_unpacklo_epi16(va, vb);
+            vp[2 * c + 1] = _mm512_unpackhi_epi16(va, vb);
+        }
+        for (int rr = 0; rr < NR; rr++) {
+            const uint32_t *pp = (const uint32_t *)(scores + (r0 + rr) * block); /* pack_probs */
+            const __m512i b = _mm512_set1_epi32((int)pp[(j - j0) / 2]);
+            for (int i = 0; i < DV; i++) a[rr][i] = _mm512_dpbf16_ps(a[rr][i], (__m512bh)vp[i], (__m512bh)b);
+        }
+    }
+    for (int rr = 0; rr < NR; rr++) {
+        float *o = ph + (r0 + rr) * W;
+        for (int i = 0; i < DV; i++) {
+            float t[16];
+            _mm512_storeu_ps(t, a[rr][i]);
+            for (int kk = 0; kk < 16; kk++) o[32 * (i / 2) + 8 * (kk / 4) + 4 * (i % 2) + kk % 4] = t[kk];
+        }
+    }
+}
+#else
+#define BF_PATH 0
+#endif
+
 static inline __attribute__((always_inline)) void block_item(
         const float *qh, const uint32_t *qp, const void *k, const void *v, int bf16,
         float scale, float softcap, int64_t base, int64_t ss, const int64_t *nvis, int64_t R, int64_t j0,
         int64_t jend, int64_t block, float *restrict scores, uint32_t *restrict kt,
-        float *restrict ph, const int DV) {
+        float *restrict ph, const int bfp, const int DV) {
     const int64_t D = 16 * DV, W = D + 2, n = jend - j0;
     if (n <= 0) { /* the block starts past every row's last visible key: it adds nothing */
         for (int64_t r = 0; r < R; r++) {
@@ -328,6 +472,11 @@ static inline __attribute__((always_inline)) void block_item(
         }
         return;
     }
+#if BF_PATH
+    if (bfp)
+        scores_by_tile_bf(scores, qp, (const uint16_t *)k, base, ss, j0, jend, R, block, kt, DV);
+    else
+#endif
     if (R < FEW_ROWS) /* decode: one key at a time, each row's dot product and a sum */
         scores_by_key(scores, qh, k, bf16, base, ss, j0, jend, R, block, DV);
     else /* verification, prefill: a tile of keys in the lanes, a tile of rows, the same sums */
@@ -341,12 +490,23 @@ static inline __attribute__((always_inline)) void block_item(
             softcap_row(s, nr, scale, softcap);
         else
             for (int64_t jj = 0; jj < nr; jj++) s[jj] *= scale;
-        pr[D] = nr > 0 ? softmax_row(s, nr, len, &l) : -INFINITY;
+        pr[D] = nr > 0 ? softmax_row(s, nr, len, &l, bfp) : -INFINITY;
         if (nr <= 0) memset(s, 0, sizeof(float) * len);
         pr[D + 1] = l;
     }
     /* the weighted sum of values, NR rows sharing each value row loaded */
     int64_t r0 = 0;
+#if BF_PATH
+    if (bfp) {
+        const uint16_t *vb = (const uint16_t *)v;
+        for (int64_t r = 0; r < R; r++) pack_probs(scores + r * block, n);
+        if (DV <= 4)
+            for (; r0 + 6 <= R; r0 += 6) pv_rows_bf(ph, W, scores, vb, base, ss, j0, jend, r0, block, 6, DV);
+        for (; r0 + 3 <= R; r0 += 3) pv_rows_bf(ph, W, scores, vb, base, ss, j0, jend, r0, block, 3, DV);
+        for (; r0 < R; r0++) pv_rows_bf(ph, W, scores, vb, base, ss, j0, jend, r0, block, 1, DV);
+        return;
+    }
+#endif
     if (DV <= 4)
         for (; r0 + 6 <= R; r0 += 6) pv_rows(ph, W, scores, v, bf16, base, ss, j0, jend, r0, block, 6, DV);
     for (; r0 + 3 <= R; r0 += 3) pv_rows(ph, W, scores, v, bf16, base, ss, j0, jend, r0, block, 3, DV);
@@ -376,8 +536,15 @@ int triforce_attend(const float *q, const void *k, const void *v, int bf16, floa
     for (int64_t r = 0; r < R; r++) maxvis = nvis[r] > maxvis ? nvis[r] : maxvis;
     /* the rows packed for the tiled scores, once per call (not per block) */
     const int64_t Rp = (R + MR - 1) / MR * MR, P = D;
+    const int bfp = BF_PATH && bf16 && D % 32 == 0; /* the bf16 path (above) */
     uint32_t *qp = NULL;
-    if (R >= FEW_ROWS) {
+    if (bfp) {
+        qp = (uint32_t *)malloc(sizeof(uint32_t) * (H * Rp * P / 2 > 0 ? H * Rp * P / 2 : 1));
+        if (!qp) return -2;
+#if BF_PATH
+        for (int64_t h = 0; h < H; h++) pack_rows_bf(qp + h * Rp * P / 2, q + h * R * D, R, D);
+#endif
+    } else if (R >= FEW_ROWS) {
         qp = (uint32_t *)malloc(sizeof(uint32_t) * H * Rp * P);
         if (!qp) return -2;
         for (int64_t h = 0; h < H; h++) pack_rows(qp + h * Rp * P, q + h * R * D, R, D);
@@ -399,18 +566,18 @@ int triforce_attend(const float *q, const void *k, const void *v, int bf16, floa
             const int64_t j0 = b * block, j1 = j0 + block < S ? j0 + block : S;
             const int64_t jend = j1 < maxvis ? j1 : maxvis; /* keys past every row's view */
             const float *qh = q + h * R * D;
-            const uint32_t *qph = qp ? qp + h * Rp * P : NULL; /* packed rows: tiled path only */
+            const uint32_t *qph = qp ? qp + h * Rp * (bfp ? P / 2 : P) : NULL; /* packed rows: tiled paths only */
             float *ph = part + (h * NB + b) * R * W;
             /* the common head sizes get fully unrolled code */
             if (DV == 4)
                 block_item(qh, qph, k, v, bf16, scale, softcap, h * hs, ss, nvis, R,
-                           j0, jend, block, scores, kt, ph, 4);
+                           j0, jend, block, scores, kt, ph, bfp, 4);
             else if (DV == 8)
                 block_item(qh, qph, k, v, bf16, scale, softcap, h * hs, ss, nvis, R,
-                           j0, jend, block, scores, kt, ph, 8);
+                           j0, jend, block, scores, kt, ph, bfp, 8);
             else
                 block_item(qh, qph, k, v, bf16, scale, softcap, h * hs, ss, nvis, R,
-                           j0, jend, block, scores, kt, ph, DV);
+                           j0, jend, block, scores, kt, ph, bfp, DV);
         }
         free(scores);
         free(kt);

@@ -43,8 +43,9 @@ def check(name, q, K, V, q_pos0, k_pos0=0, softcap=None):
     out, lse = native.attend(q, K, V, q_pos0, k_pos0, out_dtype=torch.float32, softcap=softcap)
     ref, ref_lse = reference(q, K, V, q_pos0, k_pos0, softcap)
     tol = 2e-6 if K.dtype == torch.float32 else 1e-2
+    lse_tol = 1e-5 if K.dtype == torch.float32 else 4e-3  # bf16 KV: probabilities rounded to bf16 (2^-9)
     try:
-        torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse, ref_lse, rtol=lse_tol, atol=lse_tol)
         torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
     except AssertionError as e:
         print(f"FAIL {name}: {str(e).splitlines()[0]}", file=sys.stderr)

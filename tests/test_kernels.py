@@ -117,7 +117,9 @@ def test_native_attention_matches_reference(dtype, tol, D, S, T, k_pos0, G):
     q_pos0 = k_pos0 + S - T
     ref, ref_lse = reference(q, K, V, q_pos0, k_pos0)
     out, lse = native.attend(q, K, V, q_pos0, k_pos0, out_dtype=torch.float32)
-    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    # bfloat16 KV on a CPU with AVX512_BF16: the probabilities are rounded to bfloat16 too
+    lse_tol = 1e-5 if dtype == torch.float32 else 4e-3
+    torch.testing.assert_close(lse, ref_lse, rtol=lse_tol, atol=lse_tol)
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
 
 
@@ -282,7 +284,8 @@ def test_native_softcap_matches_reference(cap, dtype, tol, D, S, T, k_pos0, G):
     q_pos0 = k_pos0 + S - T
     ref, ref_lse = reference(q, K, V, q_pos0, k_pos0, softcap=cap)
     out, lse = native.attend(q, K, V, q_pos0, k_pos0, out_dtype=torch.float32, softcap=cap)
-    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    lse_tol = 1e-5 if dtype == torch.float32 else 4e-3  # bf16: probabilities rounded to bf16 too
+    torch.testing.assert_close(lse, ref_lse, rtol=lse_tol, atol=lse_tol)
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
     if cap == 2.0:  # the cap changed the result
         plain, _ = native.attend(q, K, V, q_pos0, k_pos0, out_dtype=torch.float32)

@@ -224,4 +224,5 @@ def test_window_verification_rows_equal_their_decodes_bit_for_bit(kv_dtype):
     kp = torch.arange(k0, start + T)
     mask = (kp[None] <= torch.arange(start, start + T)[:, None]) & (kp[None] > torch.arange(start, start + T)[:, None] - W)
     ref = full(q, k.float().repeat_interleave(2, 1), v.float().repeat_interleave(2, 1), attn_mask=mask)
-    torch.testing.assert_close(rows, ref, rtol=1e-4, atol=1e-4)
+    tol = 1e-4 if kv_dtype == torch.float32 else 1e-2  # bf16 KV: queries and probabilities rounded to bf16
+    torch.testing.assert_close(rows, ref, rtol=tol, atol=tol)
