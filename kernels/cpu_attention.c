@@ -614,6 +614,9 @@ int triforce_attend(const float *q, const void *k, const void *v, int bf16, floa
     return failed ? -2 : 0;
 }
 
+/* 1 when this build has the bf16 path (bfloat16 K and V, head sizes a multiple of 32) */
+int triforce_bf16_path(void) { return BF_PATH; }
+
 /* Width in bits of the vector registers this build targets: the score tiles (8 rows x 32
  * keys, 16 accumulators of 16 floats) are sized for 32 512-bit registers; with 256-bit
  * registers they spill and the kernel runs slower than torch's (kernels/native.py only

@@ -112,6 +112,7 @@ def load():
                               + [ctypes.c_int64] * 6
                               + [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3)
                 lib.triforce_vector_bits.restype = ctypes.c_int
+                lib.triforce_bf16_path.restype = ctypes.c_int
                 _bits = lib.triforce_vector_bits()
                 _lib = lib
             except (OSError, RuntimeError, AttributeError) as e:
@@ -139,6 +140,14 @@ def enabled() -> bool:
     return available() and (env("native") == "1" or vector_bits() >= 512)
 
 
+def bf16_dot(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether attention over a CPU cache of `dtype` runs the kernel's bf16 path (queries and
+    probabilities rounded to bfloat16, pairs of products by vdpbf16ps): bfloat16 K and V,
+    head sizes a multiple of 32, a build for a CPU with AVX512_BF16, and the kernel enabled."""
+    return (dtype == torch.bfloat16 and head_dim % 32 == 0 and enabled()
+            and bool(load().triforce_bf16_path()))
+
+
 def status() -> str:
     """One phrase for `triforce-offload info`: which attention kernel runs and why (also
     for soft-capped scores, Gemma 2's, which torch's SDPA cannot do)."""
@@ -146,7 +155,8 @@ def status() -> str:
     if not available():
         return f"torch ({reason()}){capped}"
     if enabled():
-        return f"native ({vector_bits()}-bit vectors; soft-capping in the kernel)"
+        bf = "; bf16 KV by vdpbf16ps" if load().triforce_bf16_path() else ""
+        return f"native ({vector_bits()}-bit vectors{bf}; soft-capping in the kernel)"
     return (f"torch (native kernel built for {vector_bits()}-bit vectors, slower than torch "
             f"there; TRIFORCE_OFFLOAD_NATIVE=1 forces it){capped}")
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ...kernels import native
 from .kv import copy_prefix, held_from
 from .disk import KVDir, covers, longest_prefix
 from ..options import parse_size
@@ -165,6 +166,17 @@ class Lease:
             st.extra.update(reused_tokens=self.start, reused_from=self.source)
 
 
+def numerics(loaded) -> str:
+    """What the KV a run writes was computed with, beyond the model and its KV dtype: the
+    activations (quantized.activations_set) and, on a CPU, whether attention rounds queries
+    and probabilities to bfloat16 (native.bf16_dot). Kept prefixes and --kv-dir entries
+    serve runs of the same numerics only: other numerics, other values."""
+    act = getattr(loaded.model, "activations_now", "")
+    if loaded.device.type == "cpu" and native.bf16_dot(loaded.kv_dtype, loaded.cfg.head_dim):
+        act += "+attention:bf16"
+    return act
+
+
 @contextmanager
 def lease(loaded, prompt: list[int], capacity: int, make):
     """A Lease from `loaded.prefix` (a PrefixCache; None: a new cache from position 0),
@@ -175,7 +187,7 @@ def lease(loaded, prompt: list[int], capacity: int, make):
         yield Lease(make(capacity), 0, prompt)
         return
     t0 = time.perf_counter()
-    act = getattr(loaded.model, "activations_now", "")  # quantized.activations_set: this run's
+    act = numerics(loaded)
     with store.busy:
         cache, start, source = store.take(prompt, capacity, make, act)
     if cache.ring is not None:  # the entry saved to disk then serves this prompt again too
