@@ -268,219 +268,284 @@ int triforce_qrows(const int64_t *ids, int64_t n_ids, int64_t K, const uint8_t *
 /* ---- int8 activations: integer dot products (AVX-512 VNNI `vpdpbusd`) -------------------
  *
  * The same weights, with each row of x quantized by itself to int8 in blocks of 32 inputs
- * (d = max|x| / 127, q = round(x / d): GGUF's Q8_0, what llama.cpp does to activations), so
- * a 64-input chunk of a weight row dots with a chunk of x in one instruction: 16 int32 lanes,
- * each the exact sum of 4 byte products. A row's quantization and every instruction after it
- * depend only on that row, never on M: the identity speculative decoding needs still holds.
+ * (d = max|x| / 127, q = round(x / d): GGUF's Q8_0, what llama.cpp does to activations). A
+ * row's quantization and every instruction after it depend only on that row, never on M:
+ * the identity speculative decoding needs still holds.
  *
- * Lane i of a chunk covers 4 consecutive bytes. For int4 weights the bytes are the chunk's
- * two 32-blocks unpacked as [A0..15, B0..15, A16..31, B16..31] (low nibbles, then high), so
- * x is stored in that order too; int8 weights are in natural order. Each lane's integer sum
- * is scaled by its weight group's scale times its x block's scale:
- *   acc += float(idot) * sx_lane * sw_lane   (one FMA after the multiply),
- * and a group's offset adds min[g] * sum_{k in g} d_b q_k (the dot of the dequantized x).
- * Signed int8 weights go into vpdpbusd's signed operand with x + 128 as the unsigned one;
- * the lane starts from -128 * (sum of the lane's weights), so the sum is exactly q . w.
- * Builds without VNNI compute the same lanes in portable C (same integer sums, same float
- * operations in the same order): slow, for sanitizer runs and other CPUs.
+ * Each (row of x, weight row) pair is a scalar recurrence over units of U inputs (U = 16 for
+ * weight groups of 16, else 32: a unit never spans two x blocks or two weight groups), in
+ * increasing k:
+ *   isum = sum_{k in unit} qx[k] * qw[k]                 (exact, int32)
+ *   acc  = fma(float(isum), dx[unit] * sw[unit], acc)   (the scale product rounded, then one FMA)
+ *   acc  = fma(xs[unit], min[unit], acc)                 (weights with offsets: xs = dx * sum qx)
+ * then out = acc (+ bias) (res + out with a residual). Only integer sums (exact in any order)
+ * depend on how the work is laid out, so two layouts compute it, each for the rows it suits:
+ * - many rows (M >= XL_MIN): lanes are 16 rows of x. x is stored transposed as it is
+ *   quantized (16 rows x 4 bytes per vector, q + 128 unsigned), and 4 bytes of a weight row
+ *   are broadcast into vpdpbusd's signed operand; the lane starts from -128 * (sum of the
+ *   unit's weights). Per unit and 8 weight rows: 8 or 4 vpdpbusd per weight row against one
+ *   conversion, scale product and FMA per 16 pairs, where a layout of lanes along k would
+ *   convert and scale every lane of every pair each 64 inputs.
+ * - few rows: lanes are 16 weight rows. A tile of 16 weight rows is transposed once per call
+ *   into 4-byte columns (int8 weights + 128 unsigned, int4 nibbles), and 4 bytes of a row of x
+ *   are broadcast as the signed operand; int8 weights' lanes start from -128 * (sum of the
+ *   unit's x).
+ * int4 weights are unpacked to bytes first (nibbles 0..15). Builds without VNNI compute the
+ * same recurrence in portable C: slow, for sanitizer runs and other CPUs.
  *
- * Layouts taken: K a multiple of 64, G in {16, 32} or a multiple of 64 (a lane never spans
- * two groups); anything else returns -1 and the caller uses float activations. */
+ * Layouts taken: K a multiple of 64, G in {16, 32} or a multiple of 64; anything else returns
+ * -1 and the caller uses float activations. */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define TRIFORCE_VNNI 1
 #else
 #define TRIFORCE_VNNI 0
 #endif
 
-#define QC 64 /* inputs per chunk */
-#define NTQ 4 /* output features per tile (int8 activations) */
+#define QC 64     /* K is a multiple of this */
+#ifndef XL_MIN
+#define XL_MIN 64 /* rows of x from which lanes are rows of x (measured: below, weight rows win) */
+#endif
+#define NJ 8      /* weight rows per tile, lanes along x rows */
+#define WL 16     /* weight rows per tile, lanes along weight rows */
 
 int triforce_linear_vnni(void) { return TRIFORCE_VNNI; }
 
-/* input position (within its chunk) of lane i's first byte */
-static inline int lane_pos(int bits, int i) {
-    if (bits == 8) return 4 * i;
-    static const int p4[16] = {0, 4, 8, 12, 32, 36, 40, 44, 16, 20, 24, 28, 48, 52, 56, 60};
-    return p4[i];
-}
-
-/* One row of x (K floats) -> bytes in the chunk order of `bits` (int4: q as int8, int8: q + 128
- * as uint8), lane scales sxl [K/64][16], and per weight group the dot of dequantized x with
- * ones, xsg [ngp] (zero padded; only when the weights have offsets). */
-static void quantize_row(const float *restrict x, int64_t K, int bits, int64_t G, uint8_t *restrict xq,
-                         float *restrict sxl, float *restrict xsg, int64_t ngp) {
-    if (xsg)
-        for (int64_t g = 0; g < ngp; g++) xsg[g] = 0.0f;
-    for (int64_t c = 0; c < K / QC; c++) {
-        float d[2];
-        int8_t q[QC];
-        for (int h = 0; h < 2; h++) { /* the chunk's two blocks of 32 */
-            const float *xb = x + c * QC + h * 32;
+/* One row of x (K floats) -> qx [K] int8, per unit of U: dxu (its x block's scale), sq (the
+ * sum of its qx). */
+static void quantize_row(const float *restrict x, int64_t K, int64_t U, int8_t *restrict qx,
+                         float *restrict dxu, int32_t *restrict sq) {
+    for (int64_t b = 0; b < K / 32; b++) {
+        const float *xb = x + b * 32;
+        int8_t *q = qx + b * 32;
 #if TRIFORCE_VNNI
-            const __m512 a = _mm512_loadu_ps(xb), b = _mm512_loadu_ps(xb + 16);
-            const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-            const __m512 id = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
-            _mm_storeu_si128((__m128i *)(q + h * 32), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, id))));
-            _mm_storeu_si128((__m128i *)(q + h * 32 + 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(b, id))));
+        const __m512 a = _mm512_loadu_ps(xb), c = _mm512_loadu_ps(xb + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+        const __m512 id = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        _mm_storeu_si128((__m128i *)q, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, id))));
+        _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(c, id))));
 #else
-            float amax = 0.0f;
-            for (int k = 0; k < 32; k++) {
-                const float a = xb[k] < 0 ? -xb[k] : xb[k];
-                amax = a > amax ? a : amax;
-            }
-            const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-            for (int k = 0; k < 32; k++) {
-                const float v = __builtin_nearbyintf(xb[k] * id);
-                q[h * 32 + k] = (int8_t)(v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v);
-            }
+        float amax = 0.0f;
+        for (int k = 0; k < 32; k++) {
+            const float a = xb[k] < 0 ? -xb[k] : xb[k];
+            amax = a > amax ? a : amax;
+        }
+        const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        for (int k = 0; k < 32; k++) {
+            const float v = __builtin_nearbyintf(xb[k] * id);
+            q[k] = (int8_t)(v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v);
+        }
 #endif
-            d[h] = amax / 127.0f;
+        const float d = amax / 127.0f;
+        for (int64_t u = b * 32 / U; u < (b + 1) * 32 / U; u++) {
+            int32_t s = 0;
+            for (int64_t k = 0; k < U; k++) s += qx[u * U + k];
+            dxu[u] = d;
+            sq[u] = s;
         }
-        for (int i = 0; i < 16; i++) {
-            const int p = lane_pos(bits, i);
-            sxl[c * 16 + i] = d[p / 32];
-            for (int b = 0; b < 4; b++)
-                xq[c * QC + 4 * i + b] = bits == 8 ? (uint8_t)(q[p + b] + 128) : (uint8_t)q[p + b];
-        }
-        if (xsg)
-            for (int s = 0; s < 4; s++) {
-                int sum = 0;
-                for (int k = 0; k < 16; k++) sum += q[s * 16 + k];
-                xsg[(c * QC + s * 16) / G] += d[s / 2] * (float)sum;
-            }
     }
 }
 
-/* Weight row n's scales and offsets as float32, zero padded to ngp + 16 (the lane gather
- * below reads 16 from a chunk's first group). */
-static void row_params(const void *scale, const void *minv, int f16, int64_t n, int64_t groups, int64_t ngp,
-                       float *restrict sw, float *restrict mf) {
-#if TRIFORCE_VNNI
-    for (int which = 0; which < (minv ? 2 : 1); which++) {
-        const void *src = which ? minv : scale;
-        float *dst = which ? mf : sw;
-        for (int64_t g = 0; g < ngp + 16; g += 16) {
-            const int64_t left = groups - g;
-            const __mmask16 m = left >= 16 ? 0xffff : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
-            const __m512 v = f16 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, (const uint16_t *)src + n * groups + g))
-                                 : _mm512_maskz_loadu_ps(m, (const float *)src + n * groups + g);
-            _mm512_storeu_ps(dst + g, v);
+/* Weight row n's scale and offset per unit (float32) into sw, mu [Uc] */
+static void unit_params(const void *scale, const void *minv, int f16, int64_t n, int64_t groups, int64_t G,
+                        int64_t U, float *sw, float *mu) {
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t u = g * (G / U); u < (g + 1) * (G / U); u++) {
+            sw[u] = load_param(scale, n * groups + g, f16);
+            if (minv) mu[u] = load_param(minv, n * groups + g, f16);
         }
-    }
-#else
-    for (int64_t g = 0; g < ngp + 16; g++) sw[g] = g < groups ? load_param(scale, n * groups + g, f16) : 0.0f;
-    if (minv)
-        for (int64_t g = 0; g < ngp + 16; g++) mf[g] = g < groups ? load_param(minv, n * groups + g, f16) : 0.0f;
-#endif
 }
 
 #if !TRIFORCE_VNNI
-/* sum over lanes of float(idot) * sx * sw, accumulated chunk by chunk in increasing k, for one
- * x row and one weight row: the portable definition of what dot_tile computes with VNNI. */
-static float dot_row(const uint8_t *restrict xq, const float *restrict sxl, const uint8_t *restrict wrow,
-                     const float *restrict sw, int bits, int64_t G, int64_t C, const int *gl) {
-    v16 acc = (v16){};
-    for (int64_t c = 0; c < C; c++) {
-        for (int i = 0; i < 16; i++) {
-            int32_t sum = 0;
-            for (int b = 0; b < 4; b++) {
-                const int k = 4 * i + b; /* byte k of the chunk, in the lane order above */
-                if (bits == 4) {
-                    const uint8_t byte = wrow[c * (QC / 2) + (k % 32)];
-                    sum += (int32_t)(k < 32 ? byte & 0xf : byte >> 4) * (int8_t)xq[c * QC + k];
-                } else {
-                    sum += ((int32_t)xq[c * QC + k] - 128) * (int8_t)wrow[c * QC + k];
+/* Weight row n as signed bytes in natural order: int8 rows in place, int4 rows unpacked into
+ * dst (nibbles 0..15). */
+static const int8_t *row_bytes(const uint8_t *q, int bits, int64_t K, int64_t n, int8_t *dst) {
+    if (bits == 8) return (const int8_t *)q + n * K;
+    const uint8_t *src = q + n * (K / 2);
+    for (int64_t b = 0; b < K / 32; b++)
+        for (int k = 0; k < 16; k++) {
+            dst[b * 32 + k] = (int8_t)(src[b * 16 + k] & 0xf);
+            dst[b * 32 + 16 + k] = (int8_t)(src[b * 16 + k] >> 4);
+        }
+    return dst;
+}
+#endif
+
+#if TRIFORCE_VNNI
+/* A tile's weights and a group of 16 x rows (transposed: x [K/4][16 rows x 4 bytes] as
+ * q + 128, then dx [Uc][16], xs [Uc][16]) -> res[j][lane] for the tile's NJ weight rows
+ * wb[j] (signed bytes), with cw [NJ][Uc] the lanes' starting values and sw, mu [NJ][Uc]. */
+static inline __attribute__((always_inline)) void xl_tile(const uint8_t *grp, int64_t K, int64_t Uc,
+                                                          const int8_t *const *wb, const int32_t *cw,
+                                                          const float *sw, const float *mu, const int U,
+                                                          const int MINV, float res[NJ][16]) {
+    const float *dxt = (const float *)(grp + 16 * K), *xst = dxt + Uc * 16;
+    __m512 acc[NJ];
+    for (int j = 0; j < NJ; j++) acc[j] = _mm512_setzero_ps();
+    for (int64_t u = 0; u < Uc; u++) {
+        __m512i is[NJ];
+        for (int j = 0; j < NJ; j++) is[j] = _mm512_set1_epi32(cw[j * Uc + u]);
+        for (int t = 0; t < U / 4; t++) {
+            const __m512i xv = _mm512_loadu_si512(grp + (u * (U / 4) + t) * 64);
+            for (int j = 0; j < NJ; j++) {
+                int32_t wd;
+                memcpy(&wd, wb[j] + u * U + 4 * t, sizeof wd);
+                is[j] = _mm512_dpbusd_epi32(is[j], xv, _mm512_set1_epi32(wd));
+            }
+        }
+        const __m512 sx = _mm512_loadu_ps(dxt + u * 16);
+        for (int j = 0; j < NJ; j++)
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[j]), _mm512_mul_ps(sx, _mm512_set1_ps(sw[j * Uc + u])), acc[j]);
+        if (MINV) {
+            const __m512 xs = _mm512_loadu_ps(xst + u * 16);
+            for (int j = 0; j < NJ; j++) acc[j] = _mm512_fmadd_ps(xs, _mm512_set1_ps(mu[j * Uc + u]), acc[j]);
+        }
+    }
+    for (int j = 0; j < NJ; j++) _mm512_storeu_ps(res[j], acc[j]);
+}
+
+static void xl_tile_any(const uint8_t *grp, int64_t K, int64_t Uc, const int8_t *const *wb, const int32_t *cw,
+                        const float *sw, const float *mu, int U, int minv, float res[NJ][16]) {
+    if (U == 32) {
+        if (minv) xl_tile(grp, K, Uc, wb, cw, sw, mu, 32, 1, res);
+        else xl_tile(grp, K, Uc, wb, cw, sw, mu, 32, 0, res);
+    } else {
+        if (minv) xl_tile(grp, K, Uc, wb, cw, sw, mu, 16, 1, res);
+        else xl_tile(grp, K, Uc, wb, cw, sw, mu, 16, 0, res);
+    }
+}
+
+/* r[j] lane t <- r[t] lane j: a 16 x 16 transpose of 32-bit elements */
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 16; i += 8)
+        for (int k = 0; k < 4; k++) {
+            t[i + k] = _mm512_shuffle_i32x4(r[i + k], r[i + 4 + k], 0x88);
+            t[i + 4 + k] = _mm512_shuffle_i32x4(r[i + k], r[i + 4 + k], 0xdd);
+        }
+    for (int k = 0; k < 8; k++) {
+        r[k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0x88);
+        r[8 + k] = _mm512_shuffle_i32x4(t[k], t[8 + k], 0xdd);
+    }
+}
+
+/* 64 inputs (chunk c) of weight row n as bytes in natural order (int4: nibbles 0..15) */
+static inline __m512i chunk_bytes(const uint8_t *q, int bits, int64_t K, int64_t n, int64_t c) {
+    if (bits == 8) return _mm512_loadu_si512(q + n * K + c * QC);
+    /* 32 packed bytes: [A lo, A hi, B lo, B hi] as 4 x 16 bytes */
+    const __m256i lo4 = _mm256_set1_epi8(0xf);
+    const __m256i b = _mm256_loadu_si256((const __m256i *)(q + n * (K / 2) + c * (QC / 2)));
+    const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, lo4)),
+                                         _mm256_and_si256(_mm256_srli_epi16(b, 4), lo4), 1);
+    return _mm512_shuffle_i64x2(v, v, 0xd8); /* 128-bit lanes 0, 2, 1, 3 */
+}
+
+/* A tile's x-lane weight row n: bytes (int4 unpacked into dst), cw [Uc] = -128 * each unit's sum */
+static const int8_t *xl_row(const uint8_t *q, int bits, int64_t K, int64_t n, int64_t U, int8_t *dst, int32_t *cw) {
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int64_t c = 0; c < K / QC; c++) {
+        const __m512i w = chunk_bytes(q, bits, K, n, c);
+        if (bits == 4) _mm512_storeu_si512(dst + c * QC, w);
+        int32_t s[16];
+        _mm512_storeu_si512(s, _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, w));
+        for (int u = 0; u < QC / U; u++) {
+            int32_t t = 0;
+            for (int i = 0; i < U / 4; i++) t += s[u * (U / 4) + i];
+            cw[c * (QC / U) + u] = -128 * t;
+        }
+    }
+    return bits == 8 ? (const int8_t *)q + n * K : dst;
+}
+
+/* The params of 16 weight rows n[j] per unit, as columns sw, mu [Uc][16] */
+static void wl_params(const void *scale, const void *minv, int f16, const int64_t *n, int64_t groups, int64_t G,
+                      int64_t U, int64_t Uc, float *sw, float *mu) {
+    if (G != U) { /* groups of 64 or more: few, one at a time */
+        for (int j = 0; j < WL; j++)
+            for (int64_t g = 0; g < groups; g++) {
+                const float a = load_param(scale, n[j] * groups + g, f16), b = minv ? load_param(minv, n[j] * groups + g, f16) : 0.0f;
+                for (int64_t u = g * (G / U); u < (g + 1) * (G / U); u++) {
+                    sw[u * WL + j] = a;
+                    if (minv) mu[u * WL + j] = b;
                 }
             }
-            const float s = G <= 32 ? sw[c * QC / G + gl[i]] : sw[c * QC / G];
-            acc[i] = __builtin_fmaf((float)sum * sxl[c * 16 + i], s, acc[i]);
-        }
+        return;
     }
-    return hsum(acc);
-}
-#endif
-
-#if TRIFORCE_VNNI
-/* Rows r < RBN of x (row_bytes apart from xq) against weight rows j < NTN, every chunk: res[r][j]
- * as dot_row computes it, lane for lane and chunk for chunk (so a row's result does not
- * depend on RBN or NTN); each weight chunk is unpacked and its lane scales gathered once for
- * the RBN rows. RBN, NTN and bits are constants in each specialization (tile_q8 below). */
-static inline __attribute__((always_inline)) void dot_tile(const uint8_t *xq, size_t row_bytes, int64_t K,
-                                                           const uint8_t *const *w, const float *const *sw,
-                                                           const int bits, int64_t G, int64_t C, __m512i idx,
-                                                           const int RBN, const int NTN, float res[4][4]) {
-    const __m256i lo4 = _mm256_set1_epi8(0xf);
-    const __m512i bias8 = _mm512_set1_epi8((char)0x80);
-    __m512 acc[4][4];
-    for (int r = 0; r < RBN; r++)
-        for (int j = 0; j < NTN; j++) acc[r][j] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < C; c++) {
-        __m512i wv[4], cr[4];
-        __m512 s[4];
-        for (int j = 0; j < NTN; j++) {
-            if (bits == 4) {
-                const __m256i b = _mm256_loadu_si256((const __m256i *)(w[j] + c * (QC / 2)));
-                wv[j] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, lo4)),
-                                           _mm256_and_si256(_mm256_srli_epi16(b, 4), lo4), 1);
-            } else {
-                wv[j] = _mm512_loadu_si512(w[j] + c * QC);
-                /* -128 * (sum of the lane's weights): the accumulator each row's dot starts from,
-                 * so that (x + 128) . w lands on x . w with no subtraction per row (exact: int32) */
-                cr[j] = _mm512_sub_epi32(_mm512_setzero_si512(),
-                                         _mm512_dpbusd_epi32(_mm512_setzero_si512(), bias8, wv[j]));
+    for (int which = 0; which < (minv ? 2 : 1); which++) {
+        const void *src = which ? minv : scale;
+        float *dst = which ? mu : sw;
+        for (int64_t u0 = 0; u0 < Uc; u0 += 16) {
+            const int64_t left = Uc - u0;
+            const __mmask16 m = left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1);
+            __m512i r[16];
+            for (int j = 0; j < WL; j++) {
+                const __m512 v = f16 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, (const uint16_t *)src + n[j] * groups + u0))
+                                     : _mm512_maskz_loadu_ps(m, (const float *)src + n[j] * groups + u0);
+                r[j] = _mm512_castps_si512(v);
             }
-            s[j] = G <= 32 ? _mm512_permutexvar_ps(idx, _mm512_loadu_ps(sw[j] + c * QC / G))
-                           : _mm512_set1_ps(sw[j][c * QC / G]);
+            transpose16(r);
+            for (int64_t t = 0; t < (left < 16 ? left : 16); t++) _mm512_storeu_si512(dst + (u0 + t) * 16, r[t]);
         }
-        for (int r = 0; r < RBN; r++) {
-            const uint8_t *xr = xq + r * row_bytes;
-            const __m512i xv = _mm512_loadu_si512(xr + c * QC);
-            const __m512 sx = _mm512_loadu_ps((const float *)(xr + K) + c * 16);
-            for (int j = 0; j < NTN; j++) {
-                const __m512i idot = bits == 4 ? _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[j], xv)
-                                               : _mm512_dpbusd_epi32(cr[j], xv, wv[j]);
-                acc[r][j] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(idot), sx), s[j], acc[r][j]);
+    }
+}
+
+/* 16 weight rows n[j] into columns wt [K/4][16 rows x 4 bytes] (int8: q + 128 unsigned; int4:
+ * nibbles), every 64 inputs one transpose. */
+static void wl_columns(const uint8_t *q, int bits, int64_t K, const int64_t *n, uint8_t *wt) {
+    const __m512i flip = _mm512_set1_epi8(bits == 8 ? (char)0x80 : 0);
+    for (int64_t c = 0; c < K / QC; c++) {
+        __m512i r[16];
+        for (int j = 0; j < 16; j++) r[j] = chunk_bytes(q, bits, K, n[j], c);
+        transpose16(r);
+        for (int t = 0; t < 16; t++) _mm512_storeu_si512(wt + (c * 16 + t) * 64, _mm512_xor_si512(r[t], flip));
+    }
+}
+
+/* Rows r < M of x (natural records: qx [K], dxu [Uc], xs [Uc], cx [Uc] = -128 * sq) against a
+ * tile of 16 weight columns wt, sw and mu [Uc][16] -> res [M][16]. */
+static inline __attribute__((always_inline)) void wl_rows(const uint8_t *wt, const float *sw, const float *mu,
+                                                          const uint8_t *xrec, size_t rec_bytes, int64_t M,
+                                                          int64_t K, int64_t Uc, const int bits, const int U,
+                                                          const int MINV, float *res) {
+    for (int64_t r = 0; r < M; r++) {
+        const uint8_t *rec = xrec + r * rec_bytes;
+        const float *dxu = (const float *)(rec + K), *xs = dxu + Uc;
+        const int32_t *cx = (const int32_t *)(xs + Uc);
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t u = 0; u < Uc; u++) {
+            __m512i a = bits == 8 ? _mm512_set1_epi32(cx[u]) : _mm512_setzero_si512(), b = _mm512_setzero_si512();
+            for (int t = 0; t < U / 4; t += 2) {
+                int32_t x0, x1;
+                memcpy(&x0, rec + u * U + 4 * t, sizeof x0);
+                memcpy(&x1, rec + u * U + 4 * t + 4, sizeof x1);
+                a = _mm512_dpbusd_epi32(a, _mm512_loadu_si512(wt + (u * (U / 4) + t) * 64), _mm512_set1_epi32(x0));
+                b = _mm512_dpbusd_epi32(b, _mm512_loadu_si512(wt + (u * (U / 4) + t + 1) * 64), _mm512_set1_epi32(x1));
             }
+            const __m512 comb = _mm512_mul_ps(_mm512_set1_ps(dxu[u]), _mm512_loadu_ps(sw + u * 16));
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a, b)), comb, acc);
+            if (MINV) acc = _mm512_fmadd_ps(_mm512_set1_ps(xs[u]), _mm512_loadu_ps(mu + u * 16), acc);
         }
+        _mm512_storeu_ps(res + r * 16, acc);
     }
-    for (int r = 0; r < RBN; r++)
-        for (int j = 0; j < NTN; j++) {
-            v16 v;
-            memcpy(&v, &acc[r][j], sizeof v);
-            res[r][j] = hsum(v);
-        }
 }
 
-#define TILE_CASE(B, R, T) \
-    case (B) * 100 + (R) * 10 + (T): dot_tile(xq, row_bytes, K, w, sw, B, G, C, idx, R, T, res); break;
-#define TILE_ROWS(B, R) TILE_CASE(B, R, 1) TILE_CASE(B, R, 2) TILE_CASE(B, R, 3) TILE_CASE(B, R, 4)
-
-static void tile_q8(const uint8_t *xq, size_t row_bytes, int64_t K, const uint8_t *const *w, const float *const *sw,
-                    int bits, int64_t G, int64_t C, __m512i idx, int rb, int nt, float res[4][4]) {
-    switch (bits * 100 + rb * 10 + nt) {
-        TILE_ROWS(4, 1) TILE_ROWS(4, 2) TILE_ROWS(4, 3) TILE_ROWS(4, 4)
-        TILE_ROWS(8, 1) TILE_ROWS(8, 2) TILE_ROWS(8, 3) TILE_ROWS(8, 4)
-    }
+static void wl_rows_any(const uint8_t *wt, const float *sw, const float *mu, const uint8_t *xrec, size_t rec_bytes,
+                        int64_t M, int64_t K, int64_t Uc, int bits, int U, int minv, float *res) {
+#define WL_CASE(B, UU, MV) \
+    if (bits == B && U == UU && !!minv == MV) return wl_rows(wt, sw, mu, xrec, rec_bytes, M, K, Uc, B, UU, MV, res);
+    WL_CASE(8, 32, 0) WL_CASE(8, 32, 1) WL_CASE(8, 16, 0) WL_CASE(8, 16, 1) WL_CASE(4, 32, 0) WL_CASE(4, 32, 1)
+#undef WL_CASE
 }
 #endif
-
-static float dot_offsets(const float *mf, const float *xsg, int64_t ngp) {
-#if TRIFORCE_VNNI
-    __m512 a = _mm512_setzero_ps();
-    for (int64_t g = 0; g < ngp; g += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(mf + g), _mm512_loadu_ps(xsg + g), a);
-    v16 acc;
-    memcpy(&acc, &a, sizeof acc);
-#else
-    v16 acc = (v16){};
-    for (int64_t g = 0; g < ngp; g += 16) {
-        v16 m, s;
-        memcpy(&m, mf + g, sizeof m);
-        memcpy(&s, xsg + g, sizeof s);
-        for (int i = 0; i < 16; i++) acc[i] = __builtin_fmaf(m[i], s[i], acc[i]);
-    }
-#endif
-    return hsum(acc);
-}
 
 /* One row of x as the int8 kernel takes it, before quantization: RMS-normalised with
  * weight nw (x * (1 / sqrtf(sum(x^2) / K + eps)) * nw, the sum in increasing k), or the
@@ -501,6 +566,13 @@ static void prep_row(const float *restrict x, int64_t K, const float *restrict n
     }
 }
 
+/* out[r, n] from the pair's recurrence value o (bias, residual as documented above) */
+static inline void store(float *out, int64_t ldo, const float *bias, const float *radd, int64_t ldr, int64_t r,
+                         int64_t n, float o) {
+    if (bias) o += bias[n];
+    out[r * ldo + n] = radd ? radd[r * ldr + n] + o : o;
+}
+
 static int qlinear_q8(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *q, int bits,
                       int64_t G, const void *scale, const void *minv, int f16, const float *bias,
                       int64_t N, float *out, int64_t ldo, const float *nw, float eps, int glu,
@@ -510,82 +582,124 @@ static int qlinear_q8(const float *x, int64_t M, int64_t K, int64_t ldx, const u
         ldo < N || (nw && glu) || (radd && ldr < N))
         return -1;
     if (M == 0) return 0;
-    const int64_t C = K / QC, groups = K / G, ngp = (groups + 15) / 16 * 16;
-    const int64_t wbytes = bits == 4 ? K / 2 : K;
-    const size_t row_bytes = (size_t)K + (size_t)C * 16 * sizeof(float) + (size_t)ngp * sizeof(float);
-    uint8_t *xbuf = scratch(ROWS, (size_t)M * row_bytes);
-    float *xp = nw || glu ? scratch(PREP, (size_t)K * sizeof(float)) : NULL;
-    if (!xbuf || ((nw || glu) && !xp)) return -2;
+    const int64_t U = G == 16 ? 16 : 32, Uc = K / U, groups = K / G;
+    /* natural records (few rows, portable builds): qx [K], dxu, xs [Uc] floats, cx [Uc] int32;
+     * x-lane groups of 16 rows: x [K/4][64], dx [Uc][16], xs [Uc][16] */
+    const size_t rec_bytes = ((size_t)K + 12 * (size_t)Uc + 63) / 64 * 64, grp_bytes = 16 * (size_t)K + 128 * (size_t)Uc;
+    const int xl = TRIFORCE_VNNI && M >= XL_MIN;
+    const int64_t ngrp = (M + 15) / 16;
+    uint8_t *xbuf = scratch(ROWS, xl ? (size_t)ngrp * grp_bytes : (size_t)M * rec_bytes);
+    float *xp = scratch(PREP, (size_t)K * sizeof(float) + rec_bytes);
+    if (!xbuf || !xp) return -2;
     for (int64_t r = 0; r < M; r++) {
-        uint8_t *xr = xbuf + r * row_bytes;
         const float *row = x + r * ldx;
-        if (xp) {
+        if (nw || glu) {
             prep_row(row, K, nw, eps, glu, xp);
             row = xp;
         }
-        quantize_row(row, K, bits, G, xr, (float *)(xr + K), minv ? (float *)(xr + K) + C * 16 : NULL, ngp);
+        uint8_t *rec = xl ? (uint8_t *)(xp + K) : xbuf + r * rec_bytes;
+        float *dxu = (float *)(rec + K), *xs = dxu + Uc;
+        int32_t *sq = (int32_t *)(xs + Uc);
+        quantize_row(row, K, U, (int8_t *)rec, dxu, sq);
+        for (int64_t u = 0; u < Uc; u++) {
+            xs[u] = dxu[u] * (float)sq[u];
+            sq[u] = -128 * sq[u]; /* cx: an int8 weight column's lanes start here */
+        }
+        if (xl) { /* into lane r % 16 of its group, x + 128 as unsigned bytes */
+            uint8_t *grp = xbuf + (r / 16) * grp_bytes;
+            const int l = (int)(r % 16);
+            if (l == 0 && M - r < 16) { /* a last, partial group: the lanes past M hold x = 0 */
+                memset(grp, 0x80, 16 * (size_t)K);
+                memset(grp + 16 * (size_t)K, 0, 128 * (size_t)Uc);
+            }
+            for (int64_t k = 0; k < K; k += 4) {
+                uint32_t d;
+                memcpy(&d, rec + k, sizeof d);
+                d ^= 0x80808080u;
+                memcpy(grp + k * 16 + 4 * l, &d, sizeof d);
+            }
+            float *dxt = (float *)(grp + 16 * K), *xst = dxt + Uc * 16;
+            for (int64_t u = 0; u < Uc; u++) {
+                dxt[u * 16 + l] = dxu[u];
+                xst[u * 16 + l] = xs[u];
+            }
+        }
     }
-    int gl[16]; /* lane i's group, relative to its chunk's first (0 when G is a multiple of 64) */
-    for (int i = 0; i < 16; i++) gl[i] = G <= 32 ? lane_pos(bits, i) / (int)G : 0;
-#if TRIFORCE_VNNI
-    const __m512i idx = _mm512_loadu_si512(gl);
-#endif
-    /* One int8 weight row per tile for a single row of x (a decode step): measured on a Zen 4
-     * VM with one thread, a 49152x576 Q8_0 matrix (the bundled model's LM head) streamed from
-     * memory in 2.5 ms this way against 5.1 ms in tiles of four; int4 rows lost (3.5 -> 4.2 ms
-     * for 92160x576), and so does anything served from cache. A row's result is the same
-     * either way (every (row, feature) pair accumulates alone, in the same order). */
-    const int64_t ntq = bits == 8 && M == 1 ? 1 : NTQ;
-    const int64_t tiles = (N + ntq - 1) / ntq;
+    const int64_t nt_w = xl ? NJ : WL, tiles = (N + nt_w - 1) / nt_w;
+    /* per thread: xl: NJ unpacked int4 rows, cw [NJ][Uc], sw, mu [NJ][Uc]; else: columns
+     * [K/4][64], sw, mu [Uc][16] (and the portable path's unpacked row) */
+    const size_t tile_bytes = xl ? (size_t)NJ * K + 12 * (size_t)NJ * Uc : (size_t)16 * K + 128 * (size_t)Uc + K;
     int failed = 0;
 #pragma omp parallel
     {
-        float *sw = scratch(TILE, (size_t)NTQ * (2 * ngp + 32) * sizeof(float));
-        if (!sw) {
+        uint8_t *tb = scratch(TILE, tile_bytes);
+        if (!tb) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
         for (int64_t ti = 0; ti < tiles; ti++) {
-            if (!sw) continue;
-            const int64_t n0 = ti * ntq, nt = N - n0 < ntq ? N - n0 : ntq;
-            for (int64_t j = 0; j < nt; j++)
-                row_params(scale, minv, f16, n0 + j, groups, ngp, sw + j * (2 * ngp + 32), sw + j * (2 * ngp + 32) + ngp + 16);
-            const uint8_t *w[NTQ];
-            const float *swp[NTQ];
-            for (int64_t j = 0; j < nt; j++) {
-                w[j] = q + (n0 + j) * wbytes;
-                swp[j] = sw + j * (2 * ngp + 32);
-            }
-            /* The next tile's weights asked for now: with several rows of x, the rows' dots
-             * of this tile leave the loads far apart and the hardware prefetcher falls behind
-             * (measured on a Zen 4 VM, 2 threads, Gemma 3's 262144x640 LM head at 8 rows:
-             * 19.6 -> 9.4 ms; 2 rows 10.1 -> 4.1; one row unchanged at 4.9). */
-            if (ti + 1 < tiles)
-                for (int64_t b = 0; b < (N - n0 - nt < ntq ? N - n0 - nt : ntq) * wbytes; b += 64)
-                    __builtin_prefetch(q + (n0 + nt) * wbytes + b, 0, 0);
-            for (int64_t r0 = 0; r0 < M; r0 += 4) {
-                const int rb = M - r0 < 4 ? (int)(M - r0) : 4;
-                float res[4][4];
+            if (!tb) continue;
+            const int64_t n0 = ti * nt_w, nt = N - n0 < nt_w ? N - n0 : nt_w;
 #if TRIFORCE_VNNI
-                tile_q8(xbuf + r0 * row_bytes, row_bytes, K, w, swp, bits, G, C, idx, rb, (int)nt, res);
-#else
-                for (int r = 0; r < rb; r++)
-                    for (int64_t j = 0; j < nt; j++) {
-                        const uint8_t *xr = xbuf + (r0 + r) * row_bytes;
-                        res[r][j] = dot_row(xr, (const float *)(xr + K), w[j], swp[j], bits, G, C, gl);
-                    }
-#endif
-                for (int r = 0; r < rb; r++) {
-                    const float *xsg = (const float *)(xbuf + (r0 + r) * row_bytes + K) + C * 16;
-                    for (int64_t j = 0; j < nt; j++) {
-                        float o = res[r][j];
-                        if (minv) o += dot_offsets(swp[j] + ngp + 16, xsg, ngp);
-                        if (bias) o += bias[n0 + j];
-                        out[(r0 + r) * ldo + n0 + j] = radd ? radd[(r0 + r) * ldr + n0 + j] + o : o;
-                    }
+            if (xl) {
+                int32_t *cw = (int32_t *)(tb + (size_t)NJ * K);
+                float *sw = (float *)(cw + NJ * Uc), *mu = sw + NJ * Uc;
+                const int8_t *wb[NJ];
+                for (int j = 0; j < NJ; j++) {
+                    const int64_t n = n0 + (j < nt ? j : 0); /* last tile: repeat a row */
+                    wb[j] = xl_row(q, bits, K, n, U, (int8_t *)tb + (size_t)j * K, cw + j * Uc);
+                    unit_params(scale, minv, f16, n, groups, G, U, sw + j * Uc, mu + j * Uc);
+                }
+                for (int64_t g = 0; g < ngrp; g++) {
+                    float res[NJ][16];
+                    xl_tile_any(xbuf + g * grp_bytes, K, Uc, wb, cw, sw, mu, (int)U, minv != NULL, res);
+                    for (int64_t l = 0; l < 16 && g * 16 + l < M; l++)
+                        for (int64_t j = 0; j < nt; j++) store(out, ldo, bias, radd, ldr, g * 16 + l, n0 + j, res[j][l]);
+                }
+                continue;
+            }
+            {
+                uint8_t *wt = tb;
+                float *sw = (float *)(tb + 16 * (size_t)K), *mu = sw + 16 * Uc;
+                int64_t n[WL];
+                for (int j = 0; j < WL; j++) n[j] = n0 + (j < nt ? j : 0);
+                wl_params(scale, minv, f16, n, groups, G, U, Uc, sw, mu);
+                wl_columns(q, bits, K, n, wt);
+                /* the next tile's weights asked for now: the rows' dots leave the loads far apart */
+                const int64_t wbytes = bits == 4 ? K / 2 : K;
+                if (ti + 1 < tiles)
+                    for (int64_t b = 0; b < (N - n0 - nt < WL ? N - n0 - nt : WL) * wbytes; b += 64)
+                        __builtin_prefetch(q + (n0 + nt) * wbytes + b, 0, 0);
+                for (int64_t r0 = 0; r0 < M; r0 += 16) {
+                    const int64_t rb = M - r0 < 16 ? M - r0 : 16;
+                    float res[16][16];
+                    wl_rows_any(wt, sw, mu, xbuf + r0 * rec_bytes, rec_bytes, rb, K, Uc, bits, (int)U, minv != NULL, &res[0][0]);
+                    for (int64_t r = 0; r < rb; r++)
+                        for (int64_t j = 0; j < nt; j++) store(out, ldo, bias, radd, ldr, r0 + r, n0 + j, res[r][j]);
                 }
             }
+#else
+            float *sw = (float *)(tb + 16 * (size_t)K), *mu = sw + 16 * Uc;
+            for (int64_t j = 0; j < nt; j++) {
+                const int8_t *w = row_bytes(q, bits, K, n0 + j, (int8_t *)tb);
+                unit_params(scale, minv, f16, n0 + j, groups, G, U, sw, mu);
+                for (int64_t r = 0; r < M; r++) {
+                    const uint8_t *rec = xbuf + r * rec_bytes;
+                    const int8_t *qx = (const int8_t *)rec;
+                    const float *dxu = (const float *)(rec + K), *xs = dxu + Uc;
+                    float acc = 0.0f;
+                    for (int64_t u = 0; u < Uc; u++) {
+                        int32_t is = 0;
+                        for (int64_t k = u * U; k < (u + 1) * U; k++) is += (int32_t)qx[k] * w[k];
+                        const float comb = dxu[u] * sw[u];
+                        acc = __builtin_fmaf((float)is, comb, acc);
+                        if (minv) acc = __builtin_fmaf(xs[u], mu[u], acc);
+                    }
+                    store(out, ldo, bias, radd, ldr, r, n0 + j, acc);
+                }
+            }
+#endif
         }
     }
     return failed ? -2 : 0;

@@ -52,6 +52,18 @@ def main() -> int:
                                     print(f"differs: bits {bits} N {N} K {K} G {G} M {M} f16 {f16} {act}")
                                     return 1
                                 n += 1
+    for bits, G in ((8, 16), (8, 32), (8, 128), (4, 32), (4, 64)):  # enough rows for lanes along rows of x
+        for M in (64, 70):
+            p = part(bits, 11, 128, G, M == 70, bits == 4 or M == 70, g)
+            lin = QLinear([p], torch.randn(11, generator=g), act="int8")
+            x = torch.randn(M, 128, generator=g)
+            y = lin(x)
+            ref = torch.nn.functional.linear(quantize_x(x).double(), p.dequantize().double(), lin.bias.double())
+            rows = torch.cat([lin(x[i:i + 1]) for i in range(M)])
+            if not torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-4) or not torch.equal(rows, y):
+                print(f"differs: bits {bits} G {G} M {M} (lanes along rows of x)")
+                return 1
+            n += 1
     rng = random.Random(39)  # fuzzed shapes
     for i in range(60):
         bits, K = rng.choice((4, 8)), 32 * rng.randint(1, 24)

@@ -44,7 +44,9 @@ def test_int8_activations_match_their_reference_and_rows_do_not_depend_on_the_ba
     part = _part(bits, N, K, G, f16, with_min)
     bias = torch.randn(N)
     lin = QLinear([part], bias, act="int8")
-    x = torch.randn(2, 9, K) * torch.logspace(-2, 1, K)  # blocks of very different scales
+    # 70 rows: lanes along rows of x (groups of 16, the last one partial); each row alone: lanes
+    # along weight rows; blocks of very different scales
+    x = torch.randn(2, 35, K) * torch.logspace(-2, 1, K)
     y = lin(x)
     if part.q8_ok():
         ref = F.linear(qlinear.quantize_x(x).double(), part.dequantize().double(), bias.double()).float()
@@ -52,8 +54,9 @@ def test_int8_activations_match_their_reference_and_rows_do_not_depend_on_the_ba
         assert not torch.equal(y, QLinear([part], bias)(x))  # x was quantized
     else:
         assert torch.equal(y, QLinear([part], bias)(x))
-    rows = torch.cat([lin(x[b, t:t + 1]) for b in range(2) for t in range(9)]).view(2, 9, N)
+    rows = torch.cat([lin(x[b, t:t + 1]) for b in range(2) for t in range(35)]).view(2, 35, N)
     assert torch.equal(y, rows)
+    assert torch.equal(lin(x[:, :5]), y[:, :5])  # a few rows together
 
 
 @pytest.mark.parametrize("glu", [False, True])
