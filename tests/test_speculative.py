@@ -176,6 +176,18 @@ def test_auto_gamma_grows_with_acceptance_and_shrinks_without():
     assert AutoGamma(4).best(0.8, 1.0) == 1  # drafts as costly as verification: no speculation pays
 
 
+def test_auto_gamma_prices_the_verification_by_its_width():
+    """With the verifier's cost by width (Engine.cost), a verification whose rows cost
+    compute (a CPU's attention over a long cache) gets a shorter gamma than one whose width
+    is nearly free (a GPU's); the same acceptance and draft cost."""
+    ag = AutoGamma(6)
+    flat = ag.best_priced(0.9, 0.002, lambda w: 0.030 + 0.0005 * w)
+    steep = ag.best_priced(0.9, 0.002, lambda w: 0.030 * (1 + 0.6 * (w - 1)))
+    assert flat >= 10 and steep <= 4 and steep >= 1
+    g = ag.update(6, 6, 0.06, 0.1, verify_cost=lambda w: 0.030 * (1 + 0.6 * (w - 1)))
+    assert g < 6
+
+
 def test_rebuild_policy():
     assert Rebuild.parse("every:16").due(16, 1.0) and not Rebuild.parse("every:16").due(15, 0.0)
     ad = Rebuild.parse("adaptive")

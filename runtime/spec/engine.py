@@ -99,7 +99,10 @@ class AutoGamma:
         self.acc, self.trials = 4.0, 5.0  # prior: a = 0.8
         self.t_draft, self.t_verify = None, None  # EMA seconds per draft token / per verify
 
-    def update(self, g: int, k: int, t_draft: float, t_verify: float) -> int:
+    def update(self, g: int, k: int, t_draft: float, t_verify: float, verify_cost=None) -> int:
+        """One verification of g drafts kept k; t_draft and t_verify its seconds.
+        `verify_cost(w)`: seconds of the verifier's forward of w tokens (the engine's measured
+        widths, `Engine.cost`); without it a verification costs t_verify at any width."""
         d = self.decay
         self.acc = d * self.acc + k
         self.trials = d * self.trials + k + (k < g)
@@ -107,7 +110,9 @@ class AutoGamma:
             self.t_draft = self._ema(self.t_draft, t_draft / g)
         self.t_verify = self._ema(self.t_verify, t_verify)
         if self.t_draft is not None:
-            self.gamma = self.best(self.acc / self.trials, self.t_draft / self.t_verify)
+            a = self.acc / self.trials
+            self.gamma = (self.best(a, self.t_draft / self.t_verify) if verify_cost is None
+                          else self.best_priced(a, self.t_draft, verify_cost))
         return self.gamma
 
     def _ema(self, old, new):
@@ -116,6 +121,12 @@ class AutoGamma:
     def best(self, a: float, c: float) -> int:
         a = min(a, 0.999)
         return max(range(1, self.hi + 1), key=lambda g: (1 - a ** (g + 1)) / ((1 - a) * (1 + g * c)))
+
+    def best_priced(self, a: float, t_draft: float, verify_cost) -> int:
+        """The g that maximises tokens per second when a verification of g+1 tokens costs
+        verify_cost(g + 1): where computing the rows sets its time (a CPU's attention over a
+        long cache), each draft widens it, and a shorter γ pays more."""
+        return max(range(1, self.hi + 1), key=lambda g: expected_tokens(a, g) / (g * t_draft + verify_cost(g + 1)))
 
 
 # a forward of w tokens costs 1 + kappa (w - 1) of one, until the top measured two widths:
@@ -530,7 +541,8 @@ class Engine:
             self._acc_ema = 0.8 * self._acc_ema + 0.2 * (k / g)
         if self.auto and full_chain:
             # timings differ between tensor-parallel ranks: all take rank 0's choice
-            self.gammas[-1] = self.agree(self.auto.update(g, k, t_draft, t_verify))
+            top = len(self.levels) - 1
+            self.gammas[-1] = self.agree(self.auto.update(g, k, t_draft, t_verify, lambda w: self.cost(top, w)))
         cache = self.levels[-2].cache
         if self._retrieval[-2]:
             if cache.room() < self._round_room() or self.rebuild.due(self._since_build, self._acc_ema):
