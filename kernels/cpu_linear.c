@@ -305,7 +305,9 @@ int triforce_qrows(const int64_t *ids, int64_t n_ids, int64_t K, const uint8_t *
 #ifndef XL_MIN
 #define XL_MIN 64 /* rows of x from which lanes are rows of x (measured: below, weight rows win) */
 #endif
+#ifndef NJ
 #define NJ 8      /* weight rows per tile, lanes along x rows */
+#endif
 #define WL 16     /* weight rows per tile, lanes along weight rows */
 
 int triforce_linear_vnni(void) { return TRIFORCE_VNNI; }

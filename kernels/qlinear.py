@@ -13,8 +13,10 @@ them, e.g. Q4_K's d * sc).
 Kernels, one per device, behind `QLinear.forward` (`kernel()` names the one in use):
 - `native`, int8 activations (`act="int8"`, `--activations` auto on a CPU with AVX-512
   VNNI): cpu_linear.c quantizes each row of x by itself to int8 per 32 inputs (Q8_0, as
-  llama.cpp does) and dots 64 inputs per instruction in int32 (`vpdpbusd`), scaling each
-  lane by its weight group's and x block's scales. Portable C elsewhere (slow).
+  llama.cpp does); each (row, output) pair sums its integer products per unit of 32 (16)
+  inputs exactly (`vpdpbusd`) and adds float(sum) * (x scale * weight scale) per unit in
+  one FMA, with 16 rows of x or 16 weight rows side by side in the lanes. Portable C
+  elsewhere (slow).
 - `native`, float32 activations: cpu_linear.c on the CPU (AVX-512, AVX2 or NEON by build):
   dequantizes a tile of rows once and dots it with every row of x in float32.
   Either way each row's arithmetic is the same whatever the batch, so a verification of γ+1
