@@ -168,10 +168,12 @@ class Lease:
 
 def numerics(loaded) -> str:
     """What the KV a run writes was computed with, beyond the model and its KV dtype: the
-    activations (quantized.activations_set) and, on a CPU, whether attention rounds queries
+    activations (quantized.activations_set) with the int8 kernel's arithmetic and, on a CPU, whether attention rounds queries
     and probabilities to bfloat16 (native.bf16_dot). Kept prefixes and --kv-dir entries
     serve runs of the same numerics only: other numerics, other values."""
     act = getattr(loaded.model, "activations_now", "")
+    if act:  # the int8 kernel's arithmetic since 4dd32b3: one rounding per unit of inputs
+        act += "+linear:unit"
     if loaded.device.type == "cpu" and native.bf16_dot(loaded.kv_dtype, loaded.cfg.head_dim):
         act += "+attention:bf16"
     return act

@@ -151,10 +151,12 @@ class Acceptance:
     """One level's drafts as the levels above judge them: per-token acceptance as decayed
     counts of accepted and rejected tokens, the mean length of its drafts (an n-gram lookup
     often proposes fewer than its gamma, a sized one often none) and the mean tokens a
-    verification of them yields. The prior is one accepted and two rejected tokens: a few
-    early matches move it slowly."""
+    verification of them yields. The prior is one accepted and two rejected tokens (a few
+    early n-gram matches move it slowly), or one of each for a model level, whose every
+    scored row is a verdict (`prior_rejected`)."""
 
-    def __init__(self, decay: float = 0.9):
+    def __init__(self, decay: float = 0.9, prior_rejected: float = 2.0):
+        self.prior_rejected = prior_rejected
         self.acc = self.rej = 0.0
         self.length: float | None = None
         self.tokens: float | None = None  # tokens per verification (accepted + 1)
@@ -176,8 +178,9 @@ class Acceptance:
 
     @property
     def rate(self) -> float | None:
-        # the prior: one accepted, two rejected (a few lucky early matches are no verdict)
-        return (self.acc + 1.0) / (self.acc + self.rej + 3.0) if self.n else None
+        # the prior: one accepted, two rejected (a few lucky early matches are no verdict); a
+        # model level's (every row a verdict, none a lucky match): one of each
+        return (self.acc + 1.0) / (self.acc + self.rej + 1.0 + self.prior_rejected) if self.n else None
 
 
 class Bypass:
@@ -202,7 +205,7 @@ class Bypass:
                  probe_tokens: int = 8, probe_rounds: int = 3, margin: float = 0.97, decay: float = 0.8,
                  hopeless: float = 1.2, first_per_config: bool = False, bound=None, predict=None,
                  start_plain: bool = False, trust: float = 0.85, explore: float | None = None,
-                 unready=None):
+                 unready=None, lenient=None):
         import itertools
         self.configs = [frozenset(c) for r in range(len(optional) + 1)
                         for c in itertools.combinations(optional, r)]
@@ -217,6 +220,9 @@ class Bypass:
         self.predict = predict  # predict(c): seconds per token c is expected to cost (None: unknown)
         self.trust = trust  # probe what `predict` expects below trust x the best measured: its error margin
         self.unready = unready  # unready(c): c may not be probed yet (a measurement of it is due first)
+        # lenient(c): c may pay a lot at best: probed where predicted no slower than the best
+        # measured, not `trust` faster (its prediction rests on a few scored tokens)
+        self.lenient = lenient
         self.rest = {c: [0, 0] for c in self.configs}  # a hopeless probe's: tokens to sit out, next wait
         self.interval = interval
         self.probes: list[frozenset] = []
@@ -351,7 +357,7 @@ class Bypass:
         if p is not None:
             if p > self.hopeless * best:
                 self._rest(c)
-            return p >= self.trust * best
+            return p >= (1.0 if self.lenient and self.lenient(c) else self.trust) * best
         b = self.bound(c) if self.bound else None
         if b is None or b <= self.hopeless * best:
             return False
@@ -428,7 +434,8 @@ class Engine:
         self.stats = [LevelStats() for _ in self.levels[1:]]
         self.drafts = [DraftStats() for _ in self.levels[:-1]]
         self.reads0 = dict(READS.count)
-        self.accept = {j: Acceptance() for j in range(len(self.levels) - 1)}
+        self.accept = {j: Acceptance(prior_rejected=2.0 if self.levels[j].cache is None else 1.0)
+                       for j in range(len(self.levels) - 1)}
         self._sizing = isinstance(self.levels[0], SizingDrafter)
         if self._sizing:
             self.levels[0].agree = self.agree  # its sizes, priced by local timings, are rank 0's
@@ -438,6 +445,7 @@ class Engine:
             self.bypass.bound = self.bypass.bound or self.best_case
             self.bypass.predict = self.bypass.predict or self.predict
             self.bypass.unready = self.bypass.unready or self.unready
+            self.bypass.lenient = self.bypass.lenient or self.lenient
 
     @property
     def top(self):
@@ -678,6 +686,14 @@ class Engine:
         tr = self.cost(r, 1)
         best = (g * (t1 * ratio if tr is None else tr) + self.cost(top, g + 1)) / (g + 1)
         return t1 >= EAGER * best
+
+    def lenient(self, c: frozenset) -> bool:
+        """c runs the retrieval level, drafting for the top, whose best case promises `EAGER`
+        times the top's plain decode (`_eager`): its prediction rests on a scoring of a few
+        tokens and a prior (Acceptance), so a prediction of no loss earns it a probe, whose
+        measurement decides."""
+        r = self._scored()
+        return r is not None and r not in c and r == len(self.levels) - 2 and self._eager(r)
 
     def unready(self, c: frozenset) -> bool:
         """c may not be probed yet: it runs the retrieval level whose scoring waits
