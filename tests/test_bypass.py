@@ -347,3 +347,21 @@ def test_a_model_drafter_is_probed_only_where_its_priced_best_case_pays(model, m
     assert (st.extra["drafts"]["self"]["drafted"] > 0) == runs
     if not runs:
         assert st.extra["bypassed_tokens"]["self"] >= len(out) - 1
+
+
+def test_a_lenient_configuration_is_probed_first_whatever_the_share():
+    """Bypass.lenient: a configuration that may pay a lot (the engine: the retrieval level's
+    best case promises EAGER) is probed at the first cycle where predicted no slower than
+    the best measured, even when its scoring just spent the exploring share; a plain one
+    waits for the share and needs the `trust` margin."""
+    for lenient in (False, True):
+        b, cost, toks = _plain_best()
+        none = b.configs[0]
+        b.explore = 0.03
+        b.predict = lambda c: 0.0240 if c == none else cost[c]  # barely faster than plain
+        b.lenient = (lambda c: c == none) if lenient else None
+        for _ in range(b.warm):
+            c = b.choose()
+            b.record(c, cost[c] * toks[c], toks[c])
+        b.explored(1.0)  # a scoring that spent far more than the share
+        assert (b.choose() == none) == lenient

@@ -253,7 +253,8 @@ class Bypass:
 
     def cycle_due(self) -> bool:
         """The next `choose` starts a probe cycle."""
-        return not self.probes and self.may_explore() and (
+        return not self.probes and (self.may_explore() or any(
+            self.waiting(c) and self._first_lenient(c) for c in self.configs)) and (
             self.rounds == self.warm or (self.rounds > self.warm and self.since_probe >= self.interval))
 
     def waiting(self, c: frozenset) -> bool:
@@ -270,9 +271,16 @@ class Bypass:
             self.probes = self._promising()  # microseconds: not every round
         # judged by the latest measurements just before it would start; none starts once
         # exploring has spent its share (the cycle's rest waits for the next one)
-        while self.probes and self.probe == [0, 0] and (not self.may_explore() or self._beaten(self.probes[0])):
+        while self.probes and self.probe == [0, 0] and (not (self.may_explore() or self._first_lenient(self.probes[0]))
+                                                        or self._beaten(self.probes[0])):
             self._probed(ran=False)
         return self.probes[0] if self.probes else self.current
+
+    def _first_lenient(self, c: frozenset) -> bool:
+        """c may pay a lot (`lenient`) and never ran: its first probe does not wait for the
+        exploring share (which its scoring, just before, may have spent), as the first
+        scoring does not."""
+        return self.seen[c] == 0 and bool(self.lenient) and self.lenient(c)
 
     def _promising(self) -> list:
         """Between probe cycles: the configuration `predict` expects to beat the best
