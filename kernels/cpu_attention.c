@@ -193,6 +193,10 @@ static inline __attribute__((always_inline)) void scores_by_key(
 #define TK 32 /* keys per transposed tile: two vectors */
 #define MR 8 /* query rows per register tile (the packed rows are padded to a multiple) */
 
+/* a tile of n rows (1..MR) runs ROWS_CASE(n): code unrolled for each row count */
+#define ROW_TILE_SWITCH(n) \
+    switch (n) { ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4) ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8) }
+
 /* 16x16 transpose of 32-bit elements: x[i][e] -> x[e][i], four butterfly stages (each
  * swaps one bit of the row index with the same bit of the column index) */
 #define SWAP_STAGE(H, ...)                                                                   \
@@ -213,8 +217,9 @@ static inline void transpose16(u32x16 *x) {
     SWAP_STAGE(8, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
 }
 
-/* kt[e * TK + u] = element e of key j0 + u as float32 bits, for P elements per key (a
- * bfloat16 key widened). Keys past jend repeat the last one (their scores are never used). */
+/* kt[e * TK + u] = element e of key j0 + u as float32 bits, for P elements per key (bf16 1:
+ * a bfloat16 key widened; 2: element e is the pair (2e, 2e+1) of a bfloat16 key, its bits
+ * untouched, the bf16 path's). Keys past jend repeat the last one (their scores are never used). */
 static inline __attribute__((always_inline)) void transpose_keys(
         uint32_t *restrict kt, const void *k, int bf16, int64_t base, int64_t ss,
         int64_t j0, int64_t jend, const int P) {
@@ -224,7 +229,9 @@ static inline __attribute__((always_inline)) void transpose_keys(
             for (int u = 0; u < 16; u++) {
                 int64_t j = j0 + 16 * h + u;
                 j = j < jend ? j : jend - 1;
-                if (bf16) {
+                if (bf16 == 2)
+                    memcpy(x + u, (const uint16_t *)k + base + j * ss + 32 * c, sizeof x[u]);
+                else if (bf16) {
 #if defined(__AVX512F__)
                     const __m512i w = _mm512_slli_epi32(
                         _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)k + base + j * ss + 16 * c))), 16);
@@ -293,12 +300,9 @@ static inline __attribute__((always_inline)) void scores_by_tile(
         transpose_keys(kt, k, bf16, base, ss, jt, jend, P);
         for (int64_t r0 = 0; r0 < R; r0 += MR) {
             const uint32_t *qr = qp + r0 * P;
-            switch (R - r0 < MR ? (int)(R - r0) : MR) {
 #define ROWS_CASE(N) case N: score_rows(scores, qr, kt, r0, jt - j0, block, DV, N); break;
-                ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4)
-                ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
+            ROW_TILE_SWITCH(R - r0 < MR ? (int)(R - r0) : MR)
 #undef ROWS_CASE
-            }
         }
     }
 }
@@ -356,24 +360,6 @@ static inline void pack_rows_bf(uint32_t *restrict qb, const float *qh, int64_t 
     memset(qb + R * P2, 0, sizeof(uint32_t) * (Rp - R) * P2);
 }
 
-/* kt[e * TK + u] = the pair of elements (2e, 2e+1) of key j0 + u (bfloat16 bits, untouched);
- * keys past jend repeat the last one (their scores are never used) */
-static inline __attribute__((always_inline)) void transpose_keys_bf(
-        uint32_t *restrict kt, const uint16_t *k, int64_t base, int64_t ss, int64_t j0, int64_t jend,
-        const int P2) {
-    for (int h = 0; h < TK / 16; h++)
-        for (int c = 0; c < P2 / 16; c++) {
-            u32x16 x[16];
-            for (int u = 0; u < 16; u++) {
-                int64_t j = j0 + 16 * h + u;
-                j = j < jend ? j : jend - 1;
-                memcpy(x + u, k + base + j * ss + 32 * c, sizeof x[u]);
-            }
-            transpose16(x);
-            for (int e = 0; e < 16; e++) memcpy(kt + (16 * c + e) * TK + 16 * h, x + e, sizeof x[e]);
-        }
-}
-
 static inline __attribute__((always_inline)) void score_rows_bf(
         float *restrict scores, const uint32_t *qr, const uint32_t *kt, int64_t r0, int64_t col,
         int64_t block, const int P2, const int NR) {
@@ -397,15 +383,12 @@ static inline __attribute__((always_inline)) void scores_by_tile_bf(
         int64_t j0, int64_t jend, int64_t R, int64_t block, uint32_t *restrict kt, const int DV) {
     const int P2 = 8 * DV; /* pairs per key */
     for (int64_t jt = j0; jt < jend; jt += TK) {
-        transpose_keys_bf(kt, k, base, ss, jt, jend, P2);
+        transpose_keys(kt, k, 2, base, ss, jt, jend, P2);
         for (int64_t r0 = 0; r0 < R; r0 += MR) {
             const uint32_t *qr = qb + r0 * P2;
-            switch (R - r0 < MR ? (int)(R - r0) : MR) {
 #define ROWS_CASE(N) case N: score_rows_bf(scores, qr, kt, r0, jt - j0, block, P2, N); break;
-                ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4)
-                ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
+            ROW_TILE_SWITCH(R - r0 < MR ? (int)(R - r0) : MR)
 #undef ROWS_CASE
-            }
         }
     }
 }
