@@ -34,6 +34,7 @@ class ModelLevel:
         self.step = steps(model, cache, graphs, compile)
         self.held = held  # leading positions of seq held by the cache (it may arrive filled)
         self.time = 0.0  # seconds spent in forwards
+        self.token_bytes: int | None = None  # weight bytes a step reads (spec.modes.read_ratio, a draft model's)
 
     @torch.inference_mode()
     def forward(self, seq: list[int], rows: int) -> torch.Tensor:

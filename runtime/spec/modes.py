@@ -189,7 +189,7 @@ def read_ratio(levels, loaded):
             if loaded.token_bytes is None:  # the loaded model's, counted once (a walk over every module)
                 loaded.token_bytes = quantized.token_weight_bytes(loaded.model)
             return loaded.token_bytes
-        if getattr(lv, "token_bytes", None) is None:
+        if lv.token_bytes is None:  # a draft model's, counted once
             lv.token_bytes = quantized.token_weight_bytes(lv.model)
         return lv.token_bytes
 
