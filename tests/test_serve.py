@@ -20,6 +20,8 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
+from triforce_offload.bench.servers import stop
+
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
 
@@ -39,13 +41,7 @@ def server(tmp_path, *args, spec=SPEC):
         base = wait_ready(p, log)
         yield base, p
     finally:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop(p, 15)
 
 
 def wait_ready(p, log, timeout=180) -> str:

@@ -173,7 +173,7 @@ def test_auto_gamma_grows_with_acceptance_and_shrinks_without():
     for _ in range(40):
         g = ag.update(ag.gamma, 0, 0.01 * ag.gamma, 0.1)  # nothing accepted
     assert g == 1
-    assert AutoGamma(4).best(0.8, 1.0) == 1  # drafts as costly as verification: no speculation pays
+    assert AutoGamma(4).best_priced(0.8, 1.0, lambda w: 1.0) == 1  # drafts as costly as verification: no speculation pays
 
 
 def test_auto_gamma_prices_the_verification_by_its_width():

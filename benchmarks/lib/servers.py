@@ -43,13 +43,18 @@ def started(cmd: list[str], env: dict, ready: str, log: Path, timeout: float = 3
             raise RuntimeError("server did not start: " + log.read_text()[-2000:])
         yield base
     finally:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        stop(p, 20)
+
+
+def stop(p: subprocess.Popen, grace: float):
+    """A server process still running gets SIGTERM, and SIGKILL after `grace` seconds."""
+    if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(grace)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def events(base: str, route: str, body: dict, timeout: float = 900):

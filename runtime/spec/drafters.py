@@ -78,25 +78,24 @@ class ModelLevel:
         last `window` of the tokens it missed (those before would be evicted; what it
         drafts is checked, so a draft that misses older context costs acceptance, never
         correctness)."""
-        t0, n, c = time.perf_counter(), top.held, self.cache
-        if self.model is top.model:
-            c.load_from(top.cache, n)
-        else:
+        n, c = top.held, self.cache
+        if self.model is not top.model:
             lo = max(self.held, n - c.window, c.sink)
             if lo > c.length:
                 c.skip_to(lo)
-            for s in range(c.length, n, c.pending):
-                ids = to_device([seq[s: min(s + c.pending, n)]], self.device)
-                run_model(self.model, c, ids, s, last_only=True)
-                c.commit(min(s + c.pending, n))
+            self.prefill(seq[:n], c.pending, start=c.length)
+            return
+        t0 = time.perf_counter()
+        c.load_from(top.cache, n)
         self.held = n
         self.time += time.perf_counter() - t0
 
     @torch.inference_mode()
-    def prefill(self, prompt: list[int], prefill_chunk: int):
-        """Run the prompt through this level's own cache (a draft model's streaming cache)."""
+    def prefill(self, prompt: list[int], prefill_chunk: int, start: int = 0):
+        """Run the prompt (from position `start`, what the cache holds) through this level's
+        own cache (a draft model's streaming cache)."""
         t0 = time.perf_counter()
-        for s in range(0, len(prompt), prefill_chunk):
+        for s in range(start, len(prompt), prefill_chunk):
             ids = to_device([prompt[s: s + prefill_chunk]], self.device)
             run_model(self.model, self.cache, ids, s, last_only=True)
             self.cache.commit(min(s + prefill_chunk, len(prompt)))

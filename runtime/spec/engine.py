@@ -90,7 +90,8 @@ class AutoGamma:
     """Pick the top level's gamma from measured acceptance and draft/verify cost.
 
     Expected tokens per verification with per-token acceptance a is (1 - a^(g+1)) / (1 - a)
-    and the cost of a round is t_verify + g * t_draft; take the g that maximises their
+    and the cost of a round is t_verify(g + 1) + g * t_draft (the verifier's forward of g+1
+    tokens, as the engine measured its widths); take the g that maximises their
     ratio (SpecDec++ and HF's dynamic lookahead adapt the same quantity heuristically).
     """
 
@@ -110,17 +111,12 @@ class AutoGamma:
             self.t_draft = self._ema(self.t_draft, t_draft / g)
         self.t_verify = self._ema(self.t_verify, t_verify)
         if self.t_draft is not None:
-            a = self.acc / self.trials
-            self.gamma = (self.best(a, self.t_draft / self.t_verify) if verify_cost is None
-                          else self.best_priced(a, self.t_draft, verify_cost))
+            self.gamma = self.best_priced(self.acc / self.trials, self.t_draft,
+                                          verify_cost or (lambda w: self.t_verify))
         return self.gamma
 
     def _ema(self, old, new):
         return new if old is None else self.decay * old + (1 - self.decay) * new
-
-    def best(self, a: float, c: float) -> int:
-        a = min(a, 0.999)
-        return max(range(1, self.hi + 1), key=lambda g: (1 - a ** (g + 1)) / ((1 - a) * (1 + g * c)))
 
     def best_priced(self, a: float, t_draft: float, verify_cost) -> int:
         """The g that maximises tokens per second when a verification of g+1 tokens costs
@@ -589,9 +585,7 @@ class Engine:
         run = [i for i in range(len(self.levels)) if i not in skip]
 
         def cost(i: int, w: int) -> float | None:
-            if (i, w) in self.forward_s:
-                return self.forward_s[(i, w)]
-            return self._priced(i, w) if priced else None
+            return self._priced(i, w) if priced else self.forward_s.get((i, w))
 
         def make(n: int, want: int) -> float | None:  # seconds for level run[n] to produce `want` tokens
             i = run[n]
@@ -686,14 +680,17 @@ class Engine:
         costs that much less per token than the top's one-token forward, its own forward
         priced by what it reads (`read_ratio`: an estimate from below where compute, not
         reading, sets the time, as on a CPU). True while a price is unknown."""
-        top = len(self.levels) - 1
-        t1, ratio = self.cost(top, 1), self.read_ratio(r) if self.read_ratio else None
-        if t1 is None or ratio is None or r != top - 1:
+        if r != len(self.levels) - 2:
             return True
-        g = self.gammas[r]
-        tr = self.cost(r, 1)
-        best = (g * (t1 * ratio if tr is None else tr) + self.cost(top, g + 1)) / (g + 1)
-        return t1 >= EAGER * best
+        p = self._promises(frozenset(range(r)))  # r drafting alone for the top
+        return p is None or p
+
+    def _promises(self, skip: frozenset) -> bool | None:
+        """A round with `skip` costs at best (`best_case`, levels that never ran priced by
+        the bytes they read) `EAGER` times less per token than the top's one-token forward;
+        None while a price is unknown."""
+        t1, best = self.cost(len(self.levels) - 1, 1), self.best_case(skip, priced=True)
+        return None if t1 is None or best is None else t1 >= EAGER * best
 
     def lenient(self, c: frozenset) -> bool:
         """c runs the retrieval level, drafting for the top, whose best case promises `EAGER`
@@ -715,8 +712,7 @@ class Engine:
             return True
         if 0 in c or self.levels[0].cache is None or self.accept[0].rate is not None:
             return False
-        t1, best = self.cost(len(self.levels) - 1, 1), self.best_case(c, priced=True)
-        return t1 is None or best is None or t1 < EAGER * best
+        return not self._promises(c)
 
     def _score_rows(self, r: int) -> int:
         """Rows of a scoring forward of level r: its verification width."""
