@@ -507,13 +507,15 @@ static inline __attribute__((always_inline)) void block_item(
  * Returns 0; -1 when D is not a multiple of 16 up to 256 or `block` not a multiple of TK;
  * -2 when scratch memory could not be allocated.
  */
-int triforce_attend(const float *q, const void *k, const void *v, int bf16, float scale, float softcap,
-                    int64_t H, int64_t R, int64_t D, int64_t S, int64_t hs, int64_t ss,
-                    const int64_t *nvis, int64_t block, float *part, float *out, float *lse) {
+static int attend_blocks(const float *q, const void *k, const void *v, int bf16, float scale, float softcap,
+                         int64_t H, int64_t R, int64_t D, int64_t S, int64_t hs, int64_t ss,
+                         const int64_t *nvis, int64_t block, int64_t nb_pre, int merge, float *part,
+                         float *out, float *lse) {
     /* the tiled scores write whole tiles of TK keys into a row of `block` floats */
     if (D % 16 || D / 16 > MAXV || block < TK || block % TK) return -1;
     const int DV = (int)(D / 16);
-    const int64_t NB = (S + block - 1) / block;
+    const int64_t NB = (S + block - 1) / block; /* this call's blocks */
+    const int64_t NT = nb_pre + NB; /* the row's blocks in `part`: the given ones first */
     const int64_t W = D + 2;
     int64_t maxvis = 0;
     for (int64_t r = 0; r < R; r++) maxvis = nvis[r] > maxvis ? nvis[r] : maxvis;
@@ -550,7 +552,7 @@ int triforce_attend(const float *q, const void *k, const void *v, int bf16, floa
             const int64_t jend = j1 < maxvis ? j1 : maxvis; /* keys past every row's view */
             const float *qh = q + h * R * D;
             const uint32_t *qph = qp ? qp + h * Rp * (bfp ? P / 2 : P) : NULL; /* packed rows: tiled paths only */
-            float *ph = part + (h * NB + b) * R * W;
+            float *ph = part + (h * NT + nb_pre + b) * R * W;
             /* the common head sizes get fully unrolled code */
             if (DV == 4)
                 block_item(qh, qph, k, v, bf16, scale, softcap, h * hs, ss, nvis, R,
@@ -567,21 +569,21 @@ int triforce_attend(const float *q, const void *k, const void *v, int bf16, floa
 
         /* merge the blocks of each (head, row) in key order (the barrier at the end of
          * the loop above makes `failed` the same for every thread) */
-        if (!failed)
+        if (!failed && merge)
 #pragma omp for schedule(static)
         for (int64_t hr = 0; hr < H * R; hr++) {
             const int64_t h = hr / R, r = hr % R;
             float m = -INFINITY;
-            for (int64_t b = 0; b < NB; b++) {
-                const float mb = part[((h * NB + b) * R + r) * W + D];
+            for (int64_t b = 0; b < NT; b++) {
+                const float mb = part[((h * NT + b) * R + r) * W + D];
                 m = mb > m ? mb : m;
             }
             float *o = out + hr * D;
             memset(o, 0, sizeof(float) * D);
             float l = 0.f;
             if (m != -INFINITY) {
-                for (int64_t b = 0; b < NB; b++) {
-                    const float *pb = part + ((h * NB + b) * R + r) * W;
+                for (int64_t b = 0; b < NT; b++) {
+                    const float *pb = part + ((h * NT + b) * R + r) * W;
                     if (pb[D] == -INFINITY) continue;
                     const float w = expf(pb[D] - m);
                     l += w * pb[D + 1];
@@ -595,6 +597,34 @@ int triforce_attend(const float *q, const void *k, const void *v, int bf16, floa
     }
     free(qp);
     return failed ? -2 : 0;
+}
+
+int triforce_attend(const float *q, const void *k, const void *v, int bf16, float scale, float softcap,
+                    int64_t H, int64_t R, int64_t D, int64_t S, int64_t hs, int64_t ss,
+                    const int64_t *nvis, int64_t block, float *part, float *out, float *lse) {
+    return attend_blocks(q, k, v, bf16, scale, softcap, H, R, D, S, hs, ss, nvis, block, 0, 1, part, out, lse);
+}
+
+/* A shared prefix's part of attention (runtime/cache/shared.py): the rows of several
+ * sequences over keys every one of them sees whole (S a multiple of `block`), their
+ * per-block results only, into part [H, S / block, R, D + 2]; no merge. */
+int triforce_attend_parts(const float *q, const void *k, const void *v, int bf16, float scale, float softcap,
+                          int64_t H, int64_t R, int64_t D, int64_t S, int64_t hs, int64_t ss,
+                          const int64_t *nvis, int64_t block, float *part) {
+    return attend_blocks(q, k, v, bf16, scale, softcap, H, R, D, S, hs, ss, nvis, block, 0, 0, part, NULL, NULL);
+}
+
+/* The rest of those rows' attention: the keys after the shared prefix (this call's S, key
+ * 0 at the first position after it, `nvis` counted from there) into part's blocks from
+ * nb_pre on, after the nb_pre blocks of the prefix already there (part [H, nb_pre +
+ * ceil(S / block), R, D + 2]); then every block merged in key order. Each block and the
+ * merge compute what triforce_attend over the whole of the keys computes, so a row's
+ * output is the same bits as with its keys in one buffer. */
+int triforce_attend_after(const float *q, const void *k, const void *v, int bf16, float scale, float softcap,
+                          int64_t H, int64_t R, int64_t D, int64_t S, int64_t hs, int64_t ss,
+                          const int64_t *nvis, int64_t block, int64_t nb_pre, float *part, float *out,
+                          float *lse) {
+    return attend_blocks(q, k, v, bf16, scale, softcap, H, R, D, S, hs, ss, nvis, block, nb_pre, 1, part, out, lse);
 }
 
 /* 1 when this build has the bf16 path (bfloat16 K and V, head sizes a multiple of 32) */

@@ -111,6 +111,12 @@ def load():
                 f.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_float, ctypes.c_float]
                               + [ctypes.c_int64] * 6
                               + [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3)
+                base = ([ctypes.c_void_p] * 3 + [ctypes.c_int, ctypes.c_float, ctypes.c_float]
+                        + [ctypes.c_int64] * 6 + [ctypes.c_void_p, ctypes.c_int64])
+                lib.triforce_attend_parts.restype = ctypes.c_int
+                lib.triforce_attend_parts.argtypes = base + [ctypes.c_void_p]
+                lib.triforce_attend_after.restype = ctypes.c_int
+                lib.triforce_attend_after.argtypes = base + [ctypes.c_int64] + [ctypes.c_void_p] * 3
                 lib.triforce_vector_bits.restype = ctypes.c_int
                 lib.triforce_bf16_path.restype = ctypes.c_int
                 _bits = lib.triforce_vector_bits()
@@ -179,49 +185,90 @@ def visible_keys(q_pos0: int, T: int, G: int, k_pos0: int, S: int) -> torch.Tens
     return torch.tensor(row * G, dtype=torch.int64)
 
 
+def _check(rc: int, D: int):
+    if rc == -2:
+        raise MemoryError("native attention: no memory for its scratch buffers")
+    if rc != 0:
+        raise RuntimeError(f"native attention refused D={D}, block={BLOCK}")
+
+
+def _same_strides(k, v):
+    return (k, v) if v.stride() == k.stride() else (k.contiguous(), v.contiguous())
+
+
+def attend_parts(qf, k, v, scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
+    """A shared prefix's part of attention (runtime/cache/shared.py): folded query rows qf
+    [Hkv, R, D] (float32, of one or many sequences, every one placed after the prefix) over
+    k, v [1, Hkv, S, D], S a multiple of BLOCK, every key seen by every row. The per-block
+    results [Hkv, S / BLOCK, R, D + 2] that `attend(..., pre=...)` finishes: each block's
+    the same bits as in a call over the whole of a row's keys."""
+    H, R, D = qf.shape
+    S = k.shape[2]
+    if S % BLOCK:
+        raise ValueError(f"a shared prefix of {S} keys: a multiple of {BLOCK} is needed")
+    k, v = _same_strides(k, v)
+    qf = qf.float().contiguous()
+    part = torch.empty(H, S // BLOCK, R, D + 2, dtype=torch.float32)
+    ks = k.stride()
+    nvis = torch.full((R,), S, dtype=torch.int64)
+    _check(load().triforce_attend_parts(qf.data_ptr(), k.data_ptr(), v.data_ptr(), int(k.dtype == torch.bfloat16),
+                                        D ** -0.5 if scale is None else scale, float(softcap or 0.0), H, R, D, S,
+                                        ks[1], ks[2], nvis.data_ptr(), BLOCK, part.data_ptr()), D)
+    return part
+
+
 def attend(q, k, v, q_pos0: int, k_pos0: int = 0, scale: float | None = None, out_dtype=None,
-           softcap: float | None = None):
+           softcap: float | None = None, pre=None, pre_kv=None):
     """Causal attention of q [1, Hq, T, D] over k, v [1, Hkv, S, D] -> (out [1, Hq, T, D]
     in `out_dtype` (default q's), lse [1, Hq, T] float32); a query that sees no key gets
     out 0 and lse -inf. Query t sits at position q_pos0 + t and sees
     the keys at positions <= its own (keys start at k_pos0). `softcap` (None or 0: off):
-    the scaled scores become softcap * tanh(score / softcap) before the softmax (Gemma 2)."""
+    the scaled scores become softcap * tanh(score / softcap) before the softmax (Gemma 2).
+    Keys before k_pos0 that every query sees (a shared prefix, k_pos0 a multiple of BLOCK):
+    `pre_kv` = (K, V) [1, Hkv, k_pos0, D], or their per-block results for these rows
+    already computed (`pre`, from `attend_parts`: [Hkv, k_pos0 / BLOCK, G*T, D + 2]); every
+    row's output is then the bits of one call over all its keys in one buffer."""
     _, Hq, T, D = q.shape
     H, S = k.shape[1], k.shape[2]
-    if v.stride() != k.stride():
-        v = v.contiguous()
-        k = k.contiguous()
+    k, v = _same_strides(k, v)
     G = Hq // H
     scale = D ** -0.5 if scale is None else scale
     qf = q.float().reshape(H, G * T, D).contiguous()  # rows of a KV head side by side
     nvis = visible_keys(q_pos0, T, G, k_pos0, S)
     R = G * T
     block = BLOCK
-    nb = max(1, -(-S // block))
+    shared = pre is not None or pre_kv is not None
+    npre = k_pos0 // block if shared else 0
+    if shared and k_pos0 % block:
+        raise ValueError(f"a shared prefix of {k_pos0} keys: a multiple of {block} is needed")
+    nb = npre + max(1, -(-S // block))
     # per-block partial results cost H * nb * (D + 2) floats per row: a prefill chunk of
     # thousands of rows goes through in slices that keep them under SCRATCH_BYTES
     rows = max(16, SCRATCH_BYTES // (H * nb * (D + 2) * 4))
-    part = torch.empty(H * nb * min(rows, R) * (D + 2), dtype=torch.float32)
+    part = torch.empty(H, nb, min(rows, R), D + 2, dtype=torch.float32)
     out = torch.empty(H, R, D, dtype=torch.float32)
     lse = torch.empty(H, R, dtype=torch.float32)
     lib, bf16, ks, cap = load(), int(k.dtype == torch.bfloat16), k.stride(), float(softcap or 0.0)
 
-    def call(qs, o, ls, nv):  # rows qs -> o, ls: the kernel over every key
-        rc = lib.triforce_attend(qs.data_ptr(), k.data_ptr(), v.data_ptr(), bf16, scale, cap, H, qs.shape[1],
-                                 D, S, ks[1], ks[2], nv.data_ptr(), block, part.data_ptr(), o.data_ptr(),
-                                 ls.data_ptr())
-        if rc == -2:
-            raise MemoryError("native attention: no memory for its scratch buffers")
-        if rc != 0:
-            raise RuntimeError(f"native attention refused D={D}, block={block}")
+    def call(r0, r1, o, ls):  # rows r0..r1 -> o, ls: the kernel over every key
+        qs, nv, n = qf[:, r0:r1].contiguous(), nvis[r0:r1], r1 - r0
+        p = part[:, :, :n] if n == part.shape[2] else torch.empty(H, nb, n, D + 2, dtype=torch.float32)
+        if not shared:
+            rc = lib.triforce_attend(qs.data_ptr(), k.data_ptr(), v.data_ptr(), bf16, scale, cap, H, n, D, S,
+                                     ks[1], ks[2], nv.data_ptr(), block, p.data_ptr(), o.data_ptr(), ls.data_ptr())
+            return _check(rc, D)
+        p[:, :npre] = pre[:, :, r0:r1] if pre is not None else attend_parts(qs, *pre_kv, scale, softcap)
+        _check(lib.triforce_attend_after(qs.data_ptr(), k.data_ptr(), v.data_ptr(), bf16, scale, cap, H, n, D,
+                                         S, ks[1], ks[2], nv.data_ptr(), block, npre, p.data_ptr(), o.data_ptr(),
+                                         ls.data_ptr()), D)
 
     if R <= rows:  # a decode or a verification: one call, no slices (the common case, per layer)
-        call(qf, out, lse, nvis)
+        call(0, R, out, lse)
     else:
         for r0 in range(0, R, rows):
             r1 = min(R, r0 + rows)
             o, ls = out[:, r0:r1].contiguous(), lse[:, r0:r1].contiguous()
-            call(qf[:, r0:r1].contiguous(), o, ls, nvis[r0:r1])
+            call(r0, r1, o, ls)
             out[:, r0:r1] = o
             lse[:, r0:r1] = ls
     return out.reshape(1, Hq, T, D).to(out_dtype or q.dtype), lse.reshape(1, Hq, T)

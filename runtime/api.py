@@ -43,6 +43,7 @@ class Loaded:
     activations_asked: str = "auto"  # --activations as given (auto yields to --offload on)
     kv_dtype: torch.dtype | None = None  # what every KV cache stores (None: dtype)
     token_bytes: int | None = None  # quantized.token_weight_bytes(model), counted once (spec.modes.read_ratio)
+    shared: object = None  # cache.shared.Shared: prefixes held once for the sequences that start with them
 
     def __post_init__(self):
         self.kv_dtype = self.kv_dtype or self.dtype
@@ -186,12 +187,57 @@ def generate(loaded: Loaded, prompt: list[int], opts: RunOptions, on_token=None,
     return toks, st
 
 
-def generate_batch(loaded: Loaded, prompts: list[list[int]], opts, on_token=None, memory: int | None = None):
+def generate_batch(loaded: Loaded, prompts: list[list[int]], opts, on_token=None, memory: int | None = None,
+                   share: bool = True):
     """Several prompts together, each sequence computed as it would be alone (runtime/batch:
     its tokens equal `generate`'s for that prompt). `opts`: one RunOptions or one per prompt;
     `on_token(i, t)`. Returns each prompt's (new token ids, Stats); a batch that does not fit
-    `memory` bytes (default: what is free) is refused before anything is allocated."""
-    return batch_runner.generate_batch(loaded, prompts, opts, on_token, memory)
+    `memory` bytes (default: what is free) is refused before anything is allocated. `share`:
+    prompts that start with the same tokens hold that prefix's KV once, prefilled once
+    (`share_prefixes`); their answers stay their solo answers."""
+    segs = share_prefixes(loaded, prompts, opts) if share and prompts else []
+    try:
+        return batch_runner.generate_batch(loaded, prompts, opts, on_token, memory)
+    finally:
+        for seg in segs:
+            loaded.shared.remove(seg)
+
+
+def share_prefixes(loaded: Loaded, prompts: list[list[int]], opts, progress=None) -> list:
+    """Prefill, once each, the prefixes that two or more of `prompts` start with
+    (cache.shared.common_prefixes) and hold them in `loaded.shared` for the runs that lease
+    their caches; the segments made. None where caches cannot share: another device than
+    the CPU, fixed-shape steps, --tp, --offload on, options that differ between prompts,
+    or a model whose prefill KV depends on where its chunks end and has window layers."""
+    from .cache.kv import FullCache
+    from .cache.prefix import numerics
+    from .cache.shared import Segment, Shared, alignment, common_prefixes
+    from .generate import prefill
+    from .graphs import graphable
+    from .hostread import to_device
+    from .spec.engine import rollback_depth
+    per = opts if isinstance(opts, (list, tuple)) else [opts]
+    o = per[0]
+    if (loaded.device.type != "cpu" or graphable(loaded.device) or world_size() > 1
+            or any(p != o for p in per) or o.offload.offload == "on"):
+        return []
+    act = run_activations(loaded, o)
+    segs = []
+    with quantized.activations_set(loaded.model, act):
+        depth = rollback_depth(o.generation)
+        probe = FullCache(loaded.cfg, 1, dtype=loaded.kv_dtype, device=loaded.device, ring_depth=depth)
+        invariant = batch_runner.chunk_invariant(loaded.model, probe)
+        if not invariant and any(w is not None for w in loaded.cfg.windows):
+            return []
+        for ids in common_prefixes(prompts, alignment(invariant, o.prefill_chunk)):
+            cache = FullCache(loaded.cfg, len(ids), dtype=loaded.kv_dtype, device=loaded.device, ring_depth=depth)
+            prefill(loaded.model, cache, to_device([list(ids)], loaded.device), 0, o.prefill_chunk, progress)
+            if loaded.shared is None:
+                loaded.shared = Shared()
+            seg = Segment(ids, cache, numerics(loaded))
+            loaded.shared.add(seg)
+            segs.append(seg)
+    return segs
 
 
 def run_activations(loaded: Loaded, opts: RunOptions) -> str:

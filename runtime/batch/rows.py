@@ -17,8 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ...kernels import native
 from ...kernels.linear import EXACT_ROWS, exact_rows
 from ...kernels.qlinear import rows_exact
+from ..cache.kv import ROWWISE_MAX, FullCache
+from ..cache.retrieval import Recorder
 from ..hostread import to_device
 
 
@@ -54,6 +57,7 @@ class Ragged:
             s.cache.begin_forward(s.start, s.n)
 
     def attend(self, layer, q, k, v, start):
+        self._share(layer, q)
         outs = [s.cache.attend(layer, q[:, :, a: a + n], k[:, :, a: a + n], v[:, :, a: a + n], s.start)
                 for s, (a, n) in zip(self.sets, self.bounds)]
         return outs[0] if len(outs) == 1 else torch.cat(outs, 2)  # [1, Hq, N, D]
@@ -61,6 +65,34 @@ class Ragged:
     def end_forward(self):
         for s in self.sets:
             s.cache.end_forward()
+
+    def _share(self, layer, q):
+        """Sequences of this forward that share a prefix's KV (cache.shared): their query
+        rows over the prefix in one native call, the prefix's keys read once; each cache is
+        offered its rows' per-block results for its own attend to finish."""
+        groups: dict[int, list] = {}
+        for s, (a, n) in zip(self.sets, self.bounds):
+            full = shared_full(s.cache)
+            if full is not None and n <= ROWWISE_MAX and full.shares(layer, q[:, :, a: a + n], s.start):
+                groups.setdefault(id(full.base), []).append((full, a, n))
+        for g in groups.values():
+            if len(g) < 2:
+                continue  # alone: its cache computes the prefix's part itself
+            base, H = g[0][0].base, g[0][0].n_kv_heads
+            folded = [q[:, :, a: a + n].float().reshape(H, -1, q.shape[-1]) for _, a, n in g]
+            parts = native.attend_parts(torch.cat(folded, 1), *base.keys(layer, base.length),
+                                        softcap=g[0][0].softcap)
+            r = 0
+            for (full, _, _), f in zip(g, folded):
+                full.offer(layer, parts[:, :, r: r + f.shape[1]])
+                r += f.shape[1]
+
+
+def shared_full(cache):
+    """The FullCache behind a ragged set's cache (a Recorder's inner one) when it shares a
+    prefix (cache.shared), else None."""
+    c = cache.inner if isinstance(cache, Recorder) else cache
+    return c if isinstance(c, FullCache) and c.base is not None else None
 
 
 def exact(model, rows: int = 1) -> bool:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import torch
 
+from ...kernels import native
 from ...kernels.attention import attention, sdpa, static_attention
 from ..model.config import ModelConfig
 from ..errors import TriforceError
@@ -96,6 +97,11 @@ class KVCache:
         if layer not in self.full_layers:
             raise TriforceError(f"layer {layer} keeps only its last window of tokens (a ring): "
                                 "read it with recent()")
+
+    def share(self, base) -> bool:
+        """Start from a shared prefix's cache instead of holding its KV (FullCache.share);
+        False: this kind of cache holds its own."""
+        return False
 
     def resumable(self, n: int) -> bool:
         """Whether a forward at position n <= length could run on this cache: what its
@@ -315,10 +321,72 @@ class FullCache(KVCache):
                   for i in range(cfg.n_layers)]
         self._slots = PerForward(static_slots)  # slots and length of a fixed-shape forward
         self.leased = False  # handed out to a run that has not closed it (graphs.Kept)
+        # a shared prefix (`share`): the KV of positions [0, base.length) of every layer kept
+        # whole is `base`'s (a frozen FullCache other sequences read too); self.k, self.v
+        # then hold positions from there on, at index position - offset
+        self.base: FullCache | None = None
+        self.offset = 0
+        self._offered: dict = {}  # layer -> the prefix's per-block attention for the next attend
+
+    def share(self, base: "FullCache") -> bool:
+        """Start from the shared prefix `base` (committed, never written again: a
+        cache.shared.Segment's) instead of holding its KV: this empty cache's full layers keep
+        only the positions after it, window layers copy its band into their rings, and the
+        length becomes base.length. False (nothing changed) where it cannot: a fixed-shape or
+        non-CPU cache, another dtype or too little room."""
+        P = base.length
+        k0 = next((t for t in self.k if t is not None), None)
+        if (self.static or base.static or self.length or k0 is None or k0.device.type != "cpu"
+                or self.capacity <= P or base.full_layers != self.full_layers
+                or next(t for t in base.k if t is not None).dtype != k0.dtype
+                or (self.ring is not None) != (base.ring is not None)):
+            return False
+        B, H, _, D = k0.shape
+        for i in self.full_layers:
+            self.k[i] = torch.empty((B, H, self.capacity - P, D), dtype=k0.dtype)
+            self.v[i] = torch.empty((B, H, self.capacity - P, D), dtype=k0.dtype)
+        self.base, self.offset = base, P
+        if self.ring is not None:
+            lo = base.ring.first(P)
+            for layer in self.ring.k:
+                self.ring.put(layer, lo, *base.recent(layer, lo, P))
+            self.ring.hold_from(lo)
+        self.commit(P)
+        return True
+
+    def unshare(self):
+        """Hold the shared prefix's KV itself again (before a write or rollback below it)."""
+        if self.base is None:
+            return
+        P, base = self.offset, self.base
+        for i in self.full_layers:
+            for mine, theirs in ((self.k, base.k), (self.v, base.v)):
+                t = torch.empty((*mine[i].shape[:2], self.capacity, mine[i].shape[3]), dtype=mine[i].dtype)
+                t[:, :, :P].copy_(theirs[i][:, :, :P])
+                t[:, :, P:].copy_(mine[i])
+                mine[i] = t
+        self.base, self.offset, self._offered = None, 0, {}
+
+    def offer(self, layer: int, part):
+        """The shared prefix's per-block attention of the next `attend` of `layer`'s rows,
+        computed with other sequences' rows in one pass (batch.rows.Ragged)."""
+        self._offered[layer] = part
+
+    def shares(self, layer: int, q, start) -> bool:
+        """Whether attention of q at `start` in `layer` reads the shared prefix through the
+        native kernel's per-block results (the rest of the keys after them)."""
+        return (self.base is not None and isinstance(start, int) and start >= self.offset
+                and layer in self.full_layers and self.windows[layer] is None and native.supports(q, self.k[layer]))
+
+    def rollback(self, n: int):
+        if n < self.offset:
+            self.unshare()
+        super().rollback(n)
 
     def reset(self):
         """Empty, in place: a kept cache starts another run at the addresses its captured
         graphs replay (zeroed: the static path reads whole buffers, slots must be finite)."""
+        self.unshare()
         for t in self.k + self.v:
             if t is not None:
                 t.zero_()
@@ -341,9 +409,18 @@ class FullCache(KVCache):
         end = self.end_of(q, start)
         if self.ring is not None and layer in self.ring:
             return self.ring.attend(layer, q, k, v, start)
+        if start < self.offset:
+            self.unshare()
+        P = self.offset
         K, V = self.k[layer], self.v[layer]
-        K[:, :, start:end] = k
-        V[:, :, start:end] = v
+        K[:, :, start - P:end - P] = k
+        V[:, :, start - P:end - P] = v
+        if P and self.shares(layer, q, start):
+            pre = self._offered.pop(layer, None)
+            return native.attend(q, K[:, :, :end - P], V[:, :, :end - P], start, P, softcap=self.softcap, pre=pre,
+                                 pre_kv=None if pre is not None else self.base.keys(layer, P))[0]
+        if P:
+            K, V = self.keys(layer, end)  # the prefix's and this cache's, in one buffer
         return window_attention(q, K[:, :, :end], V[:, :, :end], start, 0, self.windows[layer], self.softcap)
 
     def _attend_static(self, layer, q, k, v, start: torch.Tensor):
@@ -359,14 +436,25 @@ class FullCache(KVCache):
         end = self.check_end(start + k.shape[2])
         if self.ring is not None and layer in self.ring:
             return self.ring.put(layer, start, k, v)
-        self.k[layer][:, :, start:end].copy_(k)
-        self.v[layer][:, :, start:end].copy_(v)
+        if start < self.offset:
+            self.unshare()
+        P = self.offset
+        self.k[layer][:, :, start - P:end - P].copy_(k)
+        self.v[layer][:, :, start - P:end - P].copy_(v)
 
     def keys(self, layer: int, end: int | None = None):
         """Committed (or up to `end`) K and V of a layer: [B, Hkv, S, D] views (a window
-        layer in a ring has only its latest positions: `recent`)."""
+        layer in a ring has only its latest positions: `recent`); past a shared prefix a
+        copy of its KV and this cache's in one buffer."""
         end = self.length if end is None else end
         self.whole(layer)
+        P = self.offset
+        if P and end > P:
+            K0, V0 = self.base.keys(layer, P)
+            return (torch.cat([K0, self.k[layer][:, :, :end - P]], 2),
+                    torch.cat([V0, self.v[layer][:, :, :end - P]], 2))
+        if P:
+            return self.base.keys(layer, end)
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
     def device_keys(self, layer: int, end: int | None = None):
@@ -377,10 +465,15 @@ class FullCache(KVCache):
         """K, V [B, Hkv, hi-lo, D] of positions lo..hi-1."""
         if self.ring is not None and layer in self.ring:
             return self.ring.recent(layer, lo, hi)
+        P = self.offset
+        if P and lo >= P:  # this cache's own positions only: no copy of the prefix
+            self.whole(layer)
+            return self.k[layer][:, :, lo - P:hi - P], self.v[layer][:, :, lo - P:hi - P]
         K, V = self.keys(layer, hi)
         return K[:, :, lo:hi], V[:, :, lo:hi]
 
     def nbytes(self) -> int:
+        """The bytes this cache holds (a shared prefix's are its segment's)."""
         ring = self.ring.nbytes() if self.ring is not None else 0
         return ring + sum(t.numel() * t.element_size() for t in self.k + self.v if t is not None)
 

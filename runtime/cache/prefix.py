@@ -185,6 +185,23 @@ def lease(loaded, prompt: list[int], capacity: int, make):
     handed back on exit, also after an error or a cancel (then with what it holds of the
     prompt: the committed length bounds what is kept)."""
     store = getattr(loaded, "prefix", None)
+    shared = getattr(loaded, "shared", None)
+    seg = shared.match(prompt, numerics(loaded)) if shared is not None else None
+    if seg is not None:  # a shared prefix: held once, read by every sequence it starts
+        cache = make(capacity)
+        if cache.share(seg.cache):
+            with shared.lock:
+                shared.leases += 1
+            out = Lease(cache, seg.length, prompt, "shared")
+            out.kept = True
+            try:
+                yield out
+            finally:
+                if store is not None:
+                    with store.busy:
+                        store.keep(out.cache, out.ids, seg.act)
+            return
+        cache.close()
     if store is None:
         yield Lease(make(capacity), 0, prompt)
         return

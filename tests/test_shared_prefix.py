@@ -1,0 +1,195 @@
+"""Shared prefixes (runtime/cache/shared.py): sequences whose prompts start with the same
+tokens hold that prefix's KV once, a batch's round reads it once for all of them, and every
+answer equals its solo answer token for token."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from triforce_offload.kernels import native
+from triforce_offload.runtime import api
+from triforce_offload.runtime.api import RunOptions, generate
+from triforce_offload.runtime.cache.kv import FullCache
+from triforce_offload.runtime.cache.shared import Segment, Shared, alignment, common_prefixes
+from triforce_offload.runtime.sampling import SamplingParams
+
+from helpers_spec import repetitive_prompt, tiny
+from test_batch import quantized, windowed
+
+pytestmark = [pytest.mark.usefixtures("one_thread"),
+              pytest.mark.skipif(not native.enabled(), reason="needs the native attention kernel")]
+
+B = native.BLOCK
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D,softcap", [(64, None), (128, None), (64, 20.0)])
+@pytest.mark.parametrize("T", [1, 6, 40])
+def test_attention_after_a_shared_prefix_is_the_bits_of_one_buffer(dtype, D, softcap, T):
+    g = torch.Generator().manual_seed(T + D)
+    H, G, L, P = 3, 3, 3 * B - 37, 2 * B
+    K, V = (torch.randn(1, H, L, D, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(1, H * G, T, D, generator=g)
+    ref, lse = native.attend(q, K, V, L - T, 0, softcap=softcap)
+    own = K[:, :, P:].clone(), V[:, :, P:].clone()
+    prefix = K[:, :, :P].clone(), V[:, :, :P].clone()
+    out, l2 = native.attend(q, *own, L - T, P, softcap=softcap, pre_kv=prefix)
+    assert torch.equal(out, ref) and torch.equal(l2, lse)
+    # its rows among another sequence's, in one pass over the prefix
+    other = torch.randn(H, 5, D, generator=g)
+    parts = native.attend_parts(torch.cat([other, q.reshape(H, G * T, D)], 1), *prefix, softcap=softcap)
+    assert parts.shape == (H, P // B, 5 + G * T, D + 2)
+    out, l3 = native.attend(q, *own, L - T, P, softcap=softcap, pre=parts[:, :, 5:])
+    assert torch.equal(out, ref) and torch.equal(l3, lse)
+
+
+def test_a_prefix_off_the_key_blocks_is_refused():
+    k = torch.randn(1, 2, B + 16, 64)
+    with pytest.raises(ValueError, match="multiple"):
+        native.attend_parts(torch.randn(2, 3, 64), k, k)
+    with pytest.raises(ValueError, match="multiple"):
+        native.attend(torch.randn(1, 2, 1, 64), k, k, B + 20, B + 16, pre_kv=(k, k))
+
+
+def test_a_sharing_cache_reads_as_one_that_holds_everything():
+    L = tiny(scale=3.0, seed=1, dim=64)
+    cfg, P, n = L.cfg, 2 * B, 2 * B + 50
+    whole, base, mine = FullCache(cfg, 1024), FullCache(cfg, P), FullCache(cfg, 1024)
+    g = torch.Generator().manual_seed(0)
+    kv = [(torch.randn(1, cfg.n_kv_heads, n, cfg.head_dim, generator=g),
+           torch.randn(1, cfg.n_kv_heads, n, cfg.head_dim, generator=g)) for _ in range(cfg.n_layers)]
+    for layer, (k, v) in enumerate(kv):
+        whole.put(layer, 0, k, v)
+        base.put(layer, 0, k[:, :, :P], v[:, :, :P])
+    whole.commit(n)
+    base.commit(P)
+    assert mine.share(base) and mine.length == P
+    assert mine.nbytes() < whole.nbytes() - base.nbytes() + 1  # the prefix's bytes are the segment's
+    for layer, (k, v) in enumerate(kv):
+        mine.put(layer, P, k[:, :, P:], v[:, :, P:])
+    mine.commit(n)
+    for layer in range(cfg.n_layers):
+        for a, b in zip(mine.keys(layer), whole.keys(layer)):
+            assert torch.equal(a, b)
+        for lo, hi in ((0, 10), (P - 5, P + 5), (P + 3, n)):
+            for a, b in zip(mine.recent(layer, lo, hi), whole.recent(layer, lo, hi)):
+                assert torch.equal(a, b)
+    # attention of a new token: the sharing path equals the whole buffer's
+    q = torch.randn(1, cfg.n_heads, 1, cfg.head_dim, generator=g)
+    k1 = torch.randn(1, cfg.n_kv_heads, 1, cfg.head_dim, generator=g)
+    assert torch.equal(mine.attend(0, q, k1, k1, n), whole.attend(0, q, k1, k1, n))
+    # a rollback below the prefix holds it again, unchanged, and the segment stays untouched
+    before = base.keys(0)[0].clone()
+    mine.rollback(P - 10)
+    assert mine.base is None and mine.length == P - 10
+    assert torch.equal(mine.keys(0)[0], whole.keys(0, P - 10)[0])
+    mine.put(0, P - 10, torch.zeros_like(k1), torch.zeros_like(k1))
+    assert torch.equal(base.keys(0)[0], before)
+
+
+def test_caches_that_cannot_share_hold_their_own():
+    L = tiny(dim=64)
+    base = FullCache(L.cfg, B)
+    base.commit(B)
+    assert not FullCache(L.cfg, 64).share(base)  # no room after the prefix
+    assert not FullCache(L.cfg, 1024, dtype=torch.bfloat16).share(base)  # another dtype
+    assert not FullCache(L.cfg, 1024, static=True).share(base)  # fixed-shape steps
+
+
+def test_common_prefixes_group_prompts_by_their_shared_start():
+    doc, other = list(range(1000)), [7] * 600
+    ps = [doc + [1, 2], other + [3], doc + [5] * 40, other + [4], [9] * 300, doc[:B + 3]]
+    got = common_prefixes(ps, B)
+    # doc: three prompts, the shortest ending at B + 3 (its last token is its own); other: two
+    assert sorted(len(p) for p in got) == [B, 2 * B] and tuple(doc[:B]) in got and tuple(other[:2 * B]) in got
+    assert common_prefixes([doc + [1], doc + [2]], B) == [tuple(doc[:3 * B])]
+    assert common_prefixes([doc[:300] + [1], doc[:300] + [2]], 2 * B) == []  # shorter than the alignment
+    assert common_prefixes([doc], B) == []
+    assert alignment(True, 512) == B and alignment(False, 512) == 512 and alignment(False, 100) == 6400
+
+
+def test_the_longest_segment_of_the_runs_numerics_serves_a_prompt():
+    sh, doc = Shared(), tuple(range(600))
+    short, long_ = Segment(doc[:B], None), Segment(doc[:2 * B], None)
+    other = Segment(doc[:2 * B], None, act="int8")
+    for s in (short, long_, other):
+        sh.add(s)
+    assert sh.match(list(doc)) is long_ and sh.match(list(doc), "int8") is other
+    assert sh.match(list(doc[:2 * B])) is short  # the prompt's last token is the run's
+    assert sh.match([1] + list(doc)) is None
+
+
+MODELS = {
+    "fp32": lambda: tiny(scale=3.0, seed=1, dim=64),
+    "int4:int8": lambda: quantized(tiny(scale=3.0, seed=1, dim=64)),
+    "window": lambda: quantized(windowed()),
+}
+
+MODES = [
+    ("autoregressive", {}),
+    ("retrieval", {"budget": 32}),
+    ("triforce", {"budget": 32}),
+    ("triforce", {"budget": 16, "retrieval_chunk": 4, "draft": "self", "draft_window": 8}),
+    ("draft", {}),
+]
+
+
+def document_prompts(vocab: int, doc_tokens: int = 700) -> list[list[int]]:
+    """Four questions of mixed lengths after one document."""
+    doc = repetitive_prompt(doc_tokens, vocab, seed=9)
+    return [doc + repetitive_prompt(n, vocab, seed=i) for i, n in enumerate([10, 33, 5, 61])]
+
+
+def count_passes(monkeypatch) -> list[int]:
+    """The row counts of the prefix passes that served several sequences at once."""
+    from triforce_offload.runtime.batch import rows
+    seen, real = [], native.attend_parts
+
+    def spy(qf, *a, **kw):
+        seen.append(qf.shape[1])
+        return real(qf, *a, **kw)
+    monkeypatch.setattr(rows.native, "attend_parts", spy)
+    return seen
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("mode,extra", MODES)
+def test_sequences_sharing_a_document_equal_their_solo_runs(model, mode, extra, monkeypatch):
+    L = MODELS[model]()
+    ps = document_prompts(L.cfg.vocab_size)
+    opts = RunOptions.of(mode=mode, max_new_tokens=20, **extra)
+    solo = [generate(L, p, opts)[0] for p in ps]
+    passes = count_passes(monkeypatch)
+    got = api.generate_batch(L, ps, opts)
+    assert [t for t, _ in got] == solo
+    assert L.shared.leases == len(ps) and not L.shared.segments  # every sequence shared; the segment let go
+    st = got[0][1].extra
+    assert st["reused_from"] == "shared" and st["reused_tokens"] == 2 * B
+    assert passes and max(passes) > 2 * L.cfg.n_heads // L.cfg.n_kv_heads  # rows of several sequences at once
+
+
+def test_sampled_sequences_sharing_a_document_follow_their_seeds():
+    L = MODELS["int4:int8"]()
+    ps = document_prompts(L.cfg.vocab_size)
+    opts = [RunOptions.of(mode=m, max_new_tokens=20, budget=32,
+                          sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=s))
+            for m, s in zip(["triforce", "autoregressive", "triforce", "triforce"], [1, 2, 3, 1])]
+    solo = [generate(L, p, o)[0] for p, o in zip(ps, opts)]
+    # options differ between the prompts: no segment, each holds its own prefix
+    assert [t for t, _ in api.generate_batch(L, ps, opts)] == solo
+    assert L.shared is None
+    same = RunOptions.of(mode="triforce", max_new_tokens=20, budget=32,
+                         sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=5))
+    assert ([t for t, _ in api.generate_batch(L, ps, same)] == [generate(L, p, same)[0] for p in ps])
+    assert L.shared.leases == len(ps)
+
+
+def test_no_sharing_where_caches_cannot():
+    L = MODELS["int4:int8"]()
+    ps = document_prompts(L.cfg.vocab_size)
+    opts = RunOptions.of(mode="autoregressive", max_new_tokens=8, offload="on", transfer_chunk=24)
+    assert api.share_prefixes(L, ps, opts) == []
+    assert ([t for t, _ in api.generate_batch(L, ps, opts)] == [generate(L, p, opts)[0] for p in ps])
+    off = RunOptions.of(mode="autoregressive", max_new_tokens=8)
+    assert ([t for t, _ in api.generate_batch(L, ps, off, share=False)]
+            == [generate(L, p, off)[0] for p in ps]) and L.shared is None
