@@ -74,6 +74,9 @@ def bench(
                               "against llama.cpp's batched decoding (llama-batched-bench)."),
     llama_batched_bench: Optional[str] = typer.Option(None, help="The llama-batched-bench binary for "
                                                       "--batch [default: $LLAMA_CPP_BIN/, else PATH]."),
+    shared_prefix: int = typer.Option(0, help="With --batch: every prompt starts with one document of this "
+                                      "many tokens (questions over one text); each mode runs with the "
+                                      "document held per sequence and once for all (shared prefix)."),
 ):
     """Run the modes side by side; table, JSONL (appended) and PNG plots."""
     extra = check_baselines(parse_list(baseline, str, "--baseline") if baseline else [])
@@ -81,7 +84,7 @@ def bench(
     if batch:
         return bench_batch(model, gen, retrieval, parse_list(batch, int, "--batch"), names,
                            parse_list(contexts, int, "--contexts"), new_tokens, threads, gguf,
-                           llama_batched_bench, out_dir, as_json)
+                           llama_batched_bench, out_dir, as_json, shared_prefix)
     o = BenchOptions(parse_list(contexts, int, "--contexts"), new_tokens,
                      parse_list(temperatures, float, "--temperatures"), repeats,
                      names + [b for b in extra if b not in names], seed, gguf=gguf,
@@ -115,7 +118,7 @@ def bench(
 
 
 def bench_batch(model: ModelOptions, gen, retrieval, sizes: list[int], names: list[str], contexts: list[int],
-                new_tokens: int, threads: int, gguf, binary, out_dir: Path, as_json: bool):
+                new_tokens: int, threads: int, gguf, binary, out_dir: Path, as_json: bool, shared: int = 0):
     """`bench --batch`: our batched modes against llama-batched-bench, one table."""
     from ..bench.batch import OURS, run_batch_bench, summarize_batch
     from ..runtime.model.loader import default_model_path
@@ -126,6 +129,9 @@ def bench_batch(model: ModelOptions, gen, retrieval, sizes: list[int], names: li
     if len(contexts) != 1 or contexts[0] < new_tokens + 64 or min(sizes) < 1 or new_tokens < 2:
         raise TriforceError("--batch takes one --contexts value of at least --new-tokens + 64, "
                             "batch sizes >= 1 and --new-tokens >= 2")
+    if shared < 0 or (shared and shared > contexts[0] - new_tokens - 16):
+        raise TriforceError(f"--shared-prefix {shared}: at least 0 and at most the prompt "
+                            f"({contexts[0] - new_tokens} tokens) less 16 (each sequence's own question)")
     if threads:
         torch.set_num_threads(threads)
     loaded = api.load(model, progress=lambda m: err.print(m))
@@ -140,17 +146,18 @@ def bench_batch(model: ModelOptions, gen, retrieval, sizes: list[int], names: li
     with runs_bar() as progress:
         rows = run_batch_bench(loaded, sizes, contexts[0], new_tokens, names, spec,
                                threads or torch.get_num_threads(), gguf, binary, progress=progress,
-                               on_row=row_writer(out_dir / "bench.jsonl", meta))
+                               on_row=row_writer(out_dir / "bench.jsonl", meta), shared=shared)
     summary = summarize_batch(rows)
     if as_json:
         print(json.dumps({"meta": meta, "summary": summary}))
         return
-    t = Table(title=f"bench --batch: {contexts[0] - new_tokens}-token prompts, {new_tokens} new tokens per "
-              f"sequence, {meta['torch_threads']} threads",
+    t = Table(title=f"bench --batch: {contexts[0] - new_tokens}-token prompts"
+              + (f" ({shared} of them one shared document)" if shared else "")
+              + f", {new_tokens} new tokens per sequence, {meta['torch_threads']} threads",
               caption=Text("S_TG: tokens produced after every sequence had its first one, over that time "
                            "(llama-batched-bench's S_TG); T_PP: until then"))
     for c in ("mode", "batch", "T_PP s", "T_TG s", "S_TG tok/s", "ms/token per seq", "vs batch 1",
-              "vs llama.cpp", "seqs/forward", "same as solo"):
+              "vs llama.cpp", "seqs/forward", "same as solo") + (("S_TG vs own", "time vs own") if shared else ()):
         t.add_column(c, justify="left" if c == "mode" else "right")
     for s in summary:
         if "skipped" in s:
@@ -161,7 +168,9 @@ def bench_batch(model: ModelOptions, gen, retrieval, sizes: list[int], names: li
                   f"{s['per_seq_ms']:.1f}" if s.get("per_seq_ms") else "-",
                   f"{s['vs_batch1']:.2f}x" if "vs_batch1" in s else "-",
                   f"{s['vs_llama_cpp']:.2f}x" if "vs_llama_cpp" in s else "-",
-                  f"{s['seqs_per_forward']:.2f}" if "seqs_per_forward" in s else "-", same)
+                  f"{s['seqs_per_forward']:.2f}" if "seqs_per_forward" in s else "-", same,
+                  *((f"{s['vs_own']:.2f}x" if "vs_own" in s else "-",
+                     f"{s['vs_own_total']:.2f}x" if "vs_own_total" in s else "-") if shared else ()))
     (out if out.is_terminal else Console(width=160)).print(t)
     err.print(f"appended {len(rows)} rows to {out_dir / 'bench.jsonl'}", highlight=False)
 

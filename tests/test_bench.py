@@ -311,3 +311,19 @@ def test_bench_batch_rows_and_refusals(tiny_model_dir, tmp_path):
     assert rows[("autoregressive", 3)]["seqs_per_forward"] > 1.5
     r = cli("bench", "--model", tiny_model_dir, "--batch", "2", "--modes", "hf", "--out", tmp_path)
     assert r.returncode == 2 and "with --batch allowed are" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bench_batch_shared_prefix_runs_each_mode_both_ways(tiny_model_dir, tmp_path):
+    """`bench --batch --shared-prefix`: each mode with the document held per sequence and
+    once for all, both equal to the solo runs, with the ratios; an impossible length is one line."""
+    r = cli("bench", "--model", tiny_model_dir, "--batch", "3", "--contexts", "700", "--new-tokens", "6",
+            "--modes", "autoregressive", "--shared-prefix", "600", "--dtype", "fp32", "--out", tmp_path, "--json")
+    assert r.returncode == 0, r.stderr
+    rows = {s["mode"]: s for s in json.loads(r.stdout)["summary"]}
+    own, shared = rows["autoregressive own"], rows["autoregressive shared"]
+    assert own["same_as_solo"] and shared["same_as_solo"]
+    assert own["shared_tokens"] == 0 and shared["shared_tokens"] == 512  # fp32: a multiple of the prefill chunk
+    assert shared["vs_own"] == pytest.approx(shared["speed_tg"] / own["speed_tg"]) and shared["vs_own_total"] > 0
+    r = cli("bench", "--model", tiny_model_dir, "--batch", "2", "--contexts", "700", "--new-tokens", "6",
+            "--modes", "autoregressive", "--shared-prefix", "690", "--out", tmp_path)
+    assert r.returncode == 2 and "--shared-prefix 690" in r.stderr and "Traceback" not in r.stderr

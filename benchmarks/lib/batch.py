@@ -27,19 +27,32 @@ from ..runtime.data import essay_tokens, with_bos
 from ..runtime.errors import TriforceError
 
 
-def batch_prompts(tokenizer, n: int, tokens: int) -> list[list[int]]:
-    """n prompts of `tokens` tokens, each its own stretch of the essays (no two alike)."""
-    text = essay_tokens(tokenizer, n * tokens + 64)
-    return [with_bos(tokenizer, text[i * tokens: (i + 1) * tokens])[:tokens] for i in range(n)]
+def batch_prompts(tokenizer, n: int, tokens: int, shared: int = 0) -> list[list[int]]:
+    """n prompts of `tokens` tokens, each its own stretch of the essays (no two alike);
+    `shared` > 0: the first `shared` tokens one document for all (several questions over
+    one text), each prompt's own stretch after it."""
+    own = tokens - shared
+    text = essay_tokens(tokenizer, shared + n * own + 64)
+    doc = with_bos(tokenizer, text[n * own: n * own + shared])[:shared] if shared else []
+    return [(doc + text[i * own: (i + 1) * own] if shared
+             else with_bos(tokenizer, text[i * own: (i + 1) * own]))[:tokens] for i in range(n)]
 
 
-def run_ours(loaded, prompts: list[list[int]], opts) -> dict:
-    """One batch of `prompts` under `opts`: its T_PP, T_TG, S_TG and per-sequence tokens."""
+def run_ours(loaded, prompts: list[list[int]], opts, share: bool = False) -> dict:
+    """One batch of `prompts` under `opts`: its T_PP, T_TG, S_TG and per-sequence tokens.
+    `share`: prefixes that prompts start with are prefilled and held once
+    (`api.share_prefixes`, inside T_PP); else each sequence holds its own."""
     stamps = [[] for _ in prompts]
     b = Batch(loaded)
     t0 = time.perf_counter()
-    members = [b.add(p, opts, lambda t, s=s: s.append(time.perf_counter()) and False) for p, s in zip(prompts, stamps)]
-    b.drain()
+    segs = api.share_prefixes(loaded, prompts, opts) if share else []
+    try:
+        members = [b.add(p, opts, lambda t, s=s: s.append(time.perf_counter()) and False)
+                   for p, s in zip(prompts, stamps)]
+        b.drain()
+    finally:
+        for seg in segs:
+            loaded.shared.remove(seg)
     toks = [m.result()[0] for m in members]
     first = max(s[0] for s in stamps)  # every sequence has its first token: prefill is over
     last = max(s[-1] for s in stamps)
@@ -49,7 +62,8 @@ def run_ours(loaded, prompts: list[list[int]], opts) -> dict:
             "speed_tg": tg / (last - first) if last > first else 0.0,
             "tokens": toks, "seqs_per_forward": st.get("batch_seqs_per_forward", 0.0),
             "rows_per_forward": st.get("batch_rows_per_forward", 0.0),
-            "acceptance": {k: v for k, v in members[0].stats.extra.items() if k.startswith("acceptance")}}
+            "acceptance": {k: v for k, v in members[0].stats.extra.items() if k.startswith("acceptance")},
+            "shared_tokens": sum(seg.length for seg in segs)}
 
 
 def llama_batched_bench(path: str | None = None) -> str | None:
@@ -81,26 +95,25 @@ def run_llama_cpp(binary: str, gguf: str, batch: list[int], prompt: int, new: in
     return rows
 
 
-def solo_equal(loaded, prompts, opts, got: list[list[int]]) -> bool:
-    """Whether each sequence's batched tokens equal its run alone."""
-    return all(api.generate(loaded, p, opts)[0] == t for p, t in zip(prompts, got))
-
-
 OURS = ("autoregressive", "triforce", "retrieval", "draft")  # the modes a batch runs
 
 
 def run_batch_bench(loaded, sizes: list[int], context: int, new: int, modes: list[str], spec: dict,
                     threads: int, gguf: str | None, binary: str | None, check: bool = True,
-                    progress=None, on_row=None) -> list[dict]:
+                    progress=None, on_row=None, shared: int = 0) -> list[dict]:
     """Per batch size, each of our `modes` then llama.cpp (when in `modes` and found), back
     to back: rows with t_pp, t_tg, speed_tg (aggregate decode tokens/s) and, for ours, whether
-    every sequence equals its solo run (`check`, greedy). Ratios: `summarize_batch`."""
+    every sequence equals its solo run (`check`, greedy). Ratios: `summarize_batch`.
+    `shared` > 0: every prompt starts with one document of that many tokens, and each mode
+    runs twice, its batch holding the document per sequence ("<mode> own") and once for
+    all ("<mode> shared")."""
     prompt = context - new
     ours = [m for m in modes if m in OURS]
     peer = "llama.cpp" in modes
     exe = llama_batched_bench(binary) if peer else None
-    prompts = batch_prompts(loaded.tokenizer, max(sizes), prompt)
-    rows, steps = [], len(sizes) * (len(ours) + peer)
+    prompts = batch_prompts(loaded.tokenizer, max(sizes), prompt, shared)
+    ways = [(" own", False), (" shared", True)] if shared else [("", False)]
+    rows, steps = [], len(sizes) * (len(ours) * len(ways) + peer)
 
     def emit(row):
         rows.append(row)
@@ -111,13 +124,17 @@ def run_batch_bench(loaded, sizes: list[int], context: int, new: int, modes: lis
               "set LLAMA_CPP_BIN; docs/benchmarks.md says how to build it)"})
     for b in sizes:
         for m in ours:
-            if progress:
-                progress(len(rows), steps, f"{m} x{b}")
-            opts = api.RunOptions.of(mode=m, max_new_tokens=new, ignore_eos=True, **spec)
-            r = run_ours(loaded, prompts[:b], opts)
-            same = solo_equal(loaded, prompts[:b], opts, r["tokens"]) if check else None
-            emit({"mode": m, "batch": b, "prompt_tokens": prompt, "new_tokens": new,
-                  **{k: v for k, v in r.items() if k != "tokens"}, "same_as_solo": same})
+            solo = None
+            for label, share in ways:
+                if progress:
+                    progress(len(rows), steps, f"{m}{label} x{b}")
+                opts = api.RunOptions.of(mode=m, max_new_tokens=new, ignore_eos=True, **spec)
+                r = run_ours(loaded, prompts[:b], opts, share)
+                if check and solo is None:
+                    solo = [api.generate(loaded, p, opts)[0] for p in prompts[:b]]
+                emit({"mode": m + label, "batch": b, "prompt_tokens": prompt, "new_tokens": new,
+                      **{k: v for k, v in r.items() if k != "tokens"},
+                      "same_as_solo": r["tokens"] == solo if check else None})
         if exe:
             if progress:
                 progress(len(rows), steps, f"llama.cpp x{b}")
@@ -144,5 +161,9 @@ def summarize_batch(rows: list[dict]) -> list[dict]:
         peer = by.get(("llama.cpp", r["batch"]))
         if peer and r["mode"] != "llama.cpp" and peer["speed_tg"]:
             s["vs_llama_cpp"] = r["speed_tg"] / peer["speed_tg"]
+        own = by.get((r["mode"].removesuffix(" shared") + " own", r["batch"]))
+        if r["mode"].endswith(" shared") and own and own["speed_tg"]:
+            s["vs_own"] = r["speed_tg"] / own["speed_tg"]  # decode tokens/s
+            s["vs_own_total"] = (own["t_pp"] + own["t_tg"]) / (r["t_pp"] + r["t_tg"])  # the whole batch's time
         out.append(s)
     return out
