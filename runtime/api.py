@@ -8,6 +8,7 @@ comparison modes with `register_mode` (the benchmark library's `zero-inference`)
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -194,50 +195,63 @@ def generate_batch(loaded: Loaded, prompts: list[list[int]], opts, on_token=None
     `on_token(i, t)`. Returns each prompt's (new token ids, Stats); a batch that does not fit
     `memory` bytes (default: what is free) is refused before anything is allocated. `share`:
     prompts that start with the same tokens hold that prefix's KV once, prefilled once
-    (`share_prefixes`); their answers stay their solo answers."""
-    segs = share_prefixes(loaded, prompts, opts) if share and prompts else []
+    (`shared_prefixes`); their answers stay their solo answers."""
+    prefixes = shared_prefixes(loaded, prompts, opts) if share else []
+    o = opts[0] if isinstance(opts, (list, tuple)) and opts else opts
+    return batch_runner.generate_batch(loaded, prompts, opts, on_token, memory, prefixes,
+                                       (lambda: holding(loaded, prefixes, o)) if prefixes else None)
+
+
+def shared_prefixes(loaded: Loaded, prompts: list[list[int]], opts) -> list[tuple]:
+    """The prefixes that two or more of `prompts` start with, worth holding once
+    (cache.shared.common_prefixes, aligned so that each answer stays its solo answer); none
+    where caches cannot share: another device than the CPU, fixed-shape steps, --tp,
+    --offload on, options that differ between prompts, or a model whose prefill KV depends
+    on where its chunks end and has window layers."""
+    from .cache.kv import FullCache
+    from .cache.shared import alignment, common_prefixes
+    from .graphs import graphable
+    from .spec.engine import rollback_depth
+    per = opts if isinstance(opts, (list, tuple)) else [opts]
+    o = per[0] if per else None
+    if (o is None or loaded.device.type != "cpu" or graphable(loaded.device) or world_size() > 1
+            or any(p != o for p in per) or o.offload.offload == "on"):
+        return []
+    with quantized.activations_set(loaded.model, run_activations(loaded, o)):
+        probe = FullCache(loaded.cfg, 1, dtype=loaded.kv_dtype, device=loaded.device,
+                          ring_depth=rollback_depth(o.generation))
+        invariant = batch_runner.chunk_invariant(loaded.model, probe)
+    if not invariant and any(w is not None for w in loaded.cfg.windows):
+        return []
+    return common_prefixes([p for p in prompts if p], alignment(invariant, o.prefill_chunk))
+
+
+@contextmanager
+def holding(loaded: Loaded, prefixes: list[tuple], opts: RunOptions, progress=None):
+    """Prefill each of `prefixes` once (under `opts`' numerics) and hold it in
+    `loaded.shared` while the body runs: runs whose prompts start with one lease caches that
+    share it (cache.prefix.lease). Yields the segments."""
+    from .cache.kv import FullCache
+    from .cache.prefix import numerics
+    from .cache.shared import Segment, Shared
+    from .generate import prefill
+    from .hostread import to_device
+    from .spec.engine import rollback_depth
+    segs = []
     try:
-        return batch_runner.generate_batch(loaded, prompts, opts, on_token, memory)
+        with quantized.activations_set(loaded.model, run_activations(loaded, opts)):
+            for ids in prefixes:
+                cache = FullCache(loaded.cfg, len(ids), dtype=loaded.kv_dtype, device=loaded.device,
+                                  ring_depth=rollback_depth(opts.generation))
+                prefill(loaded.model, cache, to_device([list(ids)], loaded.device), 0, opts.prefill_chunk, progress)
+                if loaded.shared is None:
+                    loaded.shared = Shared()
+                segs.append(Segment(ids, cache, numerics(loaded)))
+                loaded.shared.add(segs[-1])
+        yield segs
     finally:
         for seg in segs:
             loaded.shared.remove(seg)
-
-
-def share_prefixes(loaded: Loaded, prompts: list[list[int]], opts, progress=None) -> list:
-    """Prefill, once each, the prefixes that two or more of `prompts` start with
-    (cache.shared.common_prefixes) and hold them in `loaded.shared` for the runs that lease
-    their caches; the segments made. None where caches cannot share: another device than
-    the CPU, fixed-shape steps, --tp, --offload on, options that differ between prompts,
-    or a model whose prefill KV depends on where its chunks end and has window layers."""
-    from .cache.kv import FullCache
-    from .cache.prefix import numerics
-    from .cache.shared import Segment, Shared, alignment, common_prefixes
-    from .generate import prefill
-    from .graphs import graphable
-    from .hostread import to_device
-    from .spec.engine import rollback_depth
-    per = opts if isinstance(opts, (list, tuple)) else [opts]
-    o = per[0]
-    if (loaded.device.type != "cpu" or graphable(loaded.device) or world_size() > 1
-            or any(p != o for p in per) or o.offload.offload == "on"):
-        return []
-    act = run_activations(loaded, o)
-    segs = []
-    with quantized.activations_set(loaded.model, act):
-        depth = rollback_depth(o.generation)
-        probe = FullCache(loaded.cfg, 1, dtype=loaded.kv_dtype, device=loaded.device, ring_depth=depth)
-        invariant = batch_runner.chunk_invariant(loaded.model, probe)
-        if not invariant and any(w is not None for w in loaded.cfg.windows):
-            return []
-        for ids in common_prefixes(prompts, alignment(invariant, o.prefill_chunk)):
-            cache = FullCache(loaded.cfg, len(ids), dtype=loaded.kv_dtype, device=loaded.device, ring_depth=depth)
-            prefill(loaded.model, cache, to_device([list(ids)], loaded.device), 0, o.prefill_chunk, progress)
-            if loaded.shared is None:
-                loaded.shared = Shared()
-            seg = Segment(ids, cache, numerics(loaded))
-            loaded.shared.add(seg)
-            segs.append(seg)
-    return segs
 
 
 def run_activations(loaded: Loaded, opts: RunOptions) -> str:

@@ -188,8 +188,27 @@ def test_no_sharing_where_caches_cannot():
     L = MODELS["int4:int8"]()
     ps = document_prompts(L.cfg.vocab_size)
     opts = RunOptions.of(mode="autoregressive", max_new_tokens=8, offload="on", transfer_chunk=24)
-    assert api.share_prefixes(L, ps, opts) == []
+    assert api.shared_prefixes(L, ps, opts) == []
     assert ([t for t, _ in api.generate_batch(L, ps, opts)] == [generate(L, p, opts)[0] for p in ps])
     off = RunOptions.of(mode="autoregressive", max_new_tokens=8)
     assert ([t for t, _ in api.generate_batch(L, ps, off, share=False)]
             == [generate(L, p, off)[0] for p in ps]) and L.shared is None
+
+
+def test_a_batch_that_fits_only_when_sharing_is_priced_so():
+    """The memory check counts a shared prefix once: a budget between the two prices runs
+    the batch with its document shared and refuses it held per sequence, before allocating."""
+    from triforce_offload.runtime.batch.memory import check_batch
+    from triforce_offload.runtime.errors import TriforceError
+    L = MODELS["int4:int8"]()
+    ps = document_prompts(L.cfg.vocab_size)
+    opts = RunOptions.of(mode="autoregressive", max_new_tokens=8)
+    pre = api.shared_prefixes(L, ps, opts)
+    apart = check_batch(L, ps, [opts] * len(ps))
+    together = check_batch(L, ps, [opts] * len(ps), prefixes=pre)
+    assert together < apart - 2 * B * L.cfg.kv_bytes_per_token(2)  # three of four prefixes' bytes saved
+    budget = (apart + together) // 2
+    with pytest.raises(TriforceError, match="a batch of 4 sequences needs"):
+        api.generate_batch(L, ps, opts, memory=budget, share=False)
+    got = api.generate_batch(L, ps, opts, memory=budget)
+    assert [t for t, _ in got] == [generate(L, p, opts)[0] for p in ps]

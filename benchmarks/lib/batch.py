@@ -45,14 +45,10 @@ def run_ours(loaded, prompts: list[list[int]], opts, share: bool = False) -> dic
     stamps = [[] for _ in prompts]
     b = Batch(loaded)
     t0 = time.perf_counter()
-    segs = api.share_prefixes(loaded, prompts, opts) if share else []
-    try:
+    with api.holding(loaded, api.shared_prefixes(loaded, prompts, opts) if share else [], opts) as segs:
         members = [b.add(p, opts, lambda t, s=s: s.append(time.perf_counter()) and False)
                    for p, s in zip(prompts, stamps)]
         b.drain()
-    finally:
-        for seg in segs:
-            loaded.shared.remove(seg)
     toks = [m.result()[0] for m in members]
     first = max(s[0] for s in stamps)  # every sequence has its first token: prefill is over
     last = max(s[-1] for s in stamps)

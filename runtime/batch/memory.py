@@ -81,15 +81,23 @@ class Budget:
         self.used = (max(self.used[0] - need[0], 0), max(self.used[1] - need[1], 0))
 
 
-def check_batch(loaded, prompts: list[list[int]], opts: list, budget: int | None = None) -> int:
+def check_batch(loaded, prompts: list[list[int]], opts: list, budget: int | None = None,
+                prefixes: list[tuple] = ()) -> int:
     """Refuse a batch whose caches do not fit: on the device (`budget` bytes if given, else
     HEADROOM of its free memory; the host's on a CPU) and, for offloaded sequences, in host
-    memory. Returns the device bytes it prices."""
+    memory. `prefixes`: shared prefixes (cache.shared) held once, each sequence starting with
+    one holding only its own positions after it. Returns the device bytes it prices."""
     b = Budget(loaded, budget)
     need = [0, 0]
+    cfg, elem = loaded.cfg, _elem(loaded.kv_dtype)
     for p, o in zip(prompts, opts):
         d, h = b.price(p, o)
         need = [need[0] + d, need[1] + h]
+    for ids in prefixes:
+        ring = rollback_depth(opts[0].generation)
+        held = cfg.kv_bytes(len(ids), elem, ring) - cfg.kv_bytes(0, elem, ring)  # its global layers' KV
+        users = sum(tuple(p[:len(ids)]) == ids for p in prompts)
+        need[0] += cfg.kv_bytes(len(ids), elem, ring) - users * held
     why = b.refusal(tuple(need), f"a batch of {len(prompts)} sequences")
     if why:
         raise TriforceError(f"{why}; run fewer sequences at once, shorten the prompts or "

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import nullcontext
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -381,12 +382,15 @@ class Batch:
                 m.stats.extra.update(self.batcher.figures(), batch_size=len(self.members))
 
 
-def generate_batch(loaded, prompts: list[list[int]], opts, on_token=None, memory: int | None = None) -> list:
+def generate_batch(loaded, prompts: list[list[int]], opts, on_token=None, memory: int | None = None,
+                   prefixes: list[tuple] = (), hold=None) -> list:
     """Each prompt's (new token ids, Stats), generated together. `opts`: one RunOptions for
     all, or one per prompt; `on_token(i, t)`: sequence i produced t (True ends it). The
     batch's caches are priced first (`memory.check_batch`: `memory` bytes, default what is
-    free): one that does not fit is refused before anything is allocated. Raises the first
-    sequence's error after every sequence ended (the others' results stand)."""
+    free; shared `prefixes` held once): one that does not fit is refused before anything is
+    allocated. The sequences run inside `hold()`, a context (which holds the shared
+    prefixes, prefilled once, while they run). Raises the first sequence's error after every sequence ended
+    (the others' results stand)."""
     if not prompts:
         raise TriforceError("the batch is empty: give at least one prompt")
     per = opts if isinstance(opts, (list, tuple)) else [opts] * len(prompts)
@@ -395,11 +399,12 @@ def generate_batch(loaded, prompts: list[list[int]], opts, on_token=None, memory
     if world_size() > 1:
         raise TriforceError("a batch under --tp is not supported yet: run the sequences one by one")
     pairs = [(p, o) for p, o in zip(prompts, per) if p]  # an empty prompt fails alone, later
-    check_batch(loaded, [p for p, _ in pairs], [o for _, o in pairs], memory)
-    b = Batch(loaded)
-    ms = [b.add(p, o, None if on_token is None else (lambda t, i=i: on_token(i, t)))
-          for i, (p, o) in enumerate(zip(prompts, per))]
-    b.drain()
+    check_batch(loaded, [p for p, _ in pairs], [o for _, o in pairs], memory, prefixes)
+    with hold() if hold is not None else nullcontext():
+        b = Batch(loaded)
+        ms = [b.add(p, o, None if on_token is None else (lambda t, i=i: on_token(i, t)))
+              for i, (p, o) in enumerate(zip(prompts, per))]
+        b.drain()
     for m in ms:
         if m.error is not None:
             raise m.error
