@@ -135,9 +135,9 @@ static inline v16 round_bf16(v16 x) {
     return x;
 }
 
-/* softmax statistics of s[0 .. n-1] in place: s becomes exp(s - m) (0 from n on, up to
- * `len`, a multiple of 16); returns m, sets *l = sum */
-static inline float softmax_row(float *restrict s, int64_t n, int64_t len, float *l, int bfp) {
+/* softmax statistics of s[lo .. n-1] in place: s becomes exp(s - m) (0 below lo and from n
+ * on, up to `len`, a multiple of 16; s[0 .. lo-1] must be -INFINITY); returns m, sets *l = sum */
+static inline float softmax_row(float *restrict s, int64_t lo, int64_t n, int64_t len, float *l, int bfp) {
     v16 mv = {0};
     mv -= INFINITY;
     int64_t j = 0;
@@ -159,6 +159,7 @@ static inline float softmax_row(float *restrict s, int64_t n, int64_t len, float
         memcpy(s + j, &x, sizeof x);
     }
     for (j = n; j < len; j++) s[j] = 0.f;
+    for (j = 0; j < lo; j++) s[j] = 0.f; /* a band's keys before its first (window layers) */
     for (j = 0; j < len; j += 16) {
         v16 x;
         memcpy(&x, s + j, sizeof x);
@@ -443,7 +444,8 @@ static inline __attribute__((always_inline)) void pv_rows_bf(
 
 static inline __attribute__((always_inline)) void block_item(
         const float *qh, const uint32_t *qp, const void *k, const void *v, int bf16,
-        float scale, float softcap, int64_t base, int64_t ss, const int64_t *nvis, int64_t R, int64_t j0,
+        float scale, float softcap, int64_t base, int64_t ss, const int64_t *nvis, const int64_t *nlo,
+        int64_t R, int64_t j0,
         int64_t jend, int64_t block, float *restrict scores, uint32_t *restrict kt,
         float *restrict ph, const int bfp, const int DV) {
     const int64_t D = 16 * DV, W = D + 2, n = jend - j0;
@@ -469,12 +471,15 @@ static inline __attribute__((always_inline)) void block_item(
     for (int64_t r = 0; r < R; r++) {
         float *pr = ph + r * W, *s = scores + r * block, l = 0.f;
         const int64_t nr = (nvis[r] < jend ? nvis[r] : jend) - j0;
+        /* keys before the row's first visible one (nlo: a window layer's band) weigh 0 */
+        const int64_t lo = nlo && nlo[r] > j0 ? (nlo[r] - j0 < nr ? nlo[r] - j0 : nr) : 0;
         if (softcap > 0.f)
             softcap_row(s, nr, scale, softcap);
         else
             for (int64_t jj = 0; jj < nr; jj++) s[jj] *= scale;
-        pr[D] = nr > 0 ? softmax_row(s, nr, len, &l, bfp) : -INFINITY;
-        if (nr <= 0) memset(s, 0, sizeof(float) * len);
+        for (int64_t jj = 0; jj < lo; jj++) s[jj] = -INFINITY;
+        pr[D] = nr > lo ? softmax_row(s, lo, nr, len, &l, bfp) : -INFINITY;
+        if (nr <= lo) memset(s, 0, sizeof(float) * len);
         pr[D + 1] = l;
     }
     /* the weighted sum of values, NR rows sharing each value row loaded */
@@ -502,6 +507,7 @@ static inline __attribute__((always_inline)) void block_item(
  * softcap  > 0: scores -> softcap * tanh(score * scale / softcap) (Gemma 2); 0: off
  * k, v  head h, key j, dim d at  h*hs + j*ss + d  (float32 or bfloat16)
  * nvis  [R] keys each row sees (a prefix 0 .. nvis[r]-1 of the S keys)
+ * nlo   [R] or NULL: the first key each row sees (keys before it weigh 0)
  * part  [H, NB, R, D + 2] float32 scratch, NB = ceil(S / block)
  * out   [H, R, D] float32;  lse [H, R] float32 (natural log, of the scaled scores)
  * Returns 0; -1 when D is not a multiple of 16 up to 256 or `block` not a multiple of TK;
@@ -509,8 +515,8 @@ static inline __attribute__((always_inline)) void block_item(
  */
 static int attend_blocks(const float *q, const void *k, const void *v, int bf16, float scale, float softcap,
                          int64_t H, int64_t R, int64_t D, int64_t S, int64_t hs, int64_t ss,
-                         const int64_t *nvis, int64_t block, int64_t nb_pre, int merge, float *part,
-                         float *out, float *lse) {
+                         const int64_t *nvis, const int64_t *nlo, int64_t block, int64_t nb_pre, int merge,
+                         float *part, float *out, float *lse) {
     /* the tiled scores write whole tiles of TK keys into a row of `block` floats */
     if (D % 16 || D / 16 > MAXV || block < TK || block % TK) return -1;
     const int DV = (int)(D / 16);
@@ -555,13 +561,13 @@ static int attend_blocks(const float *q, const void *k, const void *v, int bf16,
             float *ph = part + (h * NT + nb_pre + b) * R * W;
             /* the common head sizes get fully unrolled code */
             if (DV == 4)
-                block_item(qh, qph, k, v, bf16, scale, softcap, h * hs, ss, nvis, R,
+                block_item(qh, qph, k, v, bf16, scale, softcap, h * hs, ss, nvis, nlo, R,
                            j0, jend, block, scores, kt, ph, bfp, 4);
             else if (DV == 8)
-                block_item(qh, qph, k, v, bf16, scale, softcap, h * hs, ss, nvis, R,
+                block_item(qh, qph, k, v, bf16, scale, softcap, h * hs, ss, nvis, nlo, R,
                            j0, jend, block, scores, kt, ph, bfp, 8);
             else
-                block_item(qh, qph, k, v, bf16, scale, softcap, h * hs, ss, nvis, R,
+                block_item(qh, qph, k, v, bf16, scale, softcap, h * hs, ss, nvis, nlo, R,
                            j0, jend, block, scores, kt, ph, bfp, DV);
         }
         free(scores);
@@ -602,7 +608,7 @@ static int attend_blocks(const float *q, const void *k, const void *v, int bf16,
 int triforce_attend(const float *q, const void *k, const void *v, int bf16, float scale, float softcap,
                     int64_t H, int64_t R, int64_t D, int64_t S, int64_t hs, int64_t ss,
                     const int64_t *nvis, int64_t block, float *part, float *out, float *lse) {
-    return attend_blocks(q, k, v, bf16, scale, softcap, H, R, D, S, hs, ss, nvis, block, 0, 1, part, out, lse);
+    return attend_blocks(q, k, v, bf16, scale, softcap, H, R, D, S, hs, ss, nvis, NULL, block, 0, 1, part, out, lse);
 }
 
 /* A shared prefix's part of attention (runtime/cache/shared.py): the rows of several
@@ -611,7 +617,7 @@ int triforce_attend(const float *q, const void *k, const void *v, int bf16, floa
 int triforce_attend_parts(const float *q, const void *k, const void *v, int bf16, float scale, float softcap,
                           int64_t H, int64_t R, int64_t D, int64_t S, int64_t hs, int64_t ss,
                           const int64_t *nvis, int64_t block, float *part) {
-    return attend_blocks(q, k, v, bf16, scale, softcap, H, R, D, S, hs, ss, nvis, block, 0, 0, part, NULL, NULL);
+    return attend_blocks(q, k, v, bf16, scale, softcap, H, R, D, S, hs, ss, nvis, NULL, block, 0, 0, part, NULL, NULL);
 }
 
 /* The rest of those rows' attention: the keys after the shared prefix (this call's S, key
@@ -624,7 +630,16 @@ int triforce_attend_after(const float *q, const void *k, const void *v, int bf16
                           int64_t H, int64_t R, int64_t D, int64_t S, int64_t hs, int64_t ss,
                           const int64_t *nvis, int64_t block, int64_t nb_pre, float *part, float *out,
                           float *lse) {
-    return attend_blocks(q, k, v, bf16, scale, softcap, H, R, D, S, hs, ss, nvis, block, nb_pre, 1, part, out, lse);
+    return attend_blocks(q, k, v, bf16, scale, softcap, H, R, D, S, hs, ss, nvis, NULL, block, nb_pre, 1, part, out, lse);
+}
+
+/* triforce_attend where row r sees only keys nlo[r] .. nvis[r]-1 (a window layer's band:
+ * keys before it weigh exactly 0; the same blocks, scores and merge as without) */
+int triforce_attend_band(const float *q, const void *k, const void *v, int bf16, float scale, float softcap,
+                         int64_t H, int64_t R, int64_t D, int64_t S, int64_t hs, int64_t ss,
+                         const int64_t *nvis, const int64_t *nlo, int64_t block, float *part, float *out,
+                         float *lse) {
+    return attend_blocks(q, k, v, bf16, scale, softcap, H, R, D, S, hs, ss, nvis, nlo, block, 0, 1, part, out, lse);
 }
 
 /* 1 when this build has the bf16 path (bfloat16 K and V, head sizes a multiple of 32) */

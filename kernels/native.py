@@ -115,6 +115,9 @@ def load():
                         + [ctypes.c_int64] * 6 + [ctypes.c_void_p, ctypes.c_int64])
                 lib.triforce_attend_parts.restype = ctypes.c_int
                 lib.triforce_attend_parts.argtypes = base + [ctypes.c_void_p]
+                lib.triforce_attend_band.restype = ctypes.c_int
+                lib.triforce_attend_band.argtypes = (base[:-1] + [ctypes.c_void_p, ctypes.c_int64]
+                                                     + [ctypes.c_void_p] * 3)
                 lib.triforce_attend_after.restype = ctypes.c_int
                 lib.triforce_attend_after.argtypes = base + [ctypes.c_int64] + [ctypes.c_void_p] * 3
                 lib.triforce_vector_bits.restype = ctypes.c_int
@@ -185,6 +188,14 @@ def visible_keys(q_pos0: int, T: int, G: int, k_pos0: int, S: int) -> torch.Tens
     return torch.tensor(row * G, dtype=torch.int64)
 
 
+@functools.lru_cache(maxsize=16)
+def band_start(q_pos0: int, T: int, G: int, k_pos0: int, window: int) -> torch.Tensor:
+    """[G*T] int64: each folded query row's first visible key (a window layer: the key at
+    its position - window + 1, counted from k_pos0; 0 where that is before the keys)."""
+    row = [max(q_pos0 + t - window + 1 - k_pos0, 0) for t in range(T)]
+    return torch.tensor(row * G, dtype=torch.int64)
+
+
 def _check(rc: int, D: int):
     if rc == -2:
         raise MemoryError("native attention: no memory for its scratch buffers")
@@ -218,7 +229,7 @@ def attend_parts(qf, k, v, scale: float | None = None, softcap: float | None = N
 
 
 def attend(q, k, v, q_pos0: int, k_pos0: int = 0, scale: float | None = None, out_dtype=None,
-           softcap: float | None = None, pre=None, pre_kv=None):
+           softcap: float | None = None, pre=None, pre_kv=None, window: int | None = None):
     """Causal attention of q [1, Hq, T, D] over k, v [1, Hkv, S, D] -> (out [1, Hq, T, D]
     in `out_dtype` (default q's), lse [1, Hq, T] float32); a query that sees no key gets
     out 0 and lse -inf. Query t sits at position q_pos0 + t and sees
@@ -227,7 +238,9 @@ def attend(q, k, v, q_pos0: int, k_pos0: int = 0, scale: float | None = None, ou
     Keys before k_pos0 that every query sees (a shared prefix, k_pos0 a multiple of BLOCK):
     `pre_kv` = (K, V) [1, Hkv, k_pos0, D], or their per-block results for these rows
     already computed (`pre`, from `attend_parts`: [Hkv, k_pos0 / BLOCK, G*T, D + 2]); every
-    row's output is then the bits of one call over all its keys in one buffer."""
+    row's output is then the bits of one call over all its keys in one buffer. `window`: a
+    sliding layer's band, query t seeing only keys after position q_pos0 + t - window (the
+    keys' blocks still start at k_pos0: where the caller starts them fixes a row's bits)."""
     _, Hq, T, D = q.shape
     H, S = k.shape[1], k.shape[2]
     k, v = _same_strides(k, v)
@@ -238,6 +251,9 @@ def attend(q, k, v, q_pos0: int, k_pos0: int = 0, scale: float | None = None, ou
     R = G * T
     block = BLOCK
     shared = pre is not None or pre_kv is not None
+    nlo = band_start(q_pos0, T, G, k_pos0, window) if window is not None else None
+    if nlo is not None and shared:
+        raise ValueError("a window layer's band after a shared prefix")
     npre = k_pos0 // block if shared else 0
     if shared and k_pos0 % block:
         raise ValueError(f"a shared prefix of {k_pos0} keys: a multiple of {block} is needed")
@@ -253,6 +269,10 @@ def attend(q, k, v, q_pos0: int, k_pos0: int = 0, scale: float | None = None, ou
     def call(r0, r1, o, ls):  # rows r0..r1 -> o, ls: the kernel over every key
         qs, nv, n = qf[:, r0:r1].contiguous(), nvis[r0:r1], r1 - r0
         p = part[:, :, :n] if n == part.shape[2] else torch.empty(H, nb, n, D + 2, dtype=torch.float32)
+        if nlo is not None:
+            return _check(lib.triforce_attend_band(qs.data_ptr(), k.data_ptr(), v.data_ptr(), bf16, scale, cap, H, n,
+                                                   D, S, ks[1], ks[2], nv.data_ptr(), nlo[r0:r1].data_ptr(), block,
+                                                   p.data_ptr(), o.data_ptr(), ls.data_ptr()), D)
         if not shared:
             rc = lib.triforce_attend(qs.data_ptr(), k.data_ptr(), v.data_ptr(), bf16, scale, cap, H, n, D, S,
                                      ks[1], ks[2], nv.data_ptr(), block, p.data_ptr(), o.data_ptr(), ls.data_ptr())

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .errors import TriforceError
-from .cache.kv import prefill_end
+from .cache.kv import exact_bands, prefill_end
 from .graphs import Step, kept, prefill_tokens, run_alone, run_model
 from .hostread import to_device, to_host
 from .cache.offloaded import prefill_layer_major
@@ -98,10 +98,11 @@ def prefill(model, cache, ids: torch.Tensor, start: int = 0, prefill_chunk: int 
 def _prefill_chunks(model, cache, ids, start, prefill_chunk, progress):
     T = ids.shape[1]
     logits, s = None, 0
+    banded = any(w is not None for w in model.config.windows)
     while s < T:  # in a batch, chunks may be shorter while others decode (Batcher.chunk_tokens)
-        # with window layers, ends on multiples of BAND_BLOCK: the same blocks at any chunk size
+        # with window layers whose rows depend on the forward, ends on multiples of BAND_BLOCK
         e = prefill_end(start + s, prefill_tokens(model, cache, prefill_chunk), start + T,
-                        any(w is not None for w in model.config.windows)) - start
+                        banded and not exact_bands(model.config, ids.device)) - start
         logits = run_model(model, cache, ids[:, s:e], start + s, last_only=True)[:, -1]  # in a batch's round
         cache.commit(start + e)
         if progress:

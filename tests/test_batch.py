@@ -374,9 +374,8 @@ def prefilled_kv(L, prompt, chunks):
 @pytest.mark.parametrize("model", ["int4:int8", "window-int8"])
 def test_chunk_invariant_models_prefill_the_same_at_any_chunk_boundaries(model):
     """What `runner.chunk_invariant` promises (and Batcher.chunk_tokens relies on): the
-    same logits and KV bit for bit whatever the chunk sizes (a window layer's rows in
-    blocks of absolute positions, chunk ends rounded to them); dense float32 projections
-    break it."""
+    same logits and KV bit for bit whatever the chunk sizes (a window layer's rows each
+    over its block's band start, cache.kv._cpu_bands); dense float32 projections break it."""
     from triforce_offload.runtime.batch.runner import chunk_invariant
     L = MODELS["int4:int8"]() if model == "int4:int8" else quantized(windowed(), "int8")
     p = repetitive_prompt(700, L.cfg.vocab_size, seed=5)
@@ -388,12 +387,14 @@ def test_chunk_invariant_models_prefill_the_same_at_any_chunk_boundaries(model):
     assert not chunk_invariant(MODELS["fp32"]().model, FullCache(L.cfg, 8))  # dense float32 projections
 
 
-def test_a_prompt_prefills_in_shorter_chunks_while_others_decode():
+@pytest.mark.parametrize("model", ["int4:int8", "window-int8"])
+def test_a_prompt_prefills_in_shorter_chunks_while_others_decode(model):
     """With max_stall, a prompt that arrives while another sequence decodes prefills in
     chunks sized to keep each round within max_stall times a decode round (shorter than
-    --prefill-chunk, at least PREFILL_MIN); both answers equal their solo runs."""
+    --prefill-chunk, at least PREFILL_MIN; with window layers too, not multiples of 128);
+    both answers equal their solo runs."""
     from triforce_offload.runtime.batch.runner import PREFILL_MIN
-    L = MODELS["int4:int8"]()
+    L = MODELS["int4:int8"]() if model == "int4:int8" else quantized(windowed(), "int8")
     short, long = (repetitive_prompt(n, L.cfg.vocab_size, seed=s) for n, s in ((30, 6), (900, 7)))
     opts = RunOptions.of(mode="autoregressive", max_new_tokens=60, ignore_eos=True, prefill_chunk=256)
     solo = [generate(L, p, opts)[0] for p in (short, long)]

@@ -19,9 +19,19 @@ from triforce_offload.runtime import api
 from triforce_offload.runtime.cache.kv import FullCache, copy_prefix
 from triforce_offload.runtime.spec.engine import rollback_depth
 from triforce_offload.runtime.cache.disk import MAGIC, KVDir, model_identity
-from triforce_offload.runtime.cache.prefix import PrefixCache
+from triforce_offload.runtime.cache.prefix import PrefixCache, numerics
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+@pytest.fixture(autouse=True)
+def ring_blocks_of_one(monkeypatch):
+    """Window attention's rows in blocks of 1 position (cache.kv.BAND_BLOCK), so rings of
+    window + depth slots move on within these short runs: what the spans and rules below
+    are about (at the default 128 the rings hold these whole runs; tests/test_window_ring.py
+    covers kept and saved rings there)."""
+    from triforce_offload.runtime.cache import kv
+    monkeypatch.setattr(kv, "BAND_BLOCK", 1)
 
 NEW = 10  # tokens generated per run
 MODES = {"autoregressive": {}, "triforce": {"budget": 16, "retrieval_chunk": 4},
@@ -132,7 +142,7 @@ def test_a_prompt_leaving_before_the_band_prefills_cold(windowed, tmp_path, mode
     (f,) = tmp_path.glob("*.kv")
     early = prompt[:30] + [1, 2, 3, 4]  # shares 30 tokens: the rings hold only the latest 20-odd
     store = disk(tmp_path, L, notes)
-    assert store.disk.match(early) == (None, 0)  # says why, then the run asks again
+    assert store.disk.match(early, numerics(L)) == (None, 0)  # says why, then the run asks again
     out, st, prefilled = gen(L, early, mode, store)
     assert st.extra["reused_tokens"] == 0 and prefilled == len(early)
     assert out == gen(L, early, mode)[0]

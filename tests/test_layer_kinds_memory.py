@@ -22,7 +22,7 @@ from triforce_offload.offload import store as S
 from triforce_offload.offload.errors import OffloadError
 from triforce_offload.runtime.cache import offloaded as off_mod
 from triforce_offload.runtime.cache.kv import FullCache
-from triforce_offload.runtime.model.config import ModelConfig
+from triforce_offload.runtime.model.config import BAND_BLOCK, ModelConfig
 from triforce_offload.runtime.spec.engine import rollback_depth
 from triforce_offload.runtime.cache.offloaded import (OffloadedCache, check_resident, make_full_cache,
                                                 prefill_device_bytes, use_offload)
@@ -58,14 +58,14 @@ def spec_of(cfg: ModelConfig, elem: int) -> cm.ModelSpec:
 def test_predicted_bytes_equal_the_caches_allocations(dtype):
     cfg, elem, cap = windowed(), torch.empty(0, dtype=dtype).element_size(), 200
     full = FullCache(cfg, cap, dtype=dtype, ring_depth=DEPTH)
-    want = (2 * cap + 4 * (WINDOW + DEPTH)) * PER_LAYER * elem  # 2 global layers, 4 rings
+    want = (2 * cap + 4 * (WINDOW + DEPTH + BAND_BLOCK - 1)) * PER_LAYER * elem  # 2 global layers, 4 rings
     assert full.nbytes() == cfg.kv_bytes(cap, elem, DEPTH) == want
     assert FullCache(cfg, cap, dtype=dtype).nbytes() == cfg.kv_bytes(cap, elem) == 6 * cap * PER_LAYER * elem
     for depth in (DEPTH, None):  # the retrieval cache: selected slots on global layers, rings elsewhere
         r = RetrievalCache(cfg, 64, 8, 24, dtype=dtype, ring_depth=depth)
         assert r.nbytes() == RetrievalCache.bytes_for(cfg, r.slots, dtype, ring_depth=depth)
     assert RetrievalCache.bytes_for(cfg, 0, dtype, ring_depth=DEPTH) == 0  # no retrieval cache
-    assert RetrievalCache.bytes_for(cfg, 96, dtype, ring_depth=DEPTH) < RetrievalCache.bytes_for(cfg, 96, dtype)
+    assert RetrievalCache.bytes_for(cfg, 512, dtype, ring_depth=DEPTH) < RetrievalCache.bytes_for(cfg, 512, dtype)
 
 
 def test_cost_model_parts_equal_the_offloaded_caches_allocations():
@@ -81,10 +81,12 @@ def test_cost_model_parts_equal_the_offloaded_caches_allocations():
     mem = cm.memory_use(cm.RTX4090, spec_of(cfg, 4), s, "triforce")
     parts = {k: round(v * cm.GIB) for k, v in mem.parts.items()}
     assert parts["on_chip_kv"] == cache.chip.nbytes() == cap * PER_LAYER * 4
-    assert parts["rings"] == cache.ring.nbytes() == 4 * (WINDOW + DEPTH) * PER_LAYER * 4
+    # the plan is a GPU's: a CPU's rings hold BAND_BLOCK - 1 slots more (cache.kv.band_lo)
+    cpu = 4 * (BAND_BLOCK - 1) * PER_LAYER * 4
+    assert parts["rings"] == cache.ring.nbytes() - cpu == 4 * (WINDOW + DEPTH) * PER_LAYER * 4
     assert parts["staging"] == cache.sched.nbytes()
     assert round(mem.host_gb * cm.GIB) == cache.store.nbytes() == cap * PER_LAYER * 4  # layer 5 only
-    assert parts["retrieval"] == RetrievalCache.bytes_for(cfg, 64, torch.float32, ring_depth=DEPTH)
+    assert parts["retrieval"] == RetrievalCache.bytes_for(cfg, 64, torch.float32, ring_depth=DEPTH) - cpu
     cache.close()
 
 
@@ -96,7 +98,7 @@ def fake_device(monkeypatch, free: float):
 def test_resident_check_accepts_a_windowed_model_an_all_global_one_would_not_fit(monkeypatch):
     cap, chunk, dt = 16384, 512, torch.float32
     pre = prefill_device_bytes(windowed(), chunk, chunk, 1, 4, False)
-    win = (2 * cap + 4 * (WINDOW + DEPTH)) * PER_LAYER * 4 + pre
+    win = (2 * cap + 4 * (WINDOW + DEPTH + BAND_BLOCK - 1)) * PER_LAYER * 4 + pre
     glob = 6 * cap * PER_LAYER * 4 + pre
     assert win < glob / 2
     fake_device(monkeypatch, (win + glob) / 2 / 0.9)  # the check keeps 10% in reserve

@@ -10,6 +10,7 @@ import torch
 
 from test_windows import WINDOW, hf_greedy, loaded_from, ours, tiny_mistral, tiny_qwen2
 from triforce_offload.runtime.cache.kv import FullCache
+from triforce_offload.runtime.model.config import BAND_BLOCK
 from triforce_offload.runtime.errors import TriforceError
 from triforce_offload.runtime.generate import autoregressive
 from triforce_offload.runtime.cache.offloaded import OffloadedCache
@@ -54,7 +55,7 @@ def test_rings_equal_transformers(make, kind, tmp_path):
              "offloaded": lambda: OffloadedCache(cfg, 64, transfer_chunk=5, ring_depth=DEPTH),
              "offloaded-on-chip": lambda: OffloadedCache(cfg, 64, transfer_chunk=5, on_chip=1,
                                                          ring_depth=DEPTH)}[kind]()
-    assert cache.ring is not None and cache.ring.size == WINDOW + DEPTH
+    assert cache.ring is not None and cache.ring.size == WINDOW + DEPTH + BAND_BLOCK - 1
     with torch.no_grad():
         ref = hf(ids).logits
         got = script(model, cache, ids)
@@ -63,7 +64,7 @@ def test_rings_equal_transformers(make, kind, tmp_path):
     if kind == "full":  # window layers hold window + depth slots instead of the capacity
         n_win = sum(w is not None for w in cfg.windows)
         per_slot = whole // (64 * cfg.n_layers)
-        assert cache.nbytes() == per_slot * ((cfg.n_layers - n_win) * 64 + n_win * (WINDOW + DEPTH))
+        assert cache.nbytes() == per_slot * ((cfg.n_layers - n_win) * 64 + n_win * (WINDOW + DEPTH + BAND_BLOCK - 1))
 
 
 def test_retrieval_and_streaming_rings_are_exact(tmp_path):
@@ -89,8 +90,9 @@ def test_retrieval_and_streaming_rings_are_exact(tmp_path):
         for name in outs:
             torch.testing.assert_close(torch.cat(outs[name], 1), ref[:, 30:44], rtol=1e-4, atol=1e-4)
         # a rebuild writes the ring afresh; verified tokens are absorbed through the full ring
+        ret.ring.reach(30 + ret.ring.size + 14)  # writes that went further than the ring holds
         with pytest.raises(TriforceError, match="no longer holds"):
-            ret.rollback(30)  # 14 tokens back: deeper than the ring
+            ret.rollback(30)  # deeper than the ring
         ret.build(full, {}, 30)
         model(ids[:, 30:34], 30, full)
         full.commit(34)
@@ -103,15 +105,15 @@ def test_retrieval_and_streaming_rings_are_exact(tmp_path):
 def test_a_ring_refuses_to_roll_back_past_its_depth(tmp_path):
     hf = tiny_mistral()
     model, cfg = ours(hf, tmp_path)
-    cache = FullCache(cfg, 64, ring_depth=2)
-    ids = torch.randint(0, 97, (1, 30), generator=torch.Generator().manual_seed(1))
+    cache = FullCache(cfg, 400, ring_depth=2)  # a ring of window 12 + depth 2 + 127 slots
+    ids = torch.randint(0, 97, (1, 300), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        model(ids[:, :20], 0, cache)
-        cache.commit(20)
-        assert cache.resumable(20) and cache.resumable(17) and not cache.resumable(16)
-        model(ids[:, 20:25], 20, cache)  # five pending tokens: deeper than the ring's 2
-    with pytest.raises(TriforceError, match="no longer holds positions 9..19"):
-        cache.rollback(20)
+        model(ids[:, :200], 0, cache)
+        cache.commit(200)  # the ring holds 58..199; a forward at n reads from band_lo(n)
+        assert cache.resumable(200) and cache.resumable(128) and not cache.resumable(127)
+        model(ids[:, 200:262], 200, cache)  # 62 pending tokens: past what the ring keeps of 117..199
+    with pytest.raises(TriforceError, match="no longer holds positions 117..199"):
+        cache.rollback(200)
     with pytest.raises(TriforceError, match="recent"):
         cache.keys(0)  # a window layer has no whole KV to read
 
@@ -152,6 +154,10 @@ def test_too_shallow_rings_fail_loudly(qwen2_run, monkeypatch):
     from triforce_offload.runtime.spec import modes as spec_modes
     monkeypatch.setattr(offloaded, "rollback_depth", lambda g: 1)
     monkeypatch.setattr(spec_modes, "rollback_depth", lambda g: 1)
+    from triforce_offload.runtime.cache import kv
+    # rows in blocks of 1 position: no block's slack in the ring (window + depth + BAND_BLOCK - 1
+    # slots), so the shallow depth is all there is, as at a block's last position
+    monkeypatch.setattr(kv, "BAND_BLOCK", 1)
     hf, L, prompt, ref = qwen2_run
     with pytest.raises(TriforceError, match="window ring"):
         run(L, prompt, "triforce", 24, budget=16, retrieval_chunk=4, bypass=False)
@@ -178,13 +184,18 @@ def test_offload_streams_global_layers_only(tmp_path):
     assert b_all > 0 and b_ring * cfg.n_layers == b_all * n_global
 
 
-def test_kept_prefix_and_kv_dir_with_rings(qwen2_run, tmp_path):
+@pytest.mark.parametrize("block", [1, 128])
+def test_kept_prefix_and_kv_dir_with_rings(qwen2_run, tmp_path, monkeypatch, block):
     """A kept cache whose rings still hold the shared prefix's band is reused (a follow-up
     prompt extending the last run), one whose rings moved on is not (a cold start, same
-    tokens); --kv-dir saves the rings' positions (tests/test_kv_dir_windows.py)."""
+    tokens); --kv-dir saves the rings' positions (tests/test_kv_dir_windows.py). Rows in
+    blocks of 1 position: rings of window + depth + 1 slots, which move on within this
+    run; of 128 (the default): the rings still hold the cold start's band here."""
     from helpers_spec import run
+    from triforce_offload.runtime.cache import kv
     from triforce_offload.runtime.cache.prefix import PrefixCache
     from triforce_offload.runtime.cache.disk import KVDir
+    monkeypatch.setattr(kv, "BAND_BLOCK", block)
     hf, L, prompt, ref = qwen2_run
     notes = []
     L.prefix = PrefixCache(1 << 30, KVDir(tmp_path, 1 << 30, L, notes.append))
@@ -198,7 +209,7 @@ def test_kept_prefix_and_kv_dir_with_rings(qwen2_run, tmp_path):
         out3, st3 = run(L, cold, "autoregressive", 8)
         L.prefix = None
         assert out3 == run(L, cold, "autoregressive", 8)[0]
-        assert "reused_tokens" not in st3.extra or st3.extra["reused_tokens"] == 0
+        assert st3.extra.get("reused_tokens", 0) == (30 if block == 128 else 0)
         assert out2 == run(L, follow, "autoregressive", 8)[0]
     finally:
         L.prefix = None

@@ -46,9 +46,8 @@ def chunk_invariant(model, cache) -> bool:
     """Whether a prefill of `model` into `cache` gives the same KV and logits whatever its
     chunk sizes: an in-memory cache on a CPU (`FullCache`), every projection row-exact at
     any row count (`rows.exact`), attention on the native kernel (each row over fixed key
-    blocks: float32 or bfloat16 KV, head size a multiple of 16 up to 256); window layers
-    compute by blocks of absolute positions, never cut between forwards
-    (`cache.window_attention`, `cache.prefill_end`)."""
+    blocks: float32 or bfloat16 KV, head size a multiple of 16 up to 256), window layers'
+    rows too (`cache.kv._cpu_bands`: a prompt's chunks may end anywhere)."""
     from ...kernels import native
     from ..cache.kv import FullCache
     cfg = model.config

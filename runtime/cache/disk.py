@@ -13,7 +13,7 @@ positions of `window_held`, a list of [lo, hi) spans: what its ring held at the 
 N)) and, with --kv-dir, what it held at the end of the prompt (`WindowRing.mark`), one
 after the other ([[0, N]] for a cache that keeps window layers whole). An entry serves a
 prompt sharing n of its tokens when a span has the band a forward at n reads
-(`cache.band_held`: lo <= n - window + 1, or lo = 0, and n <= hi): a follow-up extending the
+(`cache.band_held`: lo <= kv.band_lo(n), and n <= hi): a follow-up extending the
 saved conversation, the same prompt again, not a prompt that leaves them earlier (that one
 prefills cold, said once). Entries written before layer kinds were recorded (no `layers`)
 load for all-global models and are refused for windowed ones.
@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .kv import band_held, held_from
+from .kv import band_held, band_lo, held_from
 
 
 MAGIC = b"TRIFORCE-KV 1\n"  # unchanged by `layers`: entries written before it still load
@@ -197,7 +197,7 @@ class KVDir:
             held = " and ".join(f"{a}..{b - 1}" for a, b in head["window_held"])
             self._say(f"{other} band", f"not using {other}: the prompt shares {m} of its "
                       f"{len(head['ids'])} tokens, but its window layers hold positions {held} "
-                      f"only, not {max(m - head['window'] + 1, 0)}..{m - 1}")
+                      f"only, not {band_lo(m, head['window'])}..{m - 1}")
         return name, n
 
     def load(self, name: str, cache, n: int) -> bool:
@@ -227,7 +227,7 @@ class KVDir:
                             raise ValueError(f"layer {layer} is damaged")
                     a, at = 0, 0  # the first position to put, where it is in the block
                     if cache.ring is not None and layer in cache.ring:
-                        a = band = max(n - head["window"] + 1, 0)
+                        a = band = band_lo(n, head["window"])
                         k = next((k for k, (lo, hi) in enumerate(h) if serves([[lo, hi]], head["window"], n)), None)
                         if k is None:
                             raise ValueError(f"its window layers lack positions {a}..{n - 1}")
@@ -252,7 +252,7 @@ class KVDir:
         wheld = held_spans(cache, N) if window else [[0, N]]
         if not serves(wheld, window, N):
             return self._say("ring", f"not saving {N} tokens' KV: its window layers' rings "
-                             f"no longer hold positions {N - window + 1}..{N - 1}")
+                             f"no longer hold positions {band_lo(N, window)}..{N - 1}")
         if any(covers(head["ids"], head["window_held"], ids, wheld) and head.get("activations", "") == act
                for head in self.index.values()):
             return

@@ -38,7 +38,7 @@ import torch
 
 from ...kernels import native
 from ...kernels.attention import attention, sdpa, static_attention
-from ..model.config import ModelConfig
+from ..model.config import BAND_BLOCK, ModelConfig  # BAND_BLOCK: window_attention's rows in blocks of positions
 from ..errors import TriforceError
 from ...settings import env
 
@@ -175,23 +175,38 @@ def _folded(q, n_kv: int):
 # a forward of up to this many tokens on a CPU (a verification) computes each row's attention
 # as its decode does: window layers (`_cpu_blocks`), an offloaded cache (`_attend_rows`)
 ROWWISE_MAX = 64
-BAND_BLOCK = 128  # window_attention on a CPU: rows in blocks of this many absolute positions
 
 
 def window_attention(q, k, v, q_pos0: int, k_pos0: int, window: int | None,
                      softcap: float | None = None):
     """`attention` of q [B, Hq, T, D] (positions q_pos0..) over k, v [B, Hkv, S, D]
     (positions k_pos0..) where a query at p sees only keys at p - window < pos <= p (None:
-    every key up to p). Keys before the first query's band are cut off: a decode step is
-    plain attention over its last `window` keys. Where the queries' bands still differ: on
-    a GPU, SDPA with a band mask (`band_sdpa`); on a CPU, by blocks of BAND_BLOCK absolute
-    positions (`_cpu_blocks`), so that a row's computation depends on its position alone,
-    not on the forward it came in (a verification, or a prefill chunk of any size whose
-    ends fall on block boundaries: `prefill_end`). `softcap`: soft-capped scores (Gemma 2),
-    on every path (kernels/attention.py)."""
+    every key up to p). On a GPU: keys before the first query's band cut off, plain
+    attention where every query's band still holds the first key, else SDPA with a band
+    mask (`band_sdpa`). On a CPU, by blocks of BAND_BLOCK absolute positions
+    (`_cpu_bands`): a row's computation depends on its position alone, not on the forward
+    it came in (a decode, a verification, a prefill chunk of any size) nor on the rows
+    beside it. `softcap`: soft-capped scores (Gemma 2), on every path (kernels/attention.py)."""
     if window is None:
         return attention(q, k, v, q_pos0, k_pos0, softcap=softcap)
-    return _banded(q, k, v, q_pos0, k_pos0, window, softcap, band_sdpa if q.device.type != "cpu" else _cpu_blocks)
+    if q.device.type == "cpu":
+        return _cpu_bands(q, k, v, q_pos0, k_pos0, window, softcap)
+    return _banded(q, k, v, q_pos0, k_pos0, window, softcap, band_sdpa)
+
+
+def band_lo(p: int, window: int) -> int:
+    """The first key position the CPU's window attention reads for a query at position p:
+    the band of the first position of p's block of BAND_BLOCK (`_cpu_bands`), so that every
+    row of a block shares its keys' layout. What a window ring must hold for a forward at
+    p (`WindowRing.first`, `band_held`)."""
+    return max(p // BAND_BLOCK * BAND_BLOCK + 1 - window, 0)
+
+
+def exact_bands(cfg, device) -> bool:
+    """Whether window layers' attention computes each row independently of the forward it
+    comes in (the native kernel on a CPU, `_cpu_bands`): prefill chunks may then end
+    anywhere (`prefill_end`)."""
+    return torch.device(device).type == "cpu" and native.enabled() and cfg.head_dim % 16 == 0 and cfg.head_dim <= 256
 
 
 def _banded(q, k, v, q_pos0: int, k_pos0: int, window: int, softcap, differ):
@@ -205,34 +220,48 @@ def _banded(q, k, v, q_pos0: int, k_pos0: int, window: int, softcap, differ):
     return differ(q, k, v, q_pos0, k_pos0, window, softcap)
 
 
-def _cpu_blocks(q, k, v, q_pos0: int, k_pos0: int, window: int, softcap):
-    """The rows of each block of BAND_BLOCK absolute positions this forward holds: up to
-    ROWWISE_MAX of them (a verification's rows, a prompt's short last block) each as its
-    decode computes it, bit for bit (int8 activations would turn another summation order
-    into other tokens between modes); more (a prefill chunk's) in one call over their band:
-    plain attention where every row's band still holds the first key, else SDPA with a
-    band mask (one mask over a whole chunk's T + window - 1 keys would mask out about half
-    of what SDPA computes: Gemma 3 270M's 2K-token prefill 2.20 -> 1.94 s, 2 threads)."""
+def _cpu_bands(q, k, v, q_pos0: int, k_pos0: int, window: int, softcap):
+    """The rows of each block of BAND_BLOCK absolute positions this forward holds, in one
+    native call over the keys from the block's band start (`band_lo`) to its last row,
+    each row masked to its own band (`native.attend(window=)`): the kernel's key blocks
+    start at the same position for every row of a block, and its rows do not see each
+    other, so a row is the same bits in a decode, a verification and a prefill chunk of
+    any size (int8 activations would turn another summation order into other tokens
+    between modes). Where the keys given do not reach back to the band start (a drafter's
+    cache) or the kernel does not run: `_cpu_rows`."""
     parts, T = [], q.shape[2]
     a = q_pos0
     while a < q_pos0 + T:
-        b = min((a // BAND_BLOCK + 1) * BAND_BLOCK, q_pos0 + T)
+        blk = a // BAND_BLOCK * BAND_BLOCK
+        b = min(blk + BAND_BLOCK, q_pos0 + T)
         qb = q[:, :, a - q_pos0: b - q_pos0]
-        if b - a <= ROWWISE_MAX:
-            parts += [window_attention(qb[:, :, t: t + 1], k, v, a + t, k_pos0, window, softcap)
-                      for t in range(b - a)]
+        lo = band_lo(a, window)
+        if lo >= k_pos0 and b - k_pos0 <= k.shape[2] and native.supports(qb, k):
+            kb, vb = k[:, :, lo - k_pos0: b - k_pos0], v[:, :, lo - k_pos0: b - k_pos0]
+            parts.append(native.attend(qb, kb, vb, a, lo, softcap=softcap, window=window)[0])
         else:
-            parts.append(_banded(qb, k, v, a, k_pos0, window, softcap, band_sdpa))
+            parts.append(_banded(qb, k, v, a, k_pos0, window, softcap, _cpu_rows))
         a = b
-    return torch.cat(parts, 2)
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 2)
+
+
+def _cpu_rows(q, k, v, q_pos0: int, k_pos0: int, window: int, softcap):
+    """Rows of one block whose bands differ, without the native band kernel: up to
+    ROWWISE_MAX of them each as its decode computes it; more (a prefill chunk's) in one
+    SDPA call with a band mask."""
+    if q.shape[2] <= ROWWISE_MAX:
+        return torch.cat([_banded(q[:, :, t: t + 1], k, v, q_pos0 + t, k_pos0, window, softcap, band_sdpa)
+                          for t in range(q.shape[2])], 2)
+    return band_sdpa(q, k, v, q_pos0, k_pos0, window, softcap)
 
 
 def prefill_end(start: int, tokens: int, end: int, windows: bool = True) -> int:
     """Where a prefill forward from position `start` that takes about `tokens` tokens
-    ends, at most `end`. With window layers (`windows`), on a multiple of BAND_BLOCK
-    (start + tokens rounded down, or the next multiple), so that their blocks are never cut
-    between two forwards (`_cpu_blocks`): a prompt's rows are then computed in the same
-    blocks at any chunk size. Without, start + tokens."""
+    ends, at most `end`. With window layers whose rows depend on the forward they come in
+    (`windows`: not `exact_bands`), on a multiple of BAND_BLOCK (start + tokens rounded
+    down, or the next multiple), so that their blocks are never cut between two forwards
+    (`_cpu_rows`): a prompt's rows are then computed in the same blocks at any chunk size.
+    Else start + tokens."""
     if not windows:
         return min(start + tokens, end)
     e = (start + tokens) // BAND_BLOCK * BAND_BLOCK
@@ -506,15 +535,17 @@ def held_from(cache, n: int) -> int:
 
 def band_held(lo: int, window: int | None, n: int) -> bool:
     """Whether window layers holding the positions from `lo` on (to n) have the band a
-    forward at n reads: [n - window + 1, n), or from 0. The one rule for resuming a ring,
-    reusing a kept cache and loading a --kv-dir entry at n."""
-    return window is None or max(n - window + 1, 0) >= lo
+    forward at n reads: [band_lo(n), n). The one rule for resuming a ring, reusing a kept
+    cache and loading a --kv-dir entry at n."""
+    return window is None or band_lo(n, window) >= lo
 
 
 class WindowRing:
     """The KV of a model's sliding-window layers (sglang's SWAKVPool: a window pool beside
-    the full one): per window layer a ring of `size` = window + depth slots on the device,
-    position p in slot p % size. A forward at p needs the positions from p - window + 1 on;
+    the full one): per window layer a ring of `size` = window + depth slots on the device
+    (on a CPU BAND_BLOCK - 1 more), position p in slot p % size. A forward at p needs the
+    positions from `first(p)` on (p - window + 1; on a CPU band_lo(p), up to BAND_BLOCK - 1
+    before);
     `depth` bounds what may be written above the point a cache is later committed or
     rolled back to (the engine's `rollback_depth`), so those stay in the ring. `floor`:
     positions below it may be overwritten; `settle` refuses a length whose band starts
@@ -524,7 +555,10 @@ class WindowRing:
     def __init__(self, cfg: ModelConfig, depth: int, batch: int = 1, dtype=torch.float32, device="cpu"):
         self.window, self.depth = cfg.sliding_window, depth
         self.softcap = cfg.attn_logit_softcapping  # scores soft-capped (Gemma 2); None: not
-        self.size = self.window + depth  # slots per layer
+        # on a CPU a forward at p reads from band_lo(p), up to BAND_BLOCK - 1 positions before
+        # its own band (`_cpu_bands`); a GPU's from p - window + 1
+        self.blocks = torch.device(device).type == "cpu"
+        self.size = self.window + depth + (BAND_BLOCK - 1 if self.blocks else 0)  # slots per layer
         shape = (batch, cfg.n_kv_heads, self.size, cfg.head_dim)  # [B, Hkv, size, D]
         layers = [i for i, w in enumerate(cfg.windows) if w is not None]
         self.k = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
@@ -546,11 +580,11 @@ class WindowRing:
 
     def first(self, end: int) -> int:
         """The first position a query at `end` sees."""
-        return max(end - self.window + 1, 0)
+        return band_lo(end, self.window) if self.blocks else max(end - self.window + 1, 0)
 
     def holds(self, n: int) -> bool:
         """Whether a forward at n still finds its band of earlier positions."""
-        return band_held(self.floor, self.window, n)
+        return self.first(n) >= self.floor
 
     def span(self, n: int) -> int:
         """The first position of [0, n) the ring holds, its owner's length being >= n."""

@@ -57,7 +57,7 @@ from ...offload import store as S
 from ...offload.store import HostKVStore, StoreSpec, _elem, check_memory
 from ...offload.timeline import Span, Timeline, device_clock
 from ...offload.tune import transfer_chunk_for
-from .kv import ROWWISE_MAX, FullCache, KVCache, WindowRing, copy_prefix, window_attention
+from .kv import ROWWISE_MAX, FullCache, KVCache, WindowRing, band_lo, copy_prefix, window_attention
 from ..spec.engine import rollback_depth
 from ..graphs import graphable, keeps, kept, room_for
 from .retrieval import RetrievalCache
@@ -265,7 +265,7 @@ class OffloadedCache(KVCache):
         """A sliding-window layer: the streamed chunks' keys from the first query's band on
         (copied out of their staging slots), then the forward's own, each query attending
         to its own band (the whole prefix still streams)."""
-        lo = max(start + 1 - self.windows[layer], 0)
+        lo = band_lo(start, self.windows[layer])  # where the CPU's window attention reads from
         ks, vs = [], []
         with Span(self.spans, "compute", f"attention L{layer}", tokens=q.shape[2]):
             for c0, kc, vc in self.sched.stream(layer, start):

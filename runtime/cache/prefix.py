@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...kernels import native
-from .kv import copy_prefix, held_from
+from .kv import copy_prefix, exact_bands, held_from
 from .disk import KVDir, covers, longest_prefix
 from ..options import parse_size
 
@@ -169,13 +169,15 @@ class Lease:
 def numerics(loaded) -> str:
     """What the KV a run writes was computed with, beyond the model and its KV dtype: the
     activations (quantized.activations_set) with the int8 kernel's arithmetic and, on a CPU, whether attention rounds queries
-    and probabilities to bfloat16 (native.bf16_dot). Kept prefixes and --kv-dir entries
+    and probabilities to bfloat16 (native.bf16_dot) and how window layers attend. Kept prefixes and --kv-dir entries
     serve runs of the same numerics only: other numerics, other values."""
     act = getattr(loaded.model, "activations_now", "")
     if act:  # the int8 kernel's arithmetic since 4dd32b3: one rounding per unit of inputs
         act += "+linear:unit"
     if loaded.device.type == "cpu" and native.bf16_dot(loaded.kv_dtype, loaded.cfg.head_dim):
         act += "+attention:bf16"
+    if any(w is not None for w in loaded.cfg.windows) and exact_bands(loaded.cfg, loaded.device):
+        act += "+window:bands"  # window layers' rows by the native kernel's bands (cache.kv._cpu_bands)
     return act
 
 

@@ -12,6 +12,10 @@ from dataclasses import dataclass, field
 
 from ..errors import TriforceError
 
+# window attention on a CPU reads a block of BAND_BLOCK positions' rows from the band of its
+# first (cache.kv.band_lo): a window layer's ring holds BAND_BLOCK - 1 slots more than window + depth
+BAND_BLOCK = 128
+
 # HF `architectures` names we can run, mapped to our family name.
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -110,10 +114,11 @@ class ModelConfig:
     def kv_bytes(self, capacity: int, elem_bytes: int, ring_depth: int | None = None, batch: int = 1) -> int:
         """Bytes of K and V a cache of `capacity` tokens per layer allocates: every layer
         whole, or with a `ring_depth` (cache.WindowRing.of) the window layers in rings of
-        window + depth slots and only the global layers whole."""
+        window + depth + BAND_BLOCK - 1 slots (a CPU's; a GPU's take BAND_BLOCK - 1 fewer) and
+        only the global layers whole."""
         per_layer = 2 * batch * self.n_kv_heads * self.head_dim * elem_bytes  # one token, one layer
         n_win = sum(w is not None for w in self.windows) if ring_depth is not None else 0
-        ring = n_win * (self.sliding_window + ring_depth) if n_win else 0
+        ring = n_win * (self.sliding_window + ring_depth + BAND_BLOCK - 1) if n_win else 0
         return ((self.n_layers - n_win) * capacity + ring) * per_layer
 
     @classmethod
