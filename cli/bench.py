@@ -74,6 +74,9 @@ def bench(
                               "against llama.cpp's batched decoding (llama-batched-bench)."),
     llama_batched_bench: Optional[str] = typer.Option(None, help="The llama-batched-bench binary for "
                                                       "--batch [default: $LLAMA_CPP_BIN/, else PATH]."),
+    check: bool = typer.Option(True, "--check/--no-check", help="With --batch: run each sequence again "
+                               "alone and compare its tokens (the identity the batch guarantees; "
+                               "doubles the time)."),
     shared_prefix: int = typer.Option(0, help="With --batch: every prompt starts with one document of this "
                                       "many tokens (questions over one text); each mode runs with the "
                                       "document held per sequence and once for all (shared prefix)."),
@@ -84,7 +87,8 @@ def bench(
     if batch:
         return bench_batch(model, gen, retrieval, parse_list(batch, int, "--batch"), names,
                            parse_list(contexts, int, "--contexts"), new_tokens, threads, gguf,
-                           llama_batched_bench, out_dir, as_json, shared_prefix)
+                           llama_batched_bench, out_dir, as_json, shared_prefix, check,
+                           check_builtin_prompt(builtin_prompt))
     o = BenchOptions(parse_list(contexts, int, "--contexts"), new_tokens,
                      parse_list(temperatures, float, "--temperatures"), repeats,
                      names + [b for b in extra if b not in names], seed, gguf=gguf,
@@ -118,7 +122,8 @@ def bench(
 
 
 def bench_batch(model: ModelOptions, gen, retrieval, sizes: list[int], names: list[str], contexts: list[int],
-                new_tokens: int, threads: int, gguf, binary, out_dir: Path, as_json: bool, shared: int = 0):
+                new_tokens: int, threads: int, gguf, binary, out_dir: Path, as_json: bool, shared: int = 0,
+                check: bool = True, kind: str = "continue"):
     """`bench --batch`: our batched modes against llama-batched-bench, one table."""
     from ..bench.batch import OURS, run_batch_bench, summarize_batch
     from ..runtime.model.loader import default_model_path
@@ -145,8 +150,8 @@ def bench_batch(model: ModelOptions, gen, retrieval, sizes: list[int], names: li
             "bench": "batch", "gguf": str(gguf)}
     with runs_bar() as progress:
         rows = run_batch_bench(loaded, sizes, contexts[0], new_tokens, names, spec,
-                               threads or torch.get_num_threads(), gguf, binary, progress=progress,
-                               on_row=row_writer(out_dir / "bench.jsonl", meta), shared=shared)
+                               threads or torch.get_num_threads(), gguf, binary, check, progress=progress,
+                               on_row=row_writer(out_dir / "bench.jsonl", meta), shared=shared, kind=kind)
     summary = summarize_batch(rows)
     if as_json:
         print(json.dumps({"meta": meta, "summary": summary}))

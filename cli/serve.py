@@ -19,6 +19,7 @@ from ..runtime.conflicts import refuse
 from ..runtime.options import (GenerationOptions, ModelOptions, OffloadOptions, RetrievalOptions,
                                ReuseOptions, RunOptions, ServeOptions, parse_size)
 from ..runtime.cache.prefix import prefix_store
+from ..runtime.cache.shared import Shared
 from .app import app
 from .options import options
 from .show import err
@@ -51,6 +52,8 @@ def serve(
     loaded = api.load(model, progress=lambda m: err.print(m))
     loaded.prefix = prefix_store(reuse, loaded, memory=True, save_later=True,
                                  note=lambda m: err.print(m, highlight=False))
+    if loaded.prefix is not None:  # requests sharing a long prefix with a kept one hold it once
+        loaded.shared = Shared(seed_bytes=parse_size(reuse.kv_cache_mem))
     opts, metrics = RunOptions(gen, retrieval, offload), Metrics()
     worker = Worker(loaded, srv.max_queue, metrics, srv.max_batch,
                     prefill_budget=srv.prefill_budget or opts.prefill_chunk, max_stall=srv.max_stall or None,

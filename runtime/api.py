@@ -23,7 +23,7 @@ from .model.loader import load_model, parse_dtype
 from .modes import MODES, register_mode  # noqa: F401  (register_mode: the API's entry)
 from .cache.offloaded import finish_stats, make_full_cache
 from .options import ModelOptions, RunOptions
-from .batch import runner as batch_runner
+from .batch import rows as batch_rows, runner as batch_runner
 from .cache.prefix import lease
 from .spec.modes import SPEC_MODES
 from .model.distributed import world_size
@@ -220,7 +220,7 @@ def shared_prefixes(loaded: Loaded, prompts: list[list[int]], opts) -> list[tupl
     with quantized.activations_set(loaded.model, run_activations(loaded, o)):
         probe = FullCache(loaded.cfg, 1, dtype=loaded.kv_dtype, device=loaded.device,
                           ring_depth=rollback_depth(o.generation))
-        invariant = batch_runner.chunk_invariant(loaded.model, probe)
+        invariant = batch_rows.chunk_invariant(loaded.model, probe)
     if not invariant and any(w is not None for w in loaded.cfg.windows):
         return []
     return common_prefixes([p for p in prompts if p], alignment(invariant, o.prefill_chunk))

@@ -212,3 +212,38 @@ def test_a_batch_that_fits_only_when_sharing_is_priced_so():
         api.generate_batch(L, ps, opts, memory=budget, share=False)
     got = api.generate_batch(L, ps, opts, memory=budget)
     assert [t for t, _ in got] == [generate(L, p, opts)[0] for p in ps]
+
+
+@pytest.mark.parametrize("model", ["int4:int8", "window"])
+def test_a_kept_conversation_seeds_a_prefix_later_questions_share(model):
+    """`serve`'s way (Shared.seed_bytes): the second question over a document makes a
+    segment of the kept first conversation's document (copied once; the kept entry stays);
+    questions after it, alone or together, share it; every answer equals its cold run;
+    seeded segments no run uses go past the byte budget. A window model's kept rings no
+    longer hold the band at a block boundary inside the document: no segment, the kept
+    entry serves as before."""
+    from triforce_offload.runtime.batch.runner import Batch
+    from triforce_offload.runtime.cache.prefix import PrefixCache
+    L = MODELS[model]()
+    ps = document_prompts(L.cfg.vocab_size)
+    opts = RunOptions.of(mode="triforce", max_new_tokens=12, budget=32)
+    cold = [generate(L, p, opts)[0] for p in ps]
+    L.prefix, L.shared = PrefixCache(1 << 30), Shared(seed_bytes=1 << 30)
+    try:
+        first, st0 = generate(L, ps[0], opts)
+        assert first == cold[0] and st0.extra.get("reused_from") is None and not L.shared.segments
+        second, st1 = generate(L, ps[1], opts)
+        if model == "window":
+            assert second == cold[1] and st1.extra["reused_from"] == "memory" and not L.shared.segments
+            return
+        assert second == cold[1] and st1.extra["reused_from"] == "shared" and st1.extra["reused_tokens"] == 2 * B
+        (seg,) = L.shared.segments
+        assert seg.seeded and seg.users == 0 and len(L.prefix.entries) == 2  # the first conversation stays kept
+        b = Batch(L)
+        ms = [b.add(p, opts) for p in ps[2:]]
+        b.drain()
+        assert [m.result()[0] for m in ms] == cold[2:] and L.shared.segments == [seg] and L.shared.leases == 3
+        L.shared.seed_bytes = 1  # over budget: unused seeded segments go when a run ends
+        assert generate(L, ps[3], opts)[0] == cold[3] and L.shared.segments == []
+    finally:
+        L.prefix, L.shared = None, None

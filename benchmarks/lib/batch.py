@@ -23,16 +23,20 @@ import time
 
 from ..runtime import api
 from ..runtime.batch.runner import Batch
-from ..runtime.data import essay_tokens, with_bos
+from ..runtime.data import SUMMARY_ASK, encode_prompt, essay_tokens, with_bos
 from ..runtime.errors import TriforceError
 
 
-def batch_prompts(tokenizer, n: int, tokens: int, shared: int = 0) -> list[list[int]]:
+def batch_prompts(tokenizer, n: int, tokens: int, shared: int = 0, kind: str = "continue") -> list[list[int]]:
     """n prompts of `tokens` tokens, each its own stretch of the essays (no two alike);
     `shared` > 0: the first `shared` tokens one document for all (several questions over
-    one text), each prompt's own stretch after it."""
+    one text), each prompt's own stretch after it. `kind` "summary": each prompt its own
+    stretch followed by the summary request, through the chat template (at most `tokens`)."""
     own = tokens - shared
     text = essay_tokens(tokenizer, shared + n * own + 64)
+    if kind == "summary" and not shared:
+        body = [tokenizer.decode(text[i * own: (i + 1) * own - 64]) for i in range(n)]
+        return [encode_prompt(tokenizer, f"{b}\n\n{SUMMARY_ASK}", True)[-tokens:] for b in body]
     doc = with_bos(tokenizer, text[n * own: n * own + shared])[:shared] if shared else []
     return [(doc + text[i * own: (i + 1) * own] if shared
              else with_bos(tokenizer, text[i * own: (i + 1) * own]))[:tokens] for i in range(n)]
@@ -96,7 +100,7 @@ OURS = ("autoregressive", "triforce", "retrieval", "draft")  # the modes a batch
 
 def run_batch_bench(loaded, sizes: list[int], context: int, new: int, modes: list[str], spec: dict,
                     threads: int, gguf: str | None, binary: str | None, check: bool = True,
-                    progress=None, on_row=None, shared: int = 0) -> list[dict]:
+                    progress=None, on_row=None, shared: int = 0, kind: str = "continue") -> list[dict]:
     """Per batch size, each of our `modes` then llama.cpp (when in `modes` and found), back
     to back: rows with t_pp, t_tg, speed_tg (aggregate decode tokens/s) and, for ours, whether
     every sequence equals its solo run (`check`, greedy). Ratios: `summarize_batch`.
@@ -107,7 +111,7 @@ def run_batch_bench(loaded, sizes: list[int], context: int, new: int, modes: lis
     ours = [m for m in modes if m in OURS]
     peer = "llama.cpp" in modes
     exe = llama_batched_bench(binary) if peer else None
-    prompts = batch_prompts(loaded.tokenizer, max(sizes), prompt, shared)
+    prompts = batch_prompts(loaded.tokenizer, max(sizes), prompt, shared, kind)
     ways = [(" own", False), (" shared", True)] if shared else [("", False)]
     rows, steps = [], len(sizes) * (len(ours) * len(ways) + peer)
 

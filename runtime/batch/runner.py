@@ -35,28 +35,11 @@ from ..errors import TriforceError
 from . import member
 from ..model.distributed import world_size
 from .memory import check_batch
-from .rows import Rows, exact, forward
+from .rows import Rows, chunk_invariant, exact, forward
 
 
 _driving = threading.local()  # the thread count a driving thread has set (Batcher._drive)
 PREFILL_MIN = 16  # Batcher.chunk_tokens: the fewest tokens a prompt prefills in a round
-
-
-def chunk_invariant(model, cache) -> bool:
-    """Whether a prefill of `model` into `cache` gives the same KV and logits whatever its
-    chunk sizes: an in-memory cache on a CPU (`FullCache`), every projection row-exact at
-    any row count (`rows.exact`), attention on the native kernel (each row over fixed key
-    blocks: float32 or bfloat16 KV, head size a multiple of 16 up to 256), window layers'
-    rows too (`cache.kv._cpu_bands`: a prompt's chunks may end anywhere)."""
-    from ...kernels import native
-    from ..cache.kv import FullCache
-    cfg = model.config
-    if type(cache) is not FullCache:
-        return False
-    held = [t for t in cache.k if t is not None] + (list(cache.ring.k.values())
-                                                     if cache.ring is not None else [])
-    return (bool(held) and held[0].device.type == "cpu" and held[0].dtype in (torch.float32, torch.bfloat16)
-            and exact(model, 1 << 20) and native.enabled() and cfg.head_dim % 16 == 0 and cfg.head_dim <= 256)
 
 
 @dataclass

@@ -32,6 +32,7 @@ import numpy as np
 from ...kernels import native
 from .kv import copy_prefix, exact_bands, held_from
 from .disk import KVDir, covers, longest_prefix
+from .shared import seed
 from ..options import parse_size
 
 ROOM = 1024  # kept caches' capacity is a multiple of this many tokens
@@ -189,16 +190,18 @@ def lease(loaded, prompt: list[int], capacity: int, make):
     store = getattr(loaded, "prefix", None)
     shared = getattr(loaded, "shared", None)
     seg = shared.match(prompt, numerics(loaded)) if shared is not None else None
+    if seg is None and shared is not None and shared.seed_bytes and store is not None:
+        seg = seed(loaded, store, shared, prompt, numerics(loaded))  # from a kept prefix (serve)
     if seg is not None:  # a shared prefix: held once, read by every sequence it starts
         cache = make(capacity)
         if cache.share(seg.cache):
-            with shared.lock:
-                shared.leases += 1
+            shared.lease(seg)
             out = Lease(cache, seg.length, prompt, "shared")
             out.kept = True
             try:
                 yield out
             finally:
+                shared.release(seg)
                 if store is not None:
                     with store.busy:
                         store.keep(out.cache, out.ids, seg.act)

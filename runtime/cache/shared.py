@@ -13,11 +13,14 @@ sharing a segment go through one call over the prefix's keys, read once
 keys in one buffer would. So an answer equals its solo answer bit for bit, as long as the
 prefix's KV is what the solo prefill writes: its length is a multiple of the kernel's
 key block (native.BLOCK), and of the prefill chunk where a prefill's KV depends on where
-its chunks end (`batch.runner.chunk_invariant`).
+its chunks end (`batch.rows.chunk_invariant`).
 
 `Shared` holds a loaded model's segments (`api.Loaded.shared`); `cache.prefix.lease`
 hands a sequence the longest one its prompt starts with, of the run's numerics
-(`prefix.numerics`). Memory: each sharing sequence saves the segment's bytes. Only caches
+(`prefix.numerics`). `api.generate_batch` makes them for prompts that start alike; `serve`
+makes them from its kept prefixes (`seed`): a request whose prompt shares a long prefix
+with a kept conversation (several questions over one document, asked one after another or
+while the first still runs) holds that prefix once with every later one. Memory: each sharing sequence saves the segment's bytes. Only caches
 on the CPU share (a GPU's fixed-shape and offloaded caches hold their own); sequences
 that cannot share prefill their whole prompt, as alone.
 """
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from dataclasses import dataclass
 
 from ...kernels import native
@@ -37,6 +41,9 @@ class Segment:
     ids: tuple  # the prefix's token ids
     cache: object  # a FullCache committed to len(ids): its KV, read only
     act: str = ""  # the numerics it was computed with (prefix.numerics)
+    seeded: bool = False  # made from a kept prefix (`seed`): evicted when unused (Shared.evict)
+    users: int = 0  # runs whose caches share it now
+    used: float = 0.0  # when a run last leased it (least recently used first out)
 
     @property
     def length(self) -> int:
@@ -47,12 +54,35 @@ class Segment:
 
 
 class Shared:
-    """A loaded model's shared prefixes."""
+    """A loaded model's shared prefixes. `seed_bytes` > 0 (`serve`): a run whose prompt
+    shares MIN_SHARED or more tokens with a kept prefix (cache.prefix.PrefixCache) makes a
+    segment of them (`seed`), which that run and every later one starting with it share;
+    seeded segments no run uses are evicted past that many bytes, least recently used first."""
 
-    def __init__(self):
+    def __init__(self, seed_bytes: int = 0):
         self.segments: list[Segment] = []
         self.lock = threading.Lock()  # the runs of a batch lease from their own threads
         self.leases = 0  # caches that shared a segment
+        self.seed_bytes = seed_bytes
+
+    def lease(self, seg: Segment):
+        with self.lock:
+            seg.users += 1
+            seg.used = time.monotonic()
+            self.leases += 1
+
+    def release(self, seg: Segment):
+        """A run sharing `seg` ended; seeded segments past `seed_bytes` that no run uses go."""
+        with self.lock:
+            seg.users -= 1
+            seeded = sorted((s for s in self.segments if s.seeded), key=lambda s: s.used)
+            total = sum(s.nbytes() for s in seeded)
+            for s in seeded:
+                if total <= self.seed_bytes:
+                    break
+                if s.users == 0:
+                    self.segments.remove(s)
+                    total -= s.nbytes()
 
     def add(self, seg: Segment):
         with self.lock:
@@ -77,6 +107,36 @@ class Shared:
     def nbytes(self) -> int:
         with self.lock:
             return sum(s.nbytes() for s in self.segments)
+
+
+def seed(loaded, store, shared: Shared, prompt: list[int], act: str) -> Segment | None:
+    """A segment made from the kept prefix (`store`, a PrefixCache) that shares the most
+    tokens with `prompt`, where the prompt goes on with other tokens than the kept ones, at
+    least MIN_SHARED, cut to a multiple of native.BLOCK, copied once
+    out of the kept cache (which stays in the store) and held in `shared`; None where there
+    is none, or the kept cache cannot share (offloaded, fixed-shape, a prefill whose KV
+    depends on its chunks' ends, rings that no longer hold the band)."""
+    from ..batch.rows import chunk_invariant  # runtime.batch imports this package
+    from .kv import FullCache, copy_prefix, depth_of
+    with store.busy:
+        with store.lock:
+            e, n = store.match(prompt, act)
+        # where the prompt leaves the kept tokens before both ends (another question over the
+        # same text); a follow-up extending them, or the same prompt again, takes the kept
+        # cache over instead (prefix.PrefixCache.take: no copy)
+        if (e is None or n >= len(e.ids) or n >= len(prompt) - 1 or type(e.cache) is not FullCache
+                or e.cache.static):
+            return None
+        P = n // native.BLOCK * native.BLOCK
+        if (P < MIN_SHARED or not e.cache.resumable(P) or not chunk_invariant(loaded.model, e.cache)
+                or e.cache.length < P):
+            return None
+        dtype = next(t for t in e.cache.k if t is not None).dtype
+        cache = FullCache(loaded.cfg, P, dtype=dtype, device=loaded.device, ring_depth=depth_of(e.cache))
+        copy_prefix(e.cache, cache, P)
+    seg = Segment(tuple(prompt[:P]), cache, act, seeded=True)
+    shared.add(seg)
+    return seg
 
 
 def common_prefixes(prompts: list[list[int]], align: int, least: int = MIN_SHARED) -> list[tuple]:
