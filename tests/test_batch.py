@@ -97,12 +97,17 @@ def test_each_sequence_equals_its_solo_run(model, mode, extra):
         assert shared(got[0][1]) > 1.5, got[0][1].extra  # rows of several sequences in one forward
 
 
+def sampled(modes: list[str], seeds: list[int], n: int) -> list:
+    """One RunOptions per sequence: its mode, nucleus sampling with its seed."""
+    return [RunOptions.of(mode=m, max_new_tokens=n, budget=32,
+                          sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=s))
+            for m, s in zip(modes, seeds)]
+
+
 def test_sampled_sequences_follow_their_own_seeds():
     L = MODELS["int4:int8"]()
     ps = prompts(L.cfg.vocab_size)
-    opts = [RunOptions.of(mode=m, max_new_tokens=24, budget=32,
-                          sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=s))
-            for m, s in zip(["triforce", "autoregressive", "draft", "triforce"], [1, 2, 3, 1])]
+    opts = sampled(["triforce", "autoregressive", "draft", "triforce"], [1, 2, 3, 1], 24)
     solo = [generate(L, p, o)[0] for p, o in zip(ps, opts)]
     assert [t for t, _ in generate_batch(L, ps, opts)] == solo
     assert solo[0] != solo[3]  # the same seed on other prompts: other text (no shared generator)

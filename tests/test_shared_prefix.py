@@ -14,7 +14,7 @@ from triforce_offload.runtime.cache.shared import Segment, Shared, alignment, co
 from triforce_offload.runtime.sampling import SamplingParams
 
 from helpers_spec import repetitive_prompt, tiny
-from test_batch import quantized, windowed
+from test_batch import quantized, sampled, windowed
 
 pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.skipif(not native.enabled(), reason="needs the native attention kernel")]
@@ -171,9 +171,7 @@ def test_sequences_sharing_a_document_equal_their_solo_runs(model, mode, extra, 
 def test_sampled_sequences_sharing_a_document_follow_their_seeds():
     L = MODELS["int4:int8"]()
     ps = document_prompts(L.cfg.vocab_size)
-    opts = [RunOptions.of(mode=m, max_new_tokens=20, budget=32,
-                          sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=s))
-            for m, s in zip(["triforce", "autoregressive", "triforce", "triforce"], [1, 2, 3, 1])]
+    opts = sampled(["triforce", "autoregressive", "triforce", "triforce"], [1, 2, 3, 1], 20)
     solo = [generate(L, p, o)[0] for p, o in zip(ps, opts)]
     # options differ between the prompts: no segment, each holds its own prefix
     assert [t for t, _ in api.generate_batch(L, ps, opts)] == solo
