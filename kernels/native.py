@@ -257,6 +257,9 @@ def attend(q, k, v, q_pos0: int, k_pos0: int = 0, scale: float | None = None, ou
     npre = k_pos0 // block if shared else 0
     if shared and k_pos0 % block:
         raise ValueError(f"a shared prefix of {k_pos0} keys: a multiple of {block} is needed")
+    if pre is not None and tuple(pre.shape) != (H, npre, R, D + 2):
+        raise ValueError(f"a shared prefix's per-block results of shape {tuple(pre.shape)}, "
+                         f"not {(H, npre, R, D + 2)}")
     nb = npre + max(1, -(-S // block))
     # per-block partial results cost H * nb * (D + 2) floats per row: a prefill chunk of
     # thousands of rows goes through in slices that keep them under SCRATCH_BYTES

@@ -78,6 +78,14 @@ def test_a_sharing_cache_reads_as_one_that_holds_everything():
     q = torch.randn(1, cfg.n_heads, 1, cfg.head_dim, generator=g)
     k1 = torch.randn(1, cfg.n_kv_heads, 1, cfg.head_dim, generator=g)
     assert torch.equal(mine.attend(0, q, k1, k1, n), whole.attend(0, q, k1, k1, n))
+    # an offer left by a forward that failed is gone at the next forward's start
+    mine.offer(0, torch.zeros(cfg.n_kv_heads, P // B, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim + 2))
+    mine.begin_forward(n, 1)
+    assert torch.equal(mine.attend(0, q, k1, k1, n), whole.attend(0, q, k1, k1, n))
+    mine.end_forward()
+    own_k, own_v = mine.k[0][:, :, :n + 1 - P], mine.v[0][:, :, :n + 1 - P]
+    with pytest.raises(ValueError, match="per-block results of shape"):  # another set of rows' results
+        native.attend(q, own_k, own_v, n, P, pre=torch.zeros(cfg.n_kv_heads, P // B, 1, cfg.head_dim + 2))
     # a rollback below the prefix holds it again, unchanged, and the segment stays untouched
     before = base.keys(0)[0].clone()
     mine.rollback(P - 10)

@@ -428,9 +428,11 @@ class FullCache(KVCache):
 
     def begin_forward(self, start, n_tokens: int):
         self._slots.begin(start, n_tokens)
+        self._offered.clear()  # offers belong to the forward that makes them (Ragged._share)
 
     def end_forward(self):
         self._slots.end()
+        self._offered.clear()
 
     def attend(self, layer, q, k, v, start):
         if isinstance(start, torch.Tensor):
