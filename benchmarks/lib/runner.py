@@ -323,7 +323,7 @@ def floors(loaded, contexts: list[int], bps: float) -> dict[int, float]:
 
 def kv_bytes(loaded, tokens: int) -> int:
     """Bytes of `tokens` tokens' KV at the cache's dtype (a window layer: its window's)."""
-    return loaded.cfg.kv_bytes(tokens, loaded.kv_dtype.itemsize, ring_depth=0)
+    return loaded.cfg.kv_bytes(tokens, loaded.kv_dtype.itemsize, ring_depth=0, blocks=False)
 
 
 def summarize(rows: list[dict]) -> list[dict]:

@@ -111,14 +111,15 @@ class ModelConfig:
         """Bytes of K and V over all layers for one token."""
         return 2 * self.n_layers * self.n_kv_heads * self.head_dim * elem_bytes
 
-    def kv_bytes(self, capacity: int, elem_bytes: int, ring_depth: int | None = None, batch: int = 1) -> int:
+    def kv_bytes(self, capacity: int, elem_bytes: int, ring_depth: int | None = None, batch: int = 1,
+                 blocks: bool = True) -> int:
         """Bytes of K and V a cache of `capacity` tokens per layer allocates: every layer
         whole, or with a `ring_depth` (cache.WindowRing.of) the window layers in rings of
-        window + depth + BAND_BLOCK - 1 slots (a CPU's; a GPU's take BAND_BLOCK - 1 fewer) and
-        only the global layers whole."""
+        window + depth + BAND_BLOCK - 1 slots (a CPU's; a GPU's take BAND_BLOCK - 1 fewer:
+        `blocks` False, also the window alone with depth 0) and only the global layers whole."""
         per_layer = 2 * batch * self.n_kv_heads * self.head_dim * elem_bytes  # one token, one layer
         n_win = sum(w is not None for w in self.windows) if ring_depth is not None else 0
-        ring = n_win * (self.sliding_window + ring_depth + BAND_BLOCK - 1) if n_win else 0
+        ring = n_win * (self.sliding_window + ring_depth + (BAND_BLOCK - 1 if blocks else 0)) if n_win else 0
         return ((self.n_layers - n_win) * capacity + ring) * per_layer
 
     @classmethod
