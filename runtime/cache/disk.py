@@ -70,9 +70,15 @@ def covers(ids: np.ndarray, held: list, other: np.ndarray, other_held: list) -> 
     return holds(ids, other) and all(any(a <= c and d <= b for a, b in held) for c, d in other_held)
 
 
-def serves(held: list, window: int | None, n: int) -> bool:
+def bands(act: str) -> bool:
+    """Whether an entry's window layers were read by a CPU's blocks of positions
+    (`kv.band_lo`), from its numerics (prefix.numerics)."""
+    return "+window:bands" in act
+
+
+def serves(held: list, window: int | None, n: int, blocks: bool = True) -> bool:
     """Window layers holding the spans `held` have the band of a forward at n."""
-    return any(n <= hi and band_held(lo, window, n) for lo, hi in held)
+    return any(n <= hi and band_held(lo, window, n, blocks) for lo, hi in held)
 
 
 def held_spans(cache, n: int) -> list[list[int]]:
@@ -177,7 +183,7 @@ class KVDir:
         """Entry `name` serves a prompt sharing n of its tokens: its window layers hold the
         band a forward at n reads (`cache.band_held`, the rule of kept caches too)."""
         head = self.index[name]
-        return serves(head["window_held"], head["window"], n)
+        return serves(head["window_held"], head["window"], n, bands(head.get("activations", "")))
 
     def match(self, prompt: list[int], act: str = "") -> tuple[str | None, int]:
         """The usable entry sharing the longest prefix with prompt and its length (<
@@ -197,7 +203,7 @@ class KVDir:
             held = " and ".join(f"{a}..{b - 1}" for a, b in head["window_held"])
             self._say(f"{other} band", f"not using {other}: the prompt shares {m} of its "
                       f"{len(head['ids'])} tokens, but its window layers hold positions {held} "
-                      f"only, not {band_lo(m, head['window'])}..{m - 1}")
+                      f"only, not {band_lo(m, head['window'], bands(head.get('activations', '')))}..{m - 1}")
         return name, n
 
     def load(self, name: str, cache, n: int) -> bool:
@@ -227,8 +233,10 @@ class KVDir:
                             raise ValueError(f"layer {layer} is damaged")
                     a, at = 0, 0  # the first position to put, where it is in the block
                     if cache.ring is not None and layer in cache.ring:
-                        a = band = band_lo(n, head["window"])
-                        k = next((k for k, (lo, hi) in enumerate(h) if serves([[lo, hi]], head["window"], n)), None)
+                        blocks = bands(head.get("activations", ""))
+                        a = band = band_lo(n, head["window"], blocks)
+                        k = next((k for k, (lo, hi) in enumerate(h) if serves([[lo, hi]], head["window"], n, blocks)),
+                                 None)
                         if k is None:
                             raise ValueError(f"its window layers lack positions {a}..{n - 1}")
                         at = tokens(h[:k]) + a - h[k][0]
@@ -250,9 +258,9 @@ class KVDir:
         ids = np.asarray(ids, dtype=np.int64)
         N, window = len(ids), self.me["window"]
         wheld = held_spans(cache, N) if window else [[0, N]]
-        if not serves(wheld, window, N):
+        if not serves(wheld, window, N, bands(act)):
             return self._say("ring", f"not saving {N} tokens' KV: its window layers' rings "
-                             f"no longer hold positions {band_lo(N, window)}..{N - 1}")
+                             f"no longer hold positions {band_lo(N, window, bands(act))}..{N - 1}")
         if any(covers(head["ids"], head["window_held"], ids, wheld) and head.get("activations", "") == act
                for head in self.index.values()):
             return

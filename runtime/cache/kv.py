@@ -194,11 +194,13 @@ def window_attention(q, k, v, q_pos0: int, k_pos0: int, window: int | None,
     return _banded(q, k, v, q_pos0, k_pos0, window, softcap, band_sdpa)
 
 
-def band_lo(p: int, window: int) -> int:
+def band_lo(p: int, window: int, blocks: bool = True) -> int:
     """The first key position the CPU's window attention reads for a query at position p:
     the band of the first position of p's block of BAND_BLOCK (`_cpu_bands`), so that every
     row of a block shares its keys' layout. What a window ring must hold for a forward at
-    p (`WindowRing.first`, `band_held`)."""
+    p (`WindowRing.first`, `band_held`). `blocks` False: a GPU's, p - window + 1."""
+    if not blocks:  # a GPU's window attention: the query's own band
+        return max(p + 1 - window, 0)
     return max(p // BAND_BLOCK * BAND_BLOCK + 1 - window, 0)
 
 
@@ -236,8 +238,10 @@ def _cpu_bands(q, k, v, q_pos0: int, k_pos0: int, window: int, softcap):
         b = min(blk + BAND_BLOCK, q_pos0 + T)
         qb = q[:, :, a - q_pos0: b - q_pos0]
         lo = band_lo(a, window)
-        if lo >= k_pos0 and b - k_pos0 <= k.shape[2] and native.supports(qb, k):
-            kb, vb = k[:, :, lo - k_pos0: b - k_pos0], v[:, :, lo - k_pos0: b - k_pos0]
+        kb, vb = k[:, :, max(lo - k_pos0, 0): b - k_pos0], v[:, :, max(lo - k_pos0, 0): b - k_pos0]
+        if kb.dtype == torch.float16:  # the kernel reads float32 or bfloat16: widened exactly
+            kb, vb = kb.float(), vb.float()
+        if lo >= k_pos0 and b - k_pos0 <= k.shape[2] and native.supports(qb, kb):
             parts.append(native.attend(qb, kb, vb, a, lo, softcap=softcap, window=window)[0])
         else:
             parts.append(_banded(qb, k, v, a, k_pos0, window, softcap, _cpu_rows))
@@ -405,6 +409,7 @@ class FullCache(KVCache):
         """Whether attention of q at `start` in `layer` reads the shared prefix through the
         native kernel's per-block results (the rest of the keys after them)."""
         return (self.base is not None and isinstance(start, int) and start >= self.offset
+                and self.offset % native.BLOCK == 0
                 and layer in self.full_layers and self.windows[layer] is None and native.supports(q, self.k[layer]))
 
     def rollback(self, n: int):
@@ -535,11 +540,11 @@ def held_from(cache, n: int) -> int:
     return 0 if cache.ring is None else cache.ring.span(n)
 
 
-def band_held(lo: int, window: int | None, n: int) -> bool:
+def band_held(lo: int, window: int | None, n: int, blocks: bool = True) -> bool:
     """Whether window layers holding the positions from `lo` on (to n) have the band a
     forward at n reads: [band_lo(n), n). The one rule for resuming a ring, reusing a kept
     cache and loading a --kv-dir entry at n."""
-    return window is None or band_lo(n, window) >= lo
+    return window is None or band_lo(n, window, blocks) >= lo
 
 
 class WindowRing:
@@ -582,7 +587,7 @@ class WindowRing:
 
     def first(self, end: int) -> int:
         """The first position a query at `end` sees."""
-        return band_lo(end, self.window) if self.blocks else max(end - self.window + 1, 0)
+        return band_lo(end, self.window, self.blocks)
 
     def holds(self, n: int) -> bool:
         """Whether a forward at n still finds its band of earlier positions."""
@@ -601,7 +606,7 @@ class WindowRing:
         """The owning cache's length moves to n: its band must still be here."""
         if not self.holds(n):
             raise TriforceError(f"window ring of {self.size} slots (window {self.window} + depth "
-                                f"{self.depth}) no longer holds positions {self.first(n)}..{n - 1}")
+                                f"{self.depth}{' + ' + str(BAND_BLOCK - 1) if self.blocks else ''}) no longer holds positions {self.first(n)}..{n - 1}")
         if n == self.mark_at and self.marked is None:
             lo = self.span(n)
             self.marked = (lo, n, {i: self._read(i, lo, n) for i in self.k})

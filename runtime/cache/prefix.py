@@ -189,23 +189,21 @@ def lease(loaded, prompt: list[int], capacity: int, make):
     prompt: the committed length bounds what is kept)."""
     store = getattr(loaded, "prefix", None)
     shared = getattr(loaded, "shared", None)
-    seg = shared.match(prompt, numerics(loaded)) if shared is not None else None
+    seg = shared.take(prompt, numerics(loaded)) if shared is not None else None
     if seg is None and shared is not None and shared.seed_bytes and store is not None:
         seg = seed(loaded, store, shared, prompt, numerics(loaded))  # from a kept prefix (serve)
     if seg is not None:  # a shared prefix: held once, read by every sequence it starts
         cache = make(capacity)
         if cache.share(seg.cache):
-            shared.lease(seg)
             out = Lease(cache, seg.length, prompt, "shared")
             out.kept = True
             try:
                 yield out
-            finally:
+            finally:  # not kept: its bytes past the segment are a follow-up's to prefill
                 shared.release(seg)
-                if store is not None:
-                    with store.busy:
-                        store.keep(out.cache, out.ids, seg.act)
+                cache.close()
             return
+        shared.release(seg, shared=False)
         cache.close()
     if store is None:
         yield Lease(make(capacity), 0, prompt)

@@ -65,16 +65,26 @@ class Shared:
         self.leases = 0  # caches that shared a segment
         self.seed_bytes = seed_bytes
 
-    def lease(self, seg: Segment):
+    def take(self, prompt: list[int], act: str = "") -> Segment | None:
+        """`match`, and the run that asked uses it from now on (`release` when it ends): no
+        eviction between the two."""
         with self.lock:
-            seg.users += 1
-            seg.used = time.monotonic()
-            self.leases += 1
+            seg = self._match(prompt, act)
+            if seg is not None:
+                seg.users += 1
+                seg.used = time.monotonic()
+                self.leases += 1
+            return seg
 
-    def release(self, seg: Segment):
-        """A run sharing `seg` ended; seeded segments past `seed_bytes` that no run uses go."""
+    def release(self, seg: Segment, shared: bool = True):
+        """A run that took `seg` ended (`shared` False: its cache could not share it, which
+        then counts no lease); seeded segments past `seed_bytes` that no run uses go."""
         with self.lock:
             seg.users -= 1
+            if not shared:
+                self.leases -= 1
+                if seg.seeded and seg.users == 0 and seg in self.segments:
+                    self.segments.remove(seg)
             seeded = sorted((s for s in self.segments if s.seeded), key=lambda s: s.used)
             total = sum(s.nbytes() for s in seeded)
             for s in seeded:
@@ -96,13 +106,16 @@ class Shared:
         """The longest segment `prompt` starts with and goes past (its last token is
         prefilled by the run: its logits start the generation), of numerics `act`."""
         with self.lock:
-            best = None
-            for s in self.segments:
-                n = s.length
-                if (s.act == act and n < len(prompt) and (best is None or n > best.length)
-                        and tuple(prompt[:n]) == s.ids):
-                    best = s
-            return best
+            return self._match(prompt, act)
+
+    def _match(self, prompt: list[int], act: str) -> Segment | None:
+        best = None
+        for s in self.segments:
+            n = s.length
+            if (s.act == act and n < len(prompt) and (best is None or n > best.length)
+                    and tuple(prompt[:n]) == s.ids):
+                best = s
+        return best
 
     def nbytes(self) -> int:
         with self.lock:
@@ -125,18 +138,21 @@ def seed(loaded, store, shared: Shared, prompt: list[int], act: str) -> Segment 
         # same text); a follow-up extending them, or the same prompt again, takes the kept
         # cache over instead (prefix.PrefixCache.take: no copy)
         if (e is None or n >= len(e.ids) or n >= len(prompt) - 1 or type(e.cache) is not FullCache
-                or e.cache.static):
+                or e.cache.static or not e.cache.full_layers):  # all window layers: nothing to share
             return None
         P = n // native.BLOCK * native.BLOCK
         if (P < MIN_SHARED or not e.cache.resumable(P) or not chunk_invariant(loaded.model, e.cache)
                 or e.cache.length < P):
             return None
-        dtype = next(t for t in e.cache.k if t is not None).dtype
+        have = shared.take(prompt, act)  # another run seeded it meanwhile
+        if have is not None:
+            return have
+        dtype = e.cache.k[e.cache.full_layers[0]].dtype
         cache = FullCache(loaded.cfg, P, dtype=dtype, device=loaded.device, ring_depth=depth_of(e.cache))
         copy_prefix(e.cache, cache, P)
-    seg = Segment(tuple(prompt[:P]), cache, act, seeded=True)
-    shared.add(seg)
-    return seg
+        seg = Segment(tuple(prompt[:P]), cache, act, seeded=True)
+        shared.add(seg)
+        return shared.take(prompt, act)
 
 
 def common_prefixes(prompts: list[list[int]], align: int, least: int = MIN_SHARED) -> list[tuple]:
