@@ -20,7 +20,7 @@ import torch
 from ...kernels import native
 from ...kernels.linear import EXACT_ROWS, exact_rows
 from ...kernels.qlinear import rows_exact
-from ..cache.kv import ROWWISE_MAX, FullCache
+from ..cache.kv import ROWWISE_MAX, FullCache, exact_bands
 from ..cache.retrieval import Recorder
 from ..hostread import to_device
 
@@ -119,8 +119,8 @@ def chunk_invariant(model, cache) -> bool:
         return False
     held = [t for t in cache.k if t is not None] + (list(cache.ring.k.values())
                                                      if cache.ring is not None else [])
-    return (bool(held) and held[0].device.type == "cpu" and held[0].dtype in (torch.float32, torch.bfloat16)
-            and exact(model, 1 << 20) and native.enabled() and cfg.head_dim % 16 == 0 and cfg.head_dim <= 256)
+    return (bool(held) and held[0].dtype in (torch.float32, torch.bfloat16) and exact(model, 1 << 20)
+            and exact_bands(cfg, held[0].device))
 
 
 @torch.inference_mode()

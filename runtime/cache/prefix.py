@@ -189,9 +189,10 @@ def lease(loaded, prompt: list[int], capacity: int, make):
     prompt: the committed length bounds what is kept)."""
     store = getattr(loaded, "prefix", None)
     shared = getattr(loaded, "shared", None)
-    seg = shared.take(prompt, numerics(loaded)) if shared is not None else None
+    act = numerics(loaded) if store is not None or shared is not None else ""
+    seg = shared.take(prompt, act) if shared is not None else None
     if seg is None and shared is not None and shared.seed_bytes and store is not None:
-        seg = seed(loaded, store, shared, prompt, numerics(loaded))  # from a kept prefix (serve)
+        seg = seed(loaded, store, shared, prompt, act)  # from a kept prefix (serve)
     if seg is not None:  # a shared prefix: held once, read by every sequence it starts
         cache = make(capacity)
         if cache.share(seg.cache):
@@ -209,7 +210,6 @@ def lease(loaded, prompt: list[int], capacity: int, make):
         yield Lease(make(capacity), 0, prompt)
         return
     t0 = time.perf_counter()
-    act = numerics(loaded)
     with store.busy:
         cache, start, source = store.take(prompt, capacity, make, act)
     if cache.ring is not None:  # the entry saved to disk then serves this prompt again too
