@@ -404,6 +404,55 @@ static inline void pack_probs(float *restrict s, int64_t n) {
     }
 }
 
+/* softmax_row, the scaling before it and pack_probs after it in two passes over the row
+ * instead of seven (the bf16 path without soft-capping): the same operations on every
+ * element in the same order, so the same bits. Pass one scales s[0 .. n-1], sets keys
+ * before lo to -inf and finds the max; pass two takes exp(s - m) rounded to bfloat16 (0
+ * before lo and from n on), sums them in key order and packs pairs in place, the last
+ * pair's upper half read from beyond len as pack_probs reads it. Needs n > lo. */
+static inline float softmax_pack_bf(float *restrict s, int64_t lo, int64_t n, int64_t nb, float scale, float *l) {
+    const int64_t len = (nb + 15) / 16 * 16; /* the block's keys (nb >= n), padded */
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512 mv = _mm512_set1_ps(-INFINITY);
+    const __m512 sc = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < n; j += 16) {
+        const __m512i idx = _mm512_add_epi32(lane, _mm512_set1_epi32((int)j));
+        const __mmask16 in = _mm512_cmplt_epi32_mask(idx, _mm512_set1_epi32((int)n));
+        const __mmask16 band = _mm512_cmplt_epi32_mask(idx, _mm512_set1_epi32((int)lo));
+        __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(in, s + j), sc);
+        x = _mm512_mask_mov_ps(x, band, ninf);
+        _mm512_mask_storeu_ps(s + j, in, x);
+        mv = _mm512_mask_max_ps(mv, in, mv, x);
+    }
+    const float m = _mm512_reduce_max_ps(mv);
+    v16 sum = {0};
+    for (int64_t j = 0; j < len; j += 32) {
+        __m512 x[2];
+        for (int h = 0; h < 2; h++) {
+            const int64_t jj = j + 16 * h;
+            if (jj >= len) { /* the last pair's upper half: what is there (pack_probs) */
+                x[h] = _mm512_loadu_ps(s + jj);
+                continue;
+            }
+            const __m512i idx = _mm512_add_epi32(lane, _mm512_set1_epi32((int)jj));
+            const __mmask16 keep = _mm512_cmplt_epi32_mask(idx, _mm512_set1_epi32((int)n)) &
+                                   _mm512_cmpge_epi32_mask(idx, _mm512_set1_epi32((int)lo));
+            v16 y;
+            memcpy(&y, s + jj, sizeof y);
+            y = round_bf16(exp_neg16(y - m));
+            __m512 z;
+            memcpy(&z, &y, sizeof z);
+            x[h] = _mm512_maskz_mov_ps(keep, z);
+            memcpy(&y, &x[h], sizeof y);
+            sum += y;
+        }
+        const __m512bh pr = _mm512_cvtne2ps_pbh(x[1], x[0]); /* exact: bfloat16 values */
+        memcpy((uint32_t *)s + j / 2, &pr, sizeof pr);
+    }
+    *l = hsum(sum);
+    return m;
+}
+
 /* rows r0 .. r0+NR-1 of sum_j p[r][j] v[j] by pairs of keys: the pair (p[j], p[j+1]) (the
  * rounded probabilities' bits) against the values of keys j and j+1 interleaved element by
  * element (unpack within 128-bit lanes: accumulator c's lane k holds element
@@ -468,7 +517,26 @@ static inline __attribute__((always_inline)) void block_item(
         scores_by_tile(scores, qp, k, bf16, base, ss, j0, jend, R, block, kt, DV);
     /* softmax statistics per row over the keys it sees; unseen keys weigh 0 */
     const int64_t len = (n + 15) / 16 * 16;
-    for (int64_t r = 0; r < R; r++) {
+    int packed = 0; /* the rows' probabilities are bfloat16 pairs already (softmax_pack_bf) */
+#if BF_PATH
+    if (bfp && softcap <= 0.f) {
+        packed = 1;
+        for (int64_t r = 0; r < R; r++) {
+            float *pr = ph + r * W, *s = scores + r * block, l = 0.f;
+            const int64_t nr = (nvis[r] < jend ? nvis[r] : jend) - j0;
+            const int64_t lo = nlo && nlo[r] > j0 ? (nlo[r] - j0 < nr ? nlo[r] - j0 : nr) : 0;
+            if (nr > lo) {
+                pr[D] = softmax_pack_bf(s, lo, nr, n, scale, &l);
+            } else {
+                pr[D] = -INFINITY;
+                memset(s, 0, sizeof(float) * len);
+                pack_probs(s, n);
+            }
+            pr[D + 1] = l;
+        }
+    }
+#endif
+    for (int64_t r = 0; r < (packed ? 0 : R); r++) {
         float *pr = ph + r * W, *s = scores + r * block, l = 0.f;
         const int64_t nr = (nvis[r] < jend ? nvis[r] : jend) - j0;
         /* keys before the row's first visible one (nlo: a window layer's band) weigh 0 */
@@ -487,7 +555,7 @@ static inline __attribute__((always_inline)) void block_item(
 #if BF_PATH
     if (bfp) {
         const uint16_t *vb = (const uint16_t *)v;
-        for (int64_t r = 0; r < R; r++) pack_probs(scores + r * block, n);
+        for (int64_t r = 0; r < (packed ? 0 : R); r++) pack_probs(scores + r * block, n);
         if (DV <= 4)
             for (; r0 + 6 <= R; r0 += 6) pv_rows_bf(ph, W, scores, vb, base, ss, j0, jend, r0, block, 6, DV);
         for (; r0 + 3 <= R; r0 += 3) pv_rows_bf(ph, W, scores, vb, base, ss, j0, jend, r0, block, 3, DV);
