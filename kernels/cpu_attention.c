@@ -230,8 +230,11 @@ static inline __attribute__((always_inline)) void transpose_keys(
             for (int u = 0; u < 16; u++) {
                 int64_t j = j0 + 16 * h + u;
                 j = j < jend ? j : jend - 1;
-                if (bf16 == 2)
+                if (bf16 == 2) {
                     memcpy(x + u, (const uint16_t *)k + base + j * ss + 32 * c, sizeof x[u]);
+                    /* the key 2 tiles on (a hint: reading K streams from memory) */
+                    __builtin_prefetch((const uint16_t *)k + base + (j + 2 * TK) * ss + 32 * c);
+                }
                 else if (bf16) {
 #if defined(__AVX512F__)
                     const __m512i w = _mm512_slli_epi32(
@@ -467,6 +470,8 @@ static inline __attribute__((always_inline)) void pv_rows_bf(
         const int two = j + 1 < jend;
         __m512i vp[MAXV];
         for (int c = 0; c < DV / 2; c++) {
+            __builtin_prefetch(v + base + (j + 16) * ss + 32 * c); /* 16 keys on */
+            __builtin_prefetch(v + base + (j + 17) * ss + 32 * c);
             const __m512i va = _mm512_loadu_si512(v + base + j * ss + 32 * c);
             const __m512i vb = two ? _mm512_loadu_si512(v + base + (j + 1) * ss + 32 * c) : _mm512_setzero_si512();
             vp[2 * c] = _mm512_unpacklo_epi16(va, vb);
@@ -569,6 +574,32 @@ static inline __attribute__((always_inline)) void block_item(
     for (; r0 < R; r0++) pv_rows(ph, W, scores, v, bf16, base, ss, j0, jend, r0, block, 1, DV);
 }
 
+/* A row's output and log-sum-exp from its blocks' results (m, l, unnormalised acc), in
+ * key order: `na` blocks at a, a + sa, ..., then `nb` blocks at b, b + sb, ... (a shared
+ * prefix's blocks, then the sequence's own) */
+static void merge_row(const float *a, int64_t na, int64_t sa, const float *b, int64_t nb, int64_t sb,
+                      int64_t D, float *restrict o, float *lse) {
+    float m = -INFINITY;
+    for (int64_t i = 0; i < na + nb; i++) {
+        const float mb = (i < na ? a + i * sa : b + (i - na) * sb)[D];
+        m = mb > m ? mb : m;
+    }
+    memset(o, 0, sizeof(float) * D);
+    float l = 0.f;
+    if (m != -INFINITY) {
+        for (int64_t i = 0; i < na + nb; i++) {
+            const float *pb = i < na ? a + i * sa : b + (i - na) * sb;
+            if (pb[D] == -INFINITY) continue;
+            const float w = expf(pb[D] - m);
+            l += w * pb[D + 1];
+            for (int64_t d = 0; d < D; d++) o[d] += w * pb[d];
+        }
+        const float inv = 1.f / l;
+        for (int64_t d = 0; d < D; d++) o[d] *= inv;
+    }
+    if (lse) *lse = m == -INFINITY ? -INFINITY : m + logf(l);
+}
+
 /*
  * q     [H, R, D] float32, contiguous
  * scale softmax scale, applied to the dot products
@@ -647,26 +678,7 @@ static int attend_blocks(const float *q, const void *k, const void *v, int bf16,
 #pragma omp for schedule(static)
         for (int64_t hr = 0; hr < H * R; hr++) {
             const int64_t h = hr / R, r = hr % R;
-            float m = -INFINITY;
-            for (int64_t b = 0; b < NT; b++) {
-                const float mb = part[((h * NT + b) * R + r) * W + D];
-                m = mb > m ? mb : m;
-            }
-            float *o = out + hr * D;
-            memset(o, 0, sizeof(float) * D);
-            float l = 0.f;
-            if (m != -INFINITY) {
-                for (int64_t b = 0; b < NT; b++) {
-                    const float *pb = part + ((h * NT + b) * R + r) * W;
-                    if (pb[D] == -INFINITY) continue;
-                    const float w = expf(pb[D] - m);
-                    l += w * pb[D + 1];
-                    for (int64_t d = 0; d < D; d++) o[d] += w * pb[d];
-                }
-                const float inv = 1.f / l;
-                for (int64_t d = 0; d < D; d++) o[d] *= inv;
-            }
-            lse[hr] = m == -INFINITY ? -INFINITY : m + logf(l);
+            merge_row(part + (h * NT * R + r) * W, NT, R * W, NULL, 0, 0, D, out + hr * D, lse + hr);
         }
     }
     free(qp);
@@ -699,6 +711,115 @@ int triforce_attend_after(const float *q, const void *k, const void *v, int bf16
                           const int64_t *nvis, int64_t block, int64_t nb_pre, float *part, float *out,
                           float *lse) {
     return attend_blocks(q, k, v, bf16, scale, softcap, H, R, D, S, hs, ss, nvis, NULL, block, nb_pre, 1, part, out, lse);
+}
+
+/* Many sequences' attention in one call (a batch's decodes and verifications): sequence i's
+ * rows row0[i] .. row0[i] + nrows[i] - 1 of q [H, Rtot, D] over its own keys (k[i], v[i]:
+ * S[i] keys, head stride hs[i], key stride ss[i], K and V alike), nvis [Rtot] counted from
+ * its first key; where nb_pre > 0 every row first has the nb_pre blocks of a shared prefix
+ * in pre [H, nb_pre, Rtot, D + 2] (triforce_attend_parts over all the rows), its own keys
+ * following them. Row r of head h goes to out + (h * ohs + orow[r]) * D (no log-sum-exp).
+ * Each sequence's blocks are computed with the arguments a call of its own would pass (its
+ * rows, its keys) and merged in the same order, so every row is the same bits as in
+ * triforce_attend (nb_pre 0) or triforce_attend_after: one call instead of one per
+ * sequence. Returns as attend_blocks. */
+int triforce_attend_seqs(const float *q, int bf16, float scale, float softcap, int64_t H, int64_t D,
+                         int64_t nseq, const int64_t *kp, const int64_t *vp, const int64_t *S,
+                         const int64_t *hs, const int64_t *ss, const int64_t *row0, const int64_t *nrows,
+                         const int64_t *nvis, int64_t block, int64_t nb_pre, const float *pre,
+                         const int64_t *orow, int64_t ohs, float *out) {
+    if (D % 16 || D / 16 > MAXV || block < TK || block % TK || nseq < 1) return -1;
+    const int DV = (int)(D / 16);
+    const int64_t W = D + 2, Rtot = row0[nseq - 1] + nrows[nseq - 1];
+    const int bfp = BF_PATH && bf16 && D % 32 == 0;
+    const int64_t P = bfp ? D / 2 : D; /* packed words per row */
+    /* per sequence: blocks, first item, its part's and packed rows' offsets, keys seen */
+    int64_t *meta = (int64_t *)malloc(sizeof(int64_t) * (6 * nseq + Rtot + 1));
+    if (!meta) return -2;
+    int64_t *NB = meta, *item0 = meta + nseq, *part0 = meta + 2 * nseq, *qp0 = meta + 3 * nseq,
+            *maxvis = meta + 4 * nseq, *Rp = meta + 5 * nseq, *seq_of = meta + 6 * nseq;
+    int64_t items = 0, parts = 0, packed = 0, maxR = 1;
+    for (int64_t i = 0; i < nseq; i++) {
+        NB[i] = (S[i] + block - 1) / block;
+        item0[i] = items;
+        part0[i] = parts;
+        qp0[i] = packed;
+        Rp[i] = (nrows[i] + MR - 1) / MR * MR;
+        maxvis[i] = 0;
+        for (int64_t r = 0; r < nrows[i]; r++) {
+            const int64_t n = nvis[row0[i] + r];
+            maxvis[i] = n > maxvis[i] ? n : maxvis[i];
+            seq_of[row0[i] + r] = i;
+        }
+        items += H * NB[i];
+        parts += H * NB[i] * nrows[i] * W;
+        if (bfp || nrows[i] >= FEW_ROWS) packed += H * Rp[i] * P;
+        maxR = nrows[i] > maxR ? nrows[i] : maxR;
+    }
+    float *part = (float *)malloc(sizeof(float) * (parts > 0 ? parts : 1));
+    uint32_t *qp = (uint32_t *)malloc(sizeof(uint32_t) * (packed > 0 ? packed : 1));
+    if (!part || !qp) {
+        free(meta);
+        free(part);
+        free(qp);
+        return -2;
+    }
+    for (int64_t i = 0; i < nseq; i++)
+        for (int64_t h = 0; h < H; h++) {
+            const float *qh = q + (h * Rtot + row0[i]) * D;
+#if BF_PATH
+            if (bfp) pack_rows_bf(qp + qp0[i] + h * Rp[i] * P, qh, nrows[i], D);
+            else
+#endif
+            if (nrows[i] >= FEW_ROWS) pack_rows(qp + qp0[i] + h * Rp[i] * P, qh, nrows[i], D);
+        }
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *scores = (float *)malloc(sizeof(float) * maxR * block);
+        uint32_t *kt = (uint32_t *)aligned_alloc(64, sizeof(uint32_t) * TK * 16 * MAXV);
+        if (!scores || !kt) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < items; item++) {
+            if (!scores || !kt) continue;
+            int64_t i = 0;
+            while (i + 1 < nseq && item0[i + 1] <= item) i++;
+            const int64_t h = (item - item0[i]) / NB[i], b = (item - item0[i]) % NB[i], R = nrows[i];
+            const int64_t j0 = b * block, j1 = j0 + block < S[i] ? j0 + block : S[i];
+            const int64_t jend = j1 < maxvis[i] ? j1 : maxvis[i];
+            const float *qh = q + (h * Rtot + row0[i]) * D;
+            const uint32_t *qph = bfp || R >= FEW_ROWS ? qp + qp0[i] + h * Rp[i] * P : NULL;
+            float *ph = part + part0[i] + (h * NB[i] + b) * R * W;
+            const void *k = (const void *)(intptr_t)kp[i], *v = (const void *)(intptr_t)vp[i];
+            const int64_t *nv = nvis + row0[i];
+            if (DV == 4)
+                block_item(qh, qph, k, v, bf16, scale, softcap, h * hs[i], ss[i], nv, NULL, R, j0, jend, block,
+                           scores, kt, ph, bfp, 4);
+            else if (DV == 8)
+                block_item(qh, qph, k, v, bf16, scale, softcap, h * hs[i], ss[i], nv, NULL, R, j0, jend, block,
+                           scores, kt, ph, bfp, 8);
+            else
+                block_item(qh, qph, k, v, bf16, scale, softcap, h * hs[i], ss[i], nv, NULL, R, j0, jend, block,
+                           scores, kt, ph, bfp, DV);
+        }
+        free(scores);
+        free(kt);
+        if (!failed)
+#pragma omp for schedule(static)
+        for (int64_t hr = 0; hr < H * Rtot; hr++) {
+            const int64_t h = hr / Rtot, r = hr % Rtot, i = seq_of[r], rr = r - row0[i];
+            merge_row(pre ? pre + (h * nb_pre * Rtot + r) * W : NULL, pre ? nb_pre : 0, Rtot * W,
+                      part + part0[i] + (h * NB[i] * nrows[i] + rr) * W, NB[i], nrows[i] * W, D,
+                      out + (h * ohs + orow[r]) * D, NULL);
+        }
+    }
+    free(meta);
+    free(part);
+    free(qp);
+    return failed ? -2 : 0;
 }
 
 /* triforce_attend where row r sees only keys nlo[r] .. nvis[r]-1 (a window layer's band:

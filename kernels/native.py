@@ -120,6 +120,11 @@ def load():
                                                      + [ctypes.c_void_p] * 3)
                 lib.triforce_attend_after.restype = ctypes.c_int
                 lib.triforce_attend_after.argtypes = base + [ctypes.c_int64] + [ctypes.c_void_p] * 3
+                lib.triforce_attend_seqs.restype = ctypes.c_int
+                lib.triforce_attend_seqs.argtypes = ([ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_float]
+                                                     + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 8
+                                                     + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2
+                                                     + [ctypes.c_int64, ctypes.c_void_p])
                 lib.triforce_vector_bits.restype = ctypes.c_int
                 lib.triforce_bf16_path.restype = ctypes.c_int
                 _bits = lib.triforce_vector_bits()
@@ -226,6 +231,60 @@ def attend_parts(qf, k, v, scale: float | None = None, softcap: float | None = N
                                         D ** -0.5 if scale is None else scale, float(softcap or 0.0), H, R, D, S,
                                         ks[1], ks[2], nvis.data_ptr(), BLOCK, part.data_ptr()), D)
     return part
+
+
+class Seqs:
+    """A forward's sequences for `attend_seqs`, the same for each of its layers: sequence i
+    has T[i] query tokens at positions q_pos0[i].. in the forward's rows a[i].. (of N), and S[i]
+    keys from position k_pos0[i] in buffers of head stride hs[i] and key stride ss[i]. Its
+    G*T[i] folded rows (g, t) follow the earlier sequences' in `perm`, each the index of its
+    row g*N + a[i] + t in q [Hkv, G*N, D] and in the output."""
+
+    def __init__(self, rows: list[tuple[int, int, int, int, int, int, int]], G: int, N: int):
+        perm, nvis, cols, r0 = [], [], [[] for _ in range(5)], 0
+        for a, T, q_pos0, k_pos0, S, hs, ss in rows:
+            vis = [min(max(q_pos0 + t - k_pos0 + 1, 0), S) for t in range(T)]
+            for g in range(G):
+                perm.extend(range(g * N + a, g * N + a + T))
+                nvis.extend(vis)
+            for c, x in zip(cols, (S, hs, ss, r0, G * T)):
+                c.append(x)
+            r0 += G * T
+        self.meta = torch.tensor(cols, dtype=torch.int64)  # [5, n]: S, hs, ss, first row, rows
+        self.nvis = torch.tensor(nvis, dtype=torch.int64)
+        self.perm = torch.tensor(perm, dtype=torch.int64)
+        self.n, self.rows, self.out_rows = len(rows), r0, G * N
+        self._ptrs = [self.meta[i].data_ptr() for i in range(5)]
+
+    def fold(self, q: torch.Tensor) -> torch.Tensor:
+        """These sequences' rows of the forward's q [1, Hq, N, D]: [Hkv, Rtot, D] float32."""
+        H = q.shape[1] * q.shape[2] // self.out_rows
+        return q.reshape(H, self.out_rows, q.shape[-1]).index_select(1, self.perm).float()
+
+
+def attend_seqs(plan: Seqs, qf: torch.Tensor, kv: list[tuple], out: torch.Tensor, bf16: bool,
+                pre: torch.Tensor | None = None, softcap: float | None = None, scale: float | None = None):
+    """Many sequences' attention in one call: the folded rows qf [Hkv, Rtot, D] (`plan.fold`)
+    of each sequence over its own keys (kv: per sequence its K and V buffers, strides as
+    `plan` says, bfloat16 where `bf16` else float32), after a shared prefix where `pre`
+    [Hkv, k_pos0 / BLOCK, Rtot, D + 2] holds every row's per-block results over it
+    (`attend_parts` over qf). Written into out [1, Hq, N, D] float32 (contiguous) at the
+    rows' places: each row the bits `attend` gives its sequence alone."""
+    H, Rtot, D = qf.shape
+    if Rtot != plan.rows or not out.is_contiguous() or out.dtype != torch.float32:
+        raise ValueError(f"attend_seqs: {Rtot} query rows for a plan of {plan.rows}, or an output "
+                         "not contiguous float32")
+    npre = 0 if pre is None else pre.shape[1]
+    if pre is not None and tuple(pre.shape) != (H, npre, Rtot, D + 2):
+        raise ValueError(f"a shared prefix's per-block results of shape {tuple(pre.shape)}")
+    if any(k.stride() != v.stride() for k, v in kv):
+        raise ValueError("attend_seqs: a sequence's K and V buffers of different strides")
+    ptrs = torch.tensor([[k.data_ptr() for k, _ in kv], [v.data_ptr() for _, v in kv]], dtype=torch.int64)
+    scale = D ** -0.5 if scale is None else scale
+    _check(load().triforce_attend_seqs(qf.data_ptr(), int(bf16), scale, float(softcap or 0.0), H, D, plan.n,
+                                       ptrs[0].data_ptr(), ptrs[1].data_ptr(), *plan._ptrs, plan.nvis.data_ptr(),
+                                       BLOCK, npre, None if pre is None else pre.data_ptr(), plan.perm.data_ptr(),
+                                       plan.out_rows, out.data_ptr()), D)
 
 
 def attend(q, k, v, q_pos0: int, k_pos0: int = 0, scale: float | None = None, out_dtype=None,

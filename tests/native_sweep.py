@@ -97,7 +97,8 @@ def main():
         assert (S == 0) == bool(torch.isinf(lse).all()), f"S={S}: lse {lse}"
         n += 1
     n += fuzzed(g)
-    print(f"{n} native attention cases match float64 attention")
+    n += many(g)
+    print(f"{n} native attention cases match float64 attention (and one call per sequence)")
 
 
 def fuzzed(g, cases: int = 80, seed: int = 39) -> int:
@@ -118,6 +119,46 @@ def fuzzed(g, cases: int = 80, seed: int = 39) -> int:
         check(f"fuzzed {i}: block {native.BLOCK} scratch {native.SCRATCH_BYTES} {dtype} D={D} G={G} "
               f"Hkv={Hkv} T={T} S={S} q_pos0={q_pos0} k_pos0={k_pos0} softcap={softcap}",
               q * 2, K, V, q_pos0, k_pos0, softcap)
+    return cases
+
+
+def many(g, cases: int = 24, seed: int = 7) -> int:
+    """native.attend_seqs (a batch's sequences in one call) over random sequences, after a
+    shared prefix or not: every row the bits of its sequence's own native.attend."""
+    rng = random.Random(seed)
+    for i in range(cases):
+        native.BLOCK = rng.choice((32, 64, 256))
+        native.SCRATCH_BYTES = 32 << 20
+        dtype = rng.choice((torch.float32, torch.bfloat16))
+        D, G, Hkv = 16 * rng.randint(1, 8), rng.randint(1, 4), rng.randint(1, 3)
+        prefix = rng.choice((0, native.BLOCK * rng.randint(1, 4)))
+        softcap = rng.choice((None, 5.0))
+        pre_kv = tensors(g, Hkv, 1, 1, prefix, D, dtype)[1:] if prefix else None
+        shape = [(rng.choice((1, rng.randint(2, 12))), rng.randint(1, 700)) for _ in range(rng.randint(1, 6))]
+        N = sum(t for t, _ in shape)
+        q = torch.randn(1, Hkv * G, N, D, generator=g)
+        bufs, rows, refs, a = [], [], [], 0
+        for T, S in shape:
+            T = min(T, S)
+            cap = S + rng.randint(0, 40)  # K and V of one buffer shape (a cache's)
+            K, V = (torch.randn(1, Hkv, cap, D, generator=g).to(dtype) for _ in range(2))
+            start = prefix + S - T
+            refs.append(native.attend(q[:, :, a: a + T], K[:, :, :S], V[:, :, :S], start, prefix,
+                                      softcap=softcap, pre_kv=pre_kv)[0])
+            bufs.append((K, V))
+            rows.append((a, T, start, prefix, S, K.stride(1), K.stride(2)))
+            a += T
+        q = q[:, :, :a]
+        plan = native.Seqs(rows, G, a)
+        qf = plan.fold(q)
+        pre = native.attend_parts(qf, *pre_kv, softcap=softcap) if prefix else None
+        out = torch.empty(q.shape)
+        native.attend_seqs(plan, qf, bufs, out, dtype == torch.bfloat16, pre, softcap=softcap)
+        for (a, T, *_), ref in zip(rows, refs):
+            if not torch.equal(out[:, :, a: a + T], ref):
+                print(f"FAIL attend_seqs {i}: {dtype} D={D} G={G} Hkv={Hkv} prefix={prefix} {shape}",
+                      file=sys.stderr)
+                sys.exit(1)
     return cases
 
 

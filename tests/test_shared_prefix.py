@@ -43,6 +43,72 @@ def test_attention_after_a_shared_prefix_is_the_bits_of_one_buffer(dtype, D, sof
     assert torch.equal(out, ref) and torch.equal(l3, lse)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D,softcap", [(64, None), (64, 20.0), (128, None)])
+@pytest.mark.parametrize("prefix", [0, 2 * B])
+def test_many_sequences_in_one_call_are_the_bits_of_their_own_calls(dtype, D, softcap, prefix):
+    """native.attend_seqs: sequences of mixed rows (a decode, a verification, more rows than
+    the few-rows path) and key counts (under a block, several), each over its own buffer
+    of spare capacity, in one call, after a shared prefix or not: each row the bits of its
+    sequence's own native.attend, written at its rows' places among the forward's rows."""
+    g = torch.Generator().manual_seed(D + prefix)
+    H, G, cap = 2, 3, 3 * B
+    shape = [(1, 7), (6, 300), (1, 1), (11, 600), (3, 2 * B)]  # (tokens, own keys)
+    pre_kv = tuple(torch.randn(1, H, prefix, D, generator=g).to(dtype) for _ in range(2)) if prefix else None
+    bufs = [tuple(torch.randn(1, H, cap, D, generator=g).to(dtype) for _ in range(2)) for _ in shape]
+    N = sum(t for t, _ in shape)
+    q = torch.randn(1, H * G, N, D, generator=g)
+    rows, refs, a = [], [], 0
+    for (T, S), (K, V) in zip(shape, bufs):
+        start = prefix + S - T
+        ref = native.attend(q[:, :, a: a + T], K[:, :, :S], V[:, :, :S], start, prefix, softcap=softcap,
+                            pre_kv=pre_kv)[0]
+        refs.append(ref)
+        rows.append((a, T, start, prefix, S, K.stride(1), K.stride(2)))
+        a += T
+    plan = native.Seqs(rows, G, N)
+    qf = plan.fold(q)
+    pre = native.attend_parts(qf, *pre_kv, softcap=softcap) if prefix else None
+    out = torch.full(q.shape, float("nan"))
+    native.attend_seqs(plan, qf, bufs, out, dtype == torch.bfloat16, pre, softcap=softcap)
+    a = 0
+    for (T, _), ref in zip(shape, refs):
+        assert torch.equal(out[:, :, a: a + T], ref)
+        a += T
+    with pytest.raises(ValueError, match="query rows"):
+        native.attend_seqs(plan, qf[:, 1:], bufs, out, dtype == torch.bfloat16, pre, softcap=softcap)
+
+
+def test_a_batchs_sequences_attend_in_one_call_per_layer(monkeypatch):
+    """Plain sequences (no shared prefix) of a ragged forward attend in one native call per
+    layer, and each sequence's logits are its solo forward's."""
+    from triforce_offload.runtime.batch import rows
+    from triforce_offload.runtime.batch.rows import Rows, forward
+    L = quantized(tiny(scale=3.0, seed=1, dim=128))  # head size 32: the bf16 path
+    calls = []
+    real = native.attend_seqs
+
+    def spy(plan, *a, **kw):
+        calls.append(plan.n)
+        return real(plan, *a, **kw)
+    monkeypatch.setattr(rows.native, "attend_seqs", spy)
+    lens, sets, solo = [300, 41, 700], [], []
+    for i, n in enumerate(lens):
+        ids = torch.tensor([repetitive_prompt(n + 2, L.cfg.vocab_size, seed=i)])
+        c, alone = (FullCache(L.cfg, 1024, dtype=L.kv_dtype) for _ in range(2))
+        with torch.inference_mode():
+            for cache in (c, alone):
+                L.model(ids[:, :n], 0, cache)
+                cache.commit(n)
+            T = 1 + i  # a decode and verifications
+            solo.append(L.model(ids[:, n: n + T], n, alone))
+        sets.append(Rows(ids[:, n: n + T], n, c))
+    got = forward(L.model, sets)
+    assert calls and set(calls) == {3} and len(calls) == L.cfg.n_layers
+    for a, b in zip(got, solo):
+        assert torch.equal(a, b)
+
+
 def test_a_prefix_off_the_key_blocks_is_refused():
     k = torch.randn(1, 2, B + 16, 64)
     with pytest.raises(ValueError, match="multiple"):
@@ -78,8 +144,8 @@ def test_a_sharing_cache_reads_as_one_that_holds_everything():
     q = torch.randn(1, cfg.n_heads, 1, cfg.head_dim, generator=g)
     k1 = torch.randn(1, cfg.n_kv_heads, 1, cfg.head_dim, generator=g)
     assert torch.equal(mine.attend(0, q, k1, k1, n), whole.attend(0, q, k1, k1, n))
-    # an offer left by a forward that failed is gone at the next forward's start
-    mine.offer(0, torch.zeros(cfg.n_kv_heads, P // B, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim + 2))
+    # an output settled by a forward that failed is gone at the next forward's start
+    mine.settle(0, torch.zeros_like(q))
     mine.begin_forward(n, 1)
     assert torch.equal(mine.attend(0, q, k1, k1, n), whole.attend(0, q, k1, k1, n))
     mine.end_forward()

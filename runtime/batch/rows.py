@@ -46,6 +46,8 @@ class Ragged:
 
     def __init__(self, sets: list[Rows]):
         self.sets = sets
+        self._fulls = [full_cache(s.cache) for s in sets]
+        self._plans: dict[tuple, list] = {}  # layer kind -> `_groups`
         self.bounds = []  # (first row, rows) per set
         a = 0
         for s in sets:
@@ -57,42 +59,74 @@ class Ragged:
             s.cache.begin_forward(s.start, s.n)
 
     def attend(self, layer, q, k, v, start):
-        self._share(layer, q)
+        groups = self._groups(layer, q)
+        out = None
+        if groups:  # their rows' outputs land here (`_direct`): each cache returns its slice
+            out = torch.empty(q.shape, dtype=torch.float32)
+            for _, members, _ in groups:
+                for i, full in members:
+                    a, n = self.bounds[i]
+                    full.settle(layer, out[:, :, a: a + n])
         outs = [s.cache.attend(layer, q[:, :, a: a + n], k[:, :, a: a + n], v[:, :, a: a + n], s.start)
                 for s, (a, n) in zip(self.sets, self.bounds)]
-        return outs[0] if len(outs) == 1 else torch.cat(outs, 2)  # [1, Hq, N, D]
+        for plan, members, base in groups:
+            self._direct(layer, q, plan, members, base, out)
+        if len(outs) == 1:
+            return outs[0]
+        if groups and sum(len(m) for _, m, _ in groups) == len(self.sets):
+            return out  # every sequence's rows: no copy
+        return torch.cat(outs, 2)  # [1, Hq, N, D]
+
+    def _groups(self, layer, q) -> list:
+        """This layer's groups of two or more sequences whose attention is the native kernel
+        over their own keys (`FullCache.direct`), by the prefix they share (or none) and the
+        KV's dtype: (native.Seqs, [(set index, cache)], the shared prefix's cache or None).
+        The same for every layer of a kind (window layers, whole ones): planned once per
+        forward and kind."""
+        fulls = self._fulls
+        kind = tuple(f is not None and f.plain(layer) for f in fulls)
+        got = self._plans.get(kind)
+        if got is not None:
+            return got
+        by: dict[tuple, list] = {}
+        for i, (s, (a, n), f) in enumerate(zip(self.sets, self.bounds, fulls)):
+            if (f is not None and n <= ROWWISE_MAX and q.dtype == torch.float32
+                    and f.direct(layer, q[:, :, a: a + n], s.start)):
+                by.setdefault((id(f.base), f.k[layer].dtype), []).append((i, f))
+        got = []
+        for members in by.values():
+            if len(members) < 2:
+                continue  # alone: its cache attends itself
+            rows, G = [], q.shape[1] // members[0][1].n_kv_heads
+            for i, f in members:
+                K = f.own(layer)[0]
+                a, n = self.bounds[i]
+                s = self.sets[i]
+                rows.append((a, n, s.start, f.offset, s.start + n - f.offset, K.stride(1), K.stride(2)))
+            got.append((native.Seqs(rows, G, q.shape[2]), members, members[0][1].base))
+        self._plans[kind] = got
+        return got
+
+    @staticmethod
+    def _direct(layer, q, plan, members, base, out):
+        """One group's rows in one native call (`native.attend_seqs`) into `out`, after every
+        cache wrote this forward's K, V; a shared prefix's keys read once for all of them
+        (`native.attend_parts`)."""
+        first = members[0][1]
+        qf = plan.fold(q)
+        pre = None if base is None else native.attend_parts(qf, *base.keys(layer, first.offset), softcap=first.softcap)
+        native.attend_seqs(plan, qf, [f.own(layer) for _, f in members], out,
+                           first.k[layer].dtype == torch.bfloat16, pre, softcap=first.softcap)
 
     def end_forward(self):
         for s in self.sets:
             s.cache.end_forward()
 
-    def _share(self, layer, q):
-        """Sequences of this forward that share a prefix's KV (cache.shared): their query
-        rows over the prefix in one native call, the prefix's keys read once; each cache is
-        offered its rows' per-block results for its own attend to finish."""
-        groups: dict[int, list] = {}
-        for s, (a, n) in zip(self.sets, self.bounds):
-            full = shared_full(s.cache)
-            if full is not None and n <= ROWWISE_MAX and full.shares(layer, q[:, :, a: a + n], s.start):
-                groups.setdefault(id(full.base), []).append((full, a, n))
-        for g in groups.values():
-            if len(g) < 2:
-                continue  # alone: its cache computes the prefix's part itself
-            base, H = g[0][0].base, g[0][0].n_kv_heads
-            folded = [q[:, :, a: a + n].float().reshape(H, -1, q.shape[-1]) for _, a, n in g]
-            parts = native.attend_parts(torch.cat(folded, 1), *base.keys(layer, base.length),
-                                        softcap=g[0][0].softcap)
-            r = 0
-            for (full, _, _), f in zip(g, folded):
-                full.offer(layer, parts[:, :, r: r + f.shape[1]])
-                r += f.shape[1]
 
-
-def shared_full(cache):
-    """The FullCache behind a ragged set's cache (a Recorder's inner one) when it shares a
-    prefix (cache.shared), else None."""
+def full_cache(cache):
+    """The FullCache behind a ragged set's cache (a Recorder's inner one), else None."""
     c = cache.inner if isinstance(cache, Recorder) else cache
-    return c if isinstance(c, FullCache) and c.base is not None else None
+    return c if isinstance(c, FullCache) else None
 
 
 def exact(model, rows: int = 1) -> bool:

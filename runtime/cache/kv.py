@@ -359,7 +359,7 @@ class FullCache(KVCache):
         # then hold positions from there on, at index position - offset
         self.base: FullCache | None = None
         self.offset = 0
-        self._offered: dict = {}  # layer -> the prefix's per-block attention for the next attend
+        self._done: dict = {}  # layer -> the next attend's output, computed with other sequences' (`settle`)
 
     def share(self, base: "FullCache") -> bool:
         """Start from the shared prefix `base` (committed, never written again: a
@@ -398,12 +398,31 @@ class FullCache(KVCache):
                 t[:, :, :P].copy_(theirs[i][:, :, :P])
                 t[:, :, P:].copy_(mine[i])
                 mine[i] = t
-        self.base, self.offset, self._offered = None, 0, {}
+        self.base, self.offset, self._done = None, 0, {}
 
-    def offer(self, layer: int, part):
-        """The shared prefix's per-block attention of the next `attend` of `layer`'s rows,
-        computed with other sequences' rows in one pass (batch.rows.Ragged)."""
-        self._offered[layer] = part
+    def plain(self, layer: int) -> bool:
+        """`layer` is held whole in this cache's own buffers (no window, no ring)."""
+        return layer in self.full_layers and self.windows[layer] is None and (self.ring is None or layer not in self.ring)
+
+    def direct(self, layer: int, q, start) -> bool:
+        """Whether `attend` of q at `start` in `layer` is the native kernel over this cache's
+        own keys, from the first or after a shared prefix read as per-block results
+        (`shares`): what a ragged forward computes for many sequences in one call
+        (batch.rows.Ragged: `settle`, then over `own`), each row the same bits."""
+        if not isinstance(start, int) or start < self.offset or not self.plain(layer):
+            return False
+        return self.shares(layer, q, start) if self.offset else native.supports(q, self.k[layer])
+
+    def own(self, layer: int):
+        """This cache's own K, V buffers of `layer` [B, Hkv, capacity, D] (position offset + i
+        at index i)."""
+        return self.k[layer], self.v[layer]
+
+    def settle(self, layer: int, out):
+        """The next `attend` of `layer` writes its K, V and returns `out`, which the caller
+        fills afterwards with the output computed in one call with other sequences' rows
+        (batch.rows.Ragged)."""
+        self._done[layer] = out
 
     def shares(self, layer: int, q, start) -> bool:
         """Whether attention of q at `start` in `layer` reads the shared prefix through the
@@ -433,11 +452,11 @@ class FullCache(KVCache):
 
     def begin_forward(self, start, n_tokens: int):
         self._slots.begin(start, n_tokens)
-        self._offered.clear()  # offers belong to the forward that makes them (Ragged._share)
+        self._done.clear()  # what a forward settles belongs to it (Ragged._direct)
 
     def end_forward(self):
         self._slots.end()
-        self._offered.clear()
+        self._done.clear()
 
     def attend(self, layer, q, k, v, start):
         if isinstance(start, torch.Tensor):
@@ -451,10 +470,12 @@ class FullCache(KVCache):
         K, V = self.k[layer], self.v[layer]
         K[:, :, start - P:end - P] = k
         V[:, :, start - P:end - P] = v
+        done = self._done.pop(layer, None)
+        if done is not None:
+            return done
         if P and self.shares(layer, q, start):
-            pre = self._offered.pop(layer, None)
-            return native.attend(q, K[:, :, :end - P], V[:, :, :end - P], start, P, softcap=self.softcap, pre=pre,
-                                 pre_kv=None if pre is not None else self.base.keys(layer, P))[0]
+            return native.attend(q, K[:, :, :end - P], V[:, :, :end - P], start, P, softcap=self.softcap,
+                                 pre_kv=self.base.keys(layer, P))[0]
         if P:
             K, V = self.keys(layer, end)  # the prefix's and this cache's, in one buffer
         return window_attention(q, K[:, :, :end], V[:, :, :end], start, 0, self.windows[layer], self.softcap)
