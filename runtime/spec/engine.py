@@ -251,7 +251,16 @@ class Bypass:
         """The next `choose` starts a probe cycle."""
         return not self.probes and (self.may_explore() or any(
             self.waiting(c) and self._first_lenient(c) for c in self.configs)) and (
-            self.rounds == self.warm or (self.rounds > self.warm and self.since_probe >= self.interval))
+            self.rounds == self.warm or (self.rounds > self.warm and self.since_probe >= self.interval)
+            or self._early())
+
+    def _early(self) -> bool:
+        """Before `warm` rounds, once the first is timed: a configuration that may pay a lot
+        and never ran (`_first_lenient`: the retrieval level at long context) is probed at
+        once, not after `warm` plain rounds (a short request would decode a tenth of its
+        tokens plain); the probe's own rounds measure it. The other configurations wait for
+        the cycle at `warm`."""
+        return 0 < self.rounds < self.warm and any(self.waiting(c) and self._first_lenient(c) for c in self.configs)
 
     def waiting(self, c: frozenset) -> bool:
         """c is neither running nor sitting out: the next probe cycle judges it."""
@@ -260,8 +269,9 @@ class Bypass:
     def choose(self) -> frozenset:
         """The configuration of the next top-level round."""
         if self.cycle_due():
+            early = self.rounds < self.warm
             self.probes = [c for c in sorted(self.configs, key=len, reverse=True)
-                           if c != self.current and self.rest[c][0] <= 0]
+                           if c != self.current and self.rest[c][0] <= 0 and (not early or self._first_lenient(c))]
             self.since_probe, self.probe = 0, [0, 0]
         elif not self.probes and self.rounds % 4 == 0 and self.may_explore():  # predictions cost
             self.probes = self._promising()  # microseconds: not every round
