@@ -33,6 +33,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -719,6 +720,8 @@ int triforce_attend_after(const float *q, const void *k, const void *v, int bf16
  * its first key; where nb_pre > 0 every row first has the nb_pre blocks of a shared prefix
  * in pre [H, nb_pre, Rtot, D + 2] (triforce_attend_parts over all the rows), its own keys
  * following them. Row r of head h goes to out + (h * ohs + orow[r]) * D (no log-sum-exp).
+ * secs (NULL: not asked) [nseq] gets the thread-seconds each sequence's work took (its
+ * blocks and its rows' merges): what a batch charges each sequence's run for its part.
  * Each sequence's blocks are computed with the arguments a call of its own would pass (its
  * rows, its keys) and merged in the same order, so every row is the same bits as in
  * triforce_attend (nb_pre 0) or triforce_attend_after: one call instead of one per
@@ -727,7 +730,7 @@ int triforce_attend_seqs(const float *q, int bf16, float scale, float softcap, i
                          int64_t nseq, const int64_t *kp, const int64_t *vp, const int64_t *S,
                          const int64_t *hs, const int64_t *ss, const int64_t *row0, const int64_t *nrows,
                          const int64_t *nvis, int64_t block, int64_t nb_pre, const float *pre,
-                         const int64_t *orow, int64_t ohs, float *out) {
+                         const int64_t *orow, int64_t ohs, float *out, double *secs) {
     if (D % 16 || D / 16 > MAXV || block < TK || block % TK || nseq < 1) return -1;
     const int DV = (int)(D / 16);
     const int64_t W = D + 2, Rtot = row0[nseq - 1] + nrows[nseq - 1];
@@ -774,17 +777,22 @@ int triforce_attend_seqs(const float *q, int bf16, float scale, float softcap, i
             if (nrows[i] >= FEW_ROWS) pack_rows(qp + qp0[i] + h * Rp[i] * P, qh, nrows[i], D);
         }
     int failed = 0;
+    if (secs)
+        for (int64_t i = 0; i < nseq; i++) secs[i] = 0.0;
 #pragma omp parallel
     {
         float *scores = (float *)malloc(sizeof(float) * maxR * block);
         uint32_t *kt = (uint32_t *)aligned_alloc(64, sizeof(uint32_t) * TK * 16 * MAXV);
-        if (!scores || !kt) {
+        double *mine = secs ? (double *)calloc((size_t)nseq, sizeof(double)) : NULL; /* this thread's */
+        if (!scores || !kt || (secs && !mine)) {
 #pragma omp atomic write
             failed = 1;
         }
+        struct timespec t0, t1;
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < items; item++) {
-            if (!scores || !kt) continue;
+            if (!scores || !kt || (secs && !mine)) continue;
+            if (mine) clock_gettime(CLOCK_MONOTONIC, &t0);
             int64_t i = 0;
             while (i + 1 < nseq && item0[i + 1] <= item) i++;
             const int64_t h = (item - item0[i]) / NB[i], b = (item - item0[i]) % NB[i], R = nrows[i];
@@ -804,6 +812,10 @@ int triforce_attend_seqs(const float *q, int bf16, float scale, float softcap, i
             else
                 block_item(qh, qph, k, v, bf16, scale, softcap, h * hs[i], ss[i], nv, NULL, R, j0, jend, block,
                            scores, kt, ph, bfp, DV);
+            if (mine) {
+                clock_gettime(CLOCK_MONOTONIC, &t1);
+                mine[i] += (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+            }
         }
         free(scores);
         free(kt);
@@ -811,10 +823,20 @@ int triforce_attend_seqs(const float *q, int bf16, float scale, float softcap, i
 #pragma omp for schedule(static)
         for (int64_t hr = 0; hr < H * Rtot; hr++) {
             const int64_t h = hr / Rtot, r = hr % Rtot, i = seq_of[r], rr = r - row0[i];
+            if (mine) clock_gettime(CLOCK_MONOTONIC, &t0);
             merge_row(pre ? pre + (h * nb_pre * Rtot + r) * W : NULL, pre ? nb_pre : 0, Rtot * W,
                       part + part0[i] + (h * NB[i] * nrows[i] + rr) * W, NB[i], nrows[i] * W, D,
                       out + (h * ohs + orow[r]) * D, NULL);
+            if (mine) {
+                clock_gettime(CLOCK_MONOTONIC, &t1);
+                mine[i] += (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+            }
         }
+        if (mine && !failed)
+            for (int64_t i = 0; i < nseq; i++)
+#pragma omp atomic
+                secs[i] += mine[i];
+        free(mine);
     }
     free(meta);
     free(part);

@@ -124,7 +124,7 @@ def load():
                 lib.triforce_attend_seqs.argtypes = ([ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_float]
                                                      + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 8
                                                      + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2
-                                                     + [ctypes.c_int64, ctypes.c_void_p])
+                                                     + [ctypes.c_int64] + [ctypes.c_void_p] * 2)
                 lib.triforce_vector_bits.restype = ctypes.c_int
                 lib.triforce_bf16_path.restype = ctypes.c_int
                 _bits = lib.triforce_vector_bits()
@@ -263,13 +263,15 @@ class Seqs:
 
 
 def attend_seqs(plan: Seqs, qf: torch.Tensor, kv: list[tuple], out: torch.Tensor, bf16: bool,
-                pre: torch.Tensor | None = None, softcap: float | None = None, scale: float | None = None):
+                pre: torch.Tensor | None = None, softcap: float | None = None, scale: float | None = None,
+                secs: torch.Tensor | None = None):
     """Many sequences' attention in one call: the folded rows qf [Hkv, Rtot, D] (`plan.fold`)
     of each sequence over its own keys (kv: per sequence its K and V buffers, strides as
     `plan` says, bfloat16 where `bf16` else float32), after a shared prefix where `pre`
     [Hkv, k_pos0 / BLOCK, Rtot, D + 2] holds every row's per-block results over it
     (`attend_parts` over qf). Written into out [1, Hq, N, D] float32 (contiguous) at the
-    rows' places: each row the bits `attend` gives its sequence alone."""
+    rows' places: each row the bits `attend` gives its sequence alone. `secs` (float64
+    [n]): each sequence's thread-seconds in the call (what a batch charges it)."""
     H, Rtot, D = qf.shape
     if Rtot != plan.rows or not out.is_contiguous() or out.dtype != torch.float32:
         raise ValueError(f"attend_seqs: {Rtot} query rows for a plan of {plan.rows}, or an output "
@@ -284,7 +286,7 @@ def attend_seqs(plan: Seqs, qf: torch.Tensor, kv: list[tuple], out: torch.Tensor
     _check(load().triforce_attend_seqs(qf.data_ptr(), int(bf16), scale, float(softcap or 0.0), H, D, plan.n,
                                        ptrs[0].data_ptr(), ptrs[1].data_ptr(), *plan._ptrs, plan.nvis.data_ptr(),
                                        BLOCK, npre, None if pre is None else pre.data_ptr(), plan.perm.data_ptr(),
-                                       plan.out_rows, out.data_ptr()), D)
+                                       plan.out_rows, out.data_ptr(), None if secs is None else secs.data_ptr()), D)
 
 
 def attend(q, k, v, q_pos0: int, k_pos0: int = 0, scale: float | None = None, out_dtype=None,

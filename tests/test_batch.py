@@ -421,3 +421,33 @@ def test_a_prompt_prefills_in_shorter_chunks_while_others_decode(model):
     print("chunks", sizes)
     assert sum(sizes) == len(long) and max(sizes) <= 256
     assert min(sizes[:-1]) >= PREFILL_MIN and len(sizes) > -(-len(long) // 256), sizes  # shorter chunks
+
+
+def test_a_ragged_forward_charges_each_sequence_its_own_attention():
+    """A batch prices each sequence's forwards by what they cost the batch (member.clock):
+    Ragged times each sequence's attention (the native kernel times its work per
+    sequence), and Batcher._charge splits the rest of the forward by rows; the charges add
+    up to the forward's time, and a sequence over a long cache is charged more than one
+    over a short cache in the same forward."""
+    from triforce_offload.runtime.batch import member
+    from triforce_offload.runtime.batch.runner import Ask, Batcher
+    L = MODELS["int4:int8"]()
+    sets = []
+    for n in (8000, 10):
+        c = FullCache(L.cfg, n + 8, dtype=L.kv_dtype)
+        with torch.inference_mode():
+            L.model(torch.randint(0, 64, (1, n), generator=torch.Generator().manual_seed(n)), 0, c)
+        c.commit(n)
+        sets.append(Rows(torch.tensor([[5]]), n, c))
+    forward(L.model, sets)
+    long, short = (s.attention_s for s in sets)
+    assert long > short > 0
+    asks = [Ask(None, s.ids, s.start, False) for s in sets]
+    Batcher._charge(asks, sets, long + short + 0.01)
+    assert sum(a.charge for a in asks) == pytest.approx(long + short + 0.01)
+    assert asks[0].charge - asks[1].charge == pytest.approx(long - short)
+    # a member's clock advances by its charge, not by its wait
+    t0 = member.clock()
+    member.charge(waited=5.0, charged=0.25)
+    assert member.clock() - t0 == pytest.approx(-4.75, abs=0.05)
+    member.charge(waited=0.25, charged=5.0)  # this thread's clock back as it was

@@ -3,6 +3,7 @@ graphs module asks it on every step, so it imports nothing of the runtime)."""
 from __future__ import annotations
 
 import threading
+import time
 
 _local = threading.local()
 
@@ -25,3 +26,16 @@ def order() -> int:
 
 def leave() -> None:
     _local.batcher = None
+
+
+def clock() -> float:
+    """Seconds by this thread's clock, what a run prices its levels and forwards by: wall
+    time, except that a batch member's waits for its forwards count as what the batch
+    charged them (`charge`): a round's shared cost split among its sequences and each one's
+    own attention, not the whole round's time, which the other sequences' forwards fill."""
+    return time.perf_counter() + getattr(_local, "debt", 0.0)
+
+
+def charge(waited: float, charged: float) -> None:
+    """A forward this thread waited `waited` seconds for was charged `charged` seconds."""
+    _local.debt = getattr(_local, "debt", 0.0) + charged - waited

@@ -13,6 +13,7 @@ gives, bit for bit.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,7 @@ class Rows:
     start: int  # position of the first
     cache: object  # the sequence's cache (a protocols.Cache)
     last_only: bool = False  # logits of the last row only
+    attention_s: float = 0.0  # seconds its attention took in the forward (Ragged fills it in)
 
     @property
     def n(self) -> int:
@@ -46,6 +48,7 @@ class Ragged:
 
     def __init__(self, sets: list[Rows]):
         self.sets = sets
+        self._threads = torch.get_num_threads()  # a call's thread-seconds over this: its wall share
         self._fulls = [full_cache(s.cache) for s in sets]
         self._plans: dict[tuple, list] = {}  # layer kind -> `_groups`
         self.bounds = []  # (first row, rows) per set
@@ -67,8 +70,11 @@ class Ragged:
                 for i, full in members:
                     a, n = self.bounds[i]
                     full.settle(layer, out[:, :, a: a + n])
-        outs = [s.cache.attend(layer, q[:, :, a: a + n], k[:, :, a: a + n], v[:, :, a: a + n], s.start)
-                for s, (a, n) in zip(self.sets, self.bounds)]
+        outs = []
+        for s, (a, n) in zip(self.sets, self.bounds):
+            t0 = time.perf_counter()
+            outs.append(s.cache.attend(layer, q[:, :, a: a + n], k[:, :, a: a + n], v[:, :, a: a + n], s.start))
+            s.attention_s += time.perf_counter() - t0
         for plan, members, base in groups:
             self._direct(layer, q, plan, members, base, out)
         if len(outs) == 1:
@@ -107,16 +113,25 @@ class Ragged:
         self._plans[kind] = got
         return got
 
-    @staticmethod
-    def _direct(layer, q, plan, members, base, out):
+    def _direct(self, layer, q, plan, members, base, out):
         """One group's rows in one native call (`native.attend_seqs`) into `out`, after every
         cache wrote this forward's K, V; a shared prefix's keys read once for all of them
-        (`native.attend_parts`)."""
+        (`native.attend_parts`, its time split evenly among them). Each sequence's share of
+        the call is its own work's (the kernel times it)."""
         first = members[0][1]
         qf = plan.fold(q)
-        pre = None if base is None else native.attend_parts(qf, *base.keys(layer, first.offset), softcap=first.softcap)
+        pre = None
+        if base is not None:
+            t0 = time.perf_counter()
+            pre = native.attend_parts(qf, *base.keys(layer, first.offset), softcap=first.softcap)
+            each = (time.perf_counter() - t0) / len(members)
+            for i, _ in members:
+                self.sets[i].attention_s += each
+        secs = torch.zeros(len(members), dtype=torch.float64)
         native.attend_seqs(plan, qf, [f.own(layer) for _, f in members], out,
-                           first.k[layer].dtype == torch.bfloat16, pre, softcap=first.softcap)
+                           first.k[layer].dtype == torch.bfloat16, pre, softcap=first.softcap, secs=secs)
+        for (i, _), t in zip(members, secs.tolist()):
+            self.sets[i].attention_s += t / self._threads
 
     def end_forward(self):
         for s in self.sets:

@@ -40,6 +40,7 @@ from .rows import Rows, chunk_invariant, exact, forward
 
 _driving = threading.local()  # the thread count a driving thread has set (Batcher._drive)
 PREFILL_MIN = 16  # Batcher.chunk_tokens: the fewest tokens a prompt prefills in a round
+ROW_SHARE = 16  # Batcher._charge: rows that weigh as much as a forward's weight read (an estimate)
 
 
 @dataclass
@@ -53,6 +54,9 @@ class Ask:
     out: torch.Tensor | None = None  # logits, as step(ids, start, last_only) returns them
     error: BaseException | None = None
     done: bool = False
+    # seconds the batch charges this forward (`Batcher._run`): the member's clock advances by
+    # them instead of the wait (member.clock); None: not charged
+    charge: float | None = None
 
     @property
     def prefill(self) -> bool:
@@ -116,11 +120,14 @@ class Batcher:
     def ask(self, step, ids, start: int, last_only: bool):
         """A member's forward: wait for its round; its logits (or its error, raised here)."""
         a = Ask(step, ids, start, last_only, member.order())
+        t0 = time.perf_counter()
         with self._cv:
             self._asks.append(a)
             self._cv.notify_all()
             while not a.done:
                 self._cv.wait()
+        if a.charge is not None:
+            member.charge(time.perf_counter() - t0, a.charge)
         if a.error is not None:
             raise a.error
         return a.out
@@ -236,12 +243,15 @@ class Batcher:
                 for a in g:
                     self._alone(a)
                 continue
+            sets = [Rows(a.ids, a.start, a.step.cache, a.last_only) for a in g]
+            t0 = time.perf_counter()
             try:
-                outs = forward(g[0].step.model, [Rows(a.ids, a.start, a.step.cache, a.last_only) for a in g])
+                outs = forward(g[0].step.model, sets)
             except Exception as e:  # noqa: BLE001 - every sequence of the forward gets it
                 for a in g:
                     a.error = e
                 continue
+            self._charge(g, sets, time.perf_counter() - t0)
             for a, o in zip(g, outs):
                 a.out = o
             self.forwards["ragged"] += 1
@@ -250,10 +260,28 @@ class Batcher:
 
     def _alone(self, a: Ask):
         self.forwards["alone"] += 1
+        t0 = time.perf_counter()
         try:
             a.out = a.step.alone(a.ids, a.start, a.last_only)
         except BaseException as e:  # noqa: BLE001 - the member raises it in its own thread
             a.error = e
+        a.charge = time.perf_counter() - t0
+
+    @staticmethod
+    def _charge(asks: list[Ask], sets: list[Rows], took: float):
+        """What each sequence of a ragged forward that took `took` seconds is charged: its
+        own attention (`Rows.attention_s`, timed), plus a share of the rest (the weights,
+        read once for every row; norms; RoPE), each sequence weighing 1 + rows / ROW_SHARE
+        (a decode's or a verification's rows add little to reading the weights; a prefill
+        chunk of hundreds of rows adds a lot). So a sequence's run prices its levels by what
+        they cost the batch (a retrieval-level draft step costs its share of the weights and
+        its small attention, not the round the other sequences' verifications fill), and
+        the charges add up to the forward's time."""
+        own = sum(s.attention_s for s in sets)
+        weights = [1.0 + s.n / ROW_SHARE for s in sets]
+        rest = max(took - own, 0.0) / sum(weights)
+        for a, s, w in zip(asks, sets, weights):
+            a.charge = rest * w + s.attention_s
 
     def figures(self) -> dict:
         """For Stats.extra: how the batch ran (shared across its members)."""

@@ -9,12 +9,12 @@ target+full]; `retrieval` and `draft` modes are two-level lists.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import TriforceError
+from ..batch.member import clock
 from ..hostread import READS, to_device, to_host
 from ..options import Rebuild  # noqa: F401  (a policy value: parsed with the other options)
 from ..protocols import RetrievalKV, SizingDrafter, VerifyingLevel
@@ -492,17 +492,17 @@ class Engine:
         f0 = lv.held
         if top:
             lv.cache.prefetch()  # the link is idle while lower levels draft
-        t0 = time.perf_counter()
+        t0 = clock()
         j = next((j for j in range(i - 1, -1, -1) if j not in self.skip), None)  # who drafts
         if j == 0 and self._sizing:
             self.levels[0].price = self.relative(i)
         q = torch.zeros(0) if j is None else self.produce(j, seq, self.gammas[j])
-        t1, cap = time.perf_counter(), self._capture_s(lv)
+        t1, cap = clock(), self._capture_s(lv)
         draft = seq[m:]
         p = lv.forward(seq, len(draft) + 1)  # [g+1, V] logits: row r picks token index m + r
         if self.accept_fn is not None or not self.sp.greedy:  # accept_greedy reads the argmax alone
             p = probs(p, self.sp)
-        self._timed(i, len(draft) + 1, time.perf_counter() - t1 - (self._capture_s(lv) - cap))
+        self._timed(i, len(draft) + 1, clock() - t1 - (self._capture_s(lv) - cap))
         if self.accept_fn is not None:
             k, x = self.accept_fn(draft, q, p, self.gen)
         elif self.sp.greedy:
@@ -523,7 +523,7 @@ class Engine:
         if j is not None:
             self.drafts[j].judged(len(draft), k)
         if top:  # the whole chain drafted (no level skipped): what AutoGamma and the rebuild policy learn from
-            self._after_top(len(draft), k, t1 - t0, time.perf_counter() - t1, j == i - 1 and not self.skip)
+            self._after_top(len(draft), k, t1 - t0, clock() - t1, j == i - 1 and not self.skip)
         return p[: k + 1]
 
     def _sync_lower(self, i: int, f0: int, n: int):
@@ -652,12 +652,12 @@ class Engine:
             self.catch_up()  # the level below the top runs again
         if 0 not in c and self.levels[0].cache is not None and self.levels[0].held < self.top.held:
             self.levels[0].resume(seq, self.top)  # a model drafter skipped until now
-        self.skip, n0, t0 = c, len(seq), time.perf_counter()
+        self.skip, n0, t0 = c, len(seq), clock()
         try:
             self.verify(len(self.levels) - 1, seq)
         finally:
             self.skip = frozenset()
-        b.record(c, time.perf_counter() - t0, len(seq) - n0)
+        b.record(c, clock() - t0, len(seq) - n0)
 
     def _scored(self) -> int | None:
         """The retrieval level (the one `score` measures), if the bypass may skip it."""
@@ -744,7 +744,7 @@ class Engine:
             return
         lo = end - w
         lv.rollback(lo)
-        t0, cap = time.perf_counter(), self._capture_s(lv)
+        t0, cap = clock(), self._capture_s(lv)
         with READS.at(lv.name):
             rows = lv.forward(seq[:end], w)  # [w, V]: row j predicts position lo + 1 + j
             truth = to_device(seq[lo + 1: end + 1], rows.device)
@@ -752,7 +752,7 @@ class Engine:
                 hit = to_host((argmax(rows) == truth).sum())
             else:
                 hit = to_host(probs(rows, self.sp).gather(1, truth[:, None]).sum())
-        dt = time.perf_counter() - t0
+        dt = clock() - t0
         self._timed(r, w, dt - (self._capture_s(lv) - cap))
         self.bypass.explored(dt)
         if not top.cache.layer_major:
