@@ -395,3 +395,28 @@ def test_a_lenient_configuration_is_probed_first_whatever_the_share():
             b.record(c, cost[c] * toks[c], toks[c])
         b.explored(1.0)  # a scoring that spent far more than the share
         assert (b.choose() == none) == lenient
+
+
+def test_the_early_cycle_is_one_and_the_cycle_at_warm_still_follows():
+    """Bypass._early: at most one early cycle; a lenient configuration beaten there (its
+    prediction a little worse) does not start a cycle every round until `warm`, nor move
+    the probe interval; and where early probes run past `warm`, the cycle at `warm` follows
+    them, so the configurations it judges are probed."""
+    b = Bypass([0], warm=6, start_plain=True)
+    none, plain = b.configs
+    b.lenient = lambda c: c == none
+    b.predict = lambda c: 0.030 if c == none else 0.025
+    starts = []
+    for _ in range(6):
+        c = b.choose()
+        starts.append(b.probes[:])
+        b.record(c, 0.025, 1)
+    assert b.early and b.interval == 32  # one early cycle; the interval only moves at warm
+    b = Bypass([0, 1], warm=4, start_plain=True)
+    b.lenient = lambda c: 1 not in c  # the two running level 1 may pay a lot
+    seen = set()
+    for _ in range(30):
+        c = b.choose()
+        seen.add(c)
+        b.record(c, 0.025 if c == b.configs[-1] else 0.02, 1)
+    assert seen == set(b.configs)  # the n-gram-only one too: the cycle at warm ran

@@ -320,3 +320,33 @@ def test_a_kept_conversation_seeds_a_prefix_later_questions_share(model):
         assert generate(L, ps[3], opts)[0] == cold[3] and L.shared.segments == []
     finally:
         L.prefix, L.shared = None, None
+
+
+def test_a_batchs_call_is_cut_to_the_scratch_limit(monkeypatch):
+    """Ragged splits a layer's sequences into calls whose per-block results stay under
+    native.SCRATCH_BYTES (as native.attend slices its rows), each sequence still the bits
+    of its solo forward."""
+    from triforce_offload.runtime.batch import rows
+    from triforce_offload.runtime.batch.rows import Rows, forward
+    L = quantized(tiny(scale=3.0, seed=1, dim=128))
+    calls, real = [], native.attend_seqs
+
+    def spy(plan, *a, **kw):
+        calls.append(plan.n)
+        return real(plan, *a, **kw)
+    monkeypatch.setattr(rows.native, "attend_seqs", spy)
+    monkeypatch.setattr(native, "SCRATCH_BYTES", 12 << 10)  # about two of these sequences a call
+    sets, solo = [], []
+    for i, n in enumerate([900, 700, 500, 300]):
+        ids = torch.tensor([repetitive_prompt(n + 3, L.cfg.vocab_size, seed=i)])
+        c, alone = (FullCache(L.cfg, 1024, dtype=L.kv_dtype) for _ in range(2))
+        with torch.inference_mode():
+            for cache in (c, alone):
+                L.model(ids[:, :n], 0, cache)
+                cache.commit(n)
+            solo.append(L.model(ids[:, n: n + 3], n, alone))
+        sets.append(Rows(ids[:, n: n + 3], n, c))
+    got = forward(L.model, sets)
+    assert max(calls) < 4 and sum(calls) == 4 * L.cfg.n_layers
+    for a, b in zip(got, solo):
+        assert torch.equal(a, b)

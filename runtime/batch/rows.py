@@ -103,15 +103,34 @@ class Ragged:
         for members in by.values():
             if len(members) < 2:
                 continue  # alone: its cache attends itself
-            rows, G = [], q.shape[1] // members[0][1].n_kv_heads
-            for i, f in members:
-                K = f.own(layer)[0]
-                a, n = self.bounds[i]
-                s = self.sets[i]
-                rows.append((a, n, s.start, f.offset, s.start + n - f.offset, K.stride(1), K.stride(2)))
-            got.append((native.Seqs(rows, G, q.shape[2]), members, members[0][1].base))
+            H = members[0][1].n_kv_heads
+            G, npre = q.shape[1] // H, members[0][1].offset // native.BLOCK
+            for part in self._within_scratch(members, H * G * (q.shape[-1] + 2) * 4, npre):
+                rows = []
+                for i, f in part:
+                    K = f.own(layer)[0]
+                    a, n = self.bounds[i]
+                    s = self.sets[i]
+                    rows.append((a, n, s.start, f.offset, s.start + n - f.offset, K.stride(1), K.stride(2)))
+                got.append((native.Seqs(rows, G, q.shape[2]), part, part[0][1].base))
         self._plans[kind] = got
         return got
+
+    def _within_scratch(self, members: list, row_block_bytes: int, npre: int) -> list[list]:
+        """`members` in consecutive runs whose calls' per-block results (each sequence's
+        rows x its blocks, and the shared prefix's blocks) stay under native.SCRATCH_BYTES,
+        as `native.attend` slices its rows (one sequence a run at least)."""
+        runs, run, used = [], [], 0
+        for i, f in members:
+            s = self.sets[i]
+            blocks = npre + -(-(s.start + s.n - f.offset) // native.BLOCK)
+            need = row_block_bytes * s.n * blocks
+            if run and used + need > native.SCRATCH_BYTES:
+                runs.append(run)
+                run, used = [], 0
+            run.append((i, f))
+            used += need
+        return runs + [run]
 
     def _direct(self, layer, q, plan, members, base, out):
         """One group's rows in one native call (`native.attend_seqs`) into `out`, after every

@@ -228,6 +228,9 @@ class Bypass:
         self.tokens = 0  # tokens produced so far
         self.probed_at = {c: -interval for c in self.configs}  # self.tokens when c's latest probe ended
         self.switches = 0
+        # the early cycle (`_early`): at most one, before `warm`; it neither moves the
+        # interval nor stands in for the cycle at `warm` (which follows it once it ends)
+        self.early, self._in_early, self._warmed = False, False, False
         # exploring's price cap: the seconds probes cost beyond what the running configuration
         # would have taken for their tokens, plus scorings (`explored`), stay within `explore`
         # x the decode time so far before another probe or scoring starts (None: no cap)
@@ -251,8 +254,8 @@ class Bypass:
         """The next `choose` starts a probe cycle."""
         return not self.probes and (self.may_explore() or any(
             self.waiting(c) and self._first_lenient(c) for c in self.configs)) and (
-            self.rounds == self.warm or (self.rounds > self.warm and self.since_probe >= self.interval)
-            or self._early())
+            self.rounds == self.warm or self._early() or (self.rounds > self.warm and (
+                self.since_probe >= self.interval or (self.early and not self._warmed))))
 
     def _early(self) -> bool:
         """Before `warm` rounds, once the first is timed: a configuration that may pay a lot
@@ -260,7 +263,8 @@ class Bypass:
         once, not after `warm` plain rounds (a short request would decode a tenth of its
         tokens plain); the probe's own rounds measure it. The other configurations wait for
         the cycle at `warm`."""
-        return 0 < self.rounds < self.warm and any(self.waiting(c) and self._first_lenient(c) for c in self.configs)
+        return (not self.early and 0 < self.rounds < self.warm
+                and any(self.waiting(c) and self._first_lenient(c) for c in self.configs))
 
     def waiting(self, c: frozenset) -> bool:
         """c is neither running nor sitting out: the next probe cycle judges it."""
@@ -270,6 +274,8 @@ class Bypass:
         """The configuration of the next top-level round."""
         if self.cycle_due():
             early = self.rounds < self.warm
+            self.early, self._in_early = self.early or early, early
+            self._warmed = self._warmed or not early
             self.probes = [c for c in sorted(self.configs, key=len, reverse=True)
                            if c != self.current and self.rest[c][0] <= 0 and (not early or self._first_lenient(c))]
             self.since_probe, self.probe = 0, [0, 0]
@@ -351,6 +357,10 @@ class Bypass:
             self.probed_at[c] = self.tokens
         self.probe = [0, 0]
         if not self.probes:
+            if self._in_early:  # the early cycle: the choice, not the interval's clock
+                self._in_early = False
+                self._switch()
+                return
             self.since_probe = 0
             if not self._switch():
                 self.interval = min(2 * self.interval, self.max_interval)  # the choice holds
