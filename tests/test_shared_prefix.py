@@ -79,32 +79,37 @@ def test_many_sequences_in_one_call_are_the_bits_of_their_own_calls(dtype, D, so
         native.attend_seqs(plan, qf[:, 1:], bufs, out, dtype == torch.bfloat16, pre, softcap=softcap)
 
 
-def test_a_batchs_sequences_attend_in_one_call_per_layer(monkeypatch):
-    """Plain sequences (no shared prefix) of a ragged forward attend in one native call per
-    layer, and each sequence's logits are its solo forward's."""
+def batch_calls(monkeypatch, widths: dict[int, int]) -> tuple[list[int], list, list]:
+    """A ragged forward of sequences with `widths` {prompt length: rows} on a model whose
+    head size takes the bf16 path, with the sequence counts of its native.attend_seqs
+    calls recorded: (counts, the forward's logits, each sequence's solo logits)."""
     from triforce_offload.runtime.batch import rows
     from triforce_offload.runtime.batch.rows import Rows, forward
     L = quantized(tiny(scale=3.0, seed=1, dim=128))  # head size 32: the bf16 path
-    calls = []
-    real = native.attend_seqs
+    calls, real = [], native.attend_seqs
 
     def spy(plan, *a, **kw):
         calls.append(plan.n)
         return real(plan, *a, **kw)
     monkeypatch.setattr(rows.native, "attend_seqs", spy)
-    lens, sets, solo = [300, 41, 700], [], []
-    for i, n in enumerate(lens):
-        ids = torch.tensor([repetitive_prompt(n + 2, L.cfg.vocab_size, seed=i)])
+    sets, solo = [], []
+    for i, (n, T) in enumerate(widths.items()):
+        ids = torch.tensor([repetitive_prompt(n + T, L.cfg.vocab_size, seed=i)])
         c, alone = (FullCache(L.cfg, 1024, dtype=L.kv_dtype) for _ in range(2))
         with torch.inference_mode():
             for cache in (c, alone):
                 L.model(ids[:, :n], 0, cache)
                 cache.commit(n)
-            T = 1 + i  # a decode and verifications
             solo.append(L.model(ids[:, n: n + T], n, alone))
         sets.append(Rows(ids[:, n: n + T], n, c))
-    got = forward(L.model, sets)
-    assert calls and set(calls) == {3} and len(calls) == L.cfg.n_layers
+    return calls, forward(L.model, sets), solo
+
+
+def test_a_batchs_sequences_attend_in_one_call_per_layer(monkeypatch):
+    """Plain sequences (no shared prefix) of a ragged forward attend in one native call per
+    layer, and each sequence's logits are its solo forward's."""
+    calls, got, solo = batch_calls(monkeypatch, {300: 1, 41: 2, 700: 3})  # a decode, verifications
+    assert calls and set(calls) == {3} and len(calls) == 2  # tiny(): 2 layers
     for a, b in zip(got, solo):
         assert torch.equal(a, b)
 
@@ -326,27 +331,8 @@ def test_a_batchs_call_is_cut_to_the_scratch_limit(monkeypatch):
     """Ragged splits a layer's sequences into calls whose per-block results stay under
     native.SCRATCH_BYTES (as native.attend slices its rows), each sequence still the bits
     of its solo forward."""
-    from triforce_offload.runtime.batch import rows
-    from triforce_offload.runtime.batch.rows import Rows, forward
-    L = quantized(tiny(scale=3.0, seed=1, dim=128))
-    calls, real = [], native.attend_seqs
-
-    def spy(plan, *a, **kw):
-        calls.append(plan.n)
-        return real(plan, *a, **kw)
-    monkeypatch.setattr(rows.native, "attend_seqs", spy)
     monkeypatch.setattr(native, "SCRATCH_BYTES", 12 << 10)  # about two of these sequences a call
-    sets, solo = [], []
-    for i, n in enumerate([900, 700, 500, 300]):
-        ids = torch.tensor([repetitive_prompt(n + 3, L.cfg.vocab_size, seed=i)])
-        c, alone = (FullCache(L.cfg, 1024, dtype=L.kv_dtype) for _ in range(2))
-        with torch.inference_mode():
-            for cache in (c, alone):
-                L.model(ids[:, :n], 0, cache)
-                cache.commit(n)
-            solo.append(L.model(ids[:, n: n + 3], n, alone))
-        sets.append(Rows(ids[:, n: n + 3], n, c))
-    got = forward(L.model, sets)
-    assert max(calls) < 4 and sum(calls) == 4 * L.cfg.n_layers
+    calls, got, solo = batch_calls(monkeypatch, {900: 3, 700: 3, 500: 3, 300: 3})
+    assert max(calls) < 4 and sum(calls) == 4 * 2
     for a, b in zip(got, solo):
         assert torch.equal(a, b)
