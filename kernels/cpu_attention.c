@@ -426,7 +426,7 @@ static inline float softmax_pack_bf(float *restrict s, int64_t lo, int64_t n, in
         __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(in, s + j), sc);
         x = _mm512_mask_mov_ps(x, band, ninf);
         _mm512_mask_storeu_ps(s + j, in, x);
-        mv = _mm512_mask_max_ps(mv, in, mv, x);
+        mv = _mm512_mask_max_ps(mv, in, x, mv); /* vmax's: x where x > mv, else mv (NaN, ties) */
     }
     const float m = _mm512_reduce_max_ps(mv);
     v16 sum = {0};
