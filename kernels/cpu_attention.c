@@ -575,6 +575,27 @@ static inline __attribute__((always_inline)) void block_item(
     for (; r0 < R; r0++) pv_rows(ph, W, scores, v, bf16, base, ss, j0, jend, r0, block, 1, DV);
 }
 
+/* block_item with the common head sizes' code fully unrolled (DV 4, 8), else general */
+static void block_item_dv(const float *qh, const uint32_t *qp, const void *k, const void *v, int bf16,
+                          float scale, float softcap, int64_t base, int64_t ss, const int64_t *nvis,
+                          const int64_t *nlo, int64_t R, int64_t j0, int64_t jend, int64_t block,
+                          float *restrict scores, uint32_t *restrict kt, float *restrict ph, const int bfp,
+                          const int DV) {
+    if (DV == 4)
+        block_item(qh, qp, k, v, bf16, scale, softcap, base, ss, nvis, nlo, R, j0, jend, block, scores, kt, ph, bfp, 4);
+    else if (DV == 8)
+        block_item(qh, qp, k, v, bf16, scale, softcap, base, ss, nvis, nlo, R, j0, jend, block, scores, kt, ph, bfp, 8);
+    else
+        block_item(qh, qp, k, v, bf16, scale, softcap, base, ss, nvis, nlo, R, j0, jend, block, scores, kt, ph, bfp, DV);
+}
+
+/* seconds since *t0 (CLOCK_MONOTONIC) */
+static inline double since(const struct timespec *t0) {
+    struct timespec t1;
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    return (double)(t1.tv_sec - t0->tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0->tv_nsec);
+}
+
 /* A row's output and log-sum-exp from its blocks' results (m, l, unnormalised acc), in
  * key order: `na` blocks at a, a + sa, ..., then `nb` blocks at b, b + sb, ... (a shared
  * prefix's blocks, then the sequence's own) */
@@ -659,16 +680,8 @@ static int attend_blocks(const float *q, const void *k, const void *v, int bf16,
             const float *qh = q + h * R * D;
             const uint32_t *qph = qp ? qp + h * Rp * (bfp ? P / 2 : P) : NULL; /* packed rows: tiled paths only */
             float *ph = part + (h * NT + nb_pre + b) * R * W;
-            /* the common head sizes get fully unrolled code */
-            if (DV == 4)
-                block_item(qh, qph, k, v, bf16, scale, softcap, h * hs, ss, nvis, nlo, R,
-                           j0, jend, block, scores, kt, ph, bfp, 4);
-            else if (DV == 8)
-                block_item(qh, qph, k, v, bf16, scale, softcap, h * hs, ss, nvis, nlo, R,
-                           j0, jend, block, scores, kt, ph, bfp, 8);
-            else
-                block_item(qh, qph, k, v, bf16, scale, softcap, h * hs, ss, nvis, nlo, R,
-                           j0, jend, block, scores, kt, ph, bfp, DV);
+            block_item_dv(qh, qph, k, v, bf16, scale, softcap, h * hs, ss, nvis, nlo, R,
+                          j0, jend, block, scores, kt, ph, bfp, DV);
         }
         free(scores);
         free(kt);
@@ -788,7 +801,7 @@ int triforce_attend_seqs(const float *q, int bf16, float scale, float softcap, i
 #pragma omp atomic write
             failed = 1;
         }
-        struct timespec t0, t1;
+        struct timespec t0;
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < items; item++) {
             if (!scores || !kt || (secs && !mine)) continue;
@@ -803,19 +816,9 @@ int triforce_attend_seqs(const float *q, int bf16, float scale, float softcap, i
             float *ph = part + part0[i] + (h * NB[i] + b) * R * W;
             const void *k = (const void *)(intptr_t)kp[i], *v = (const void *)(intptr_t)vp[i];
             const int64_t *nv = nvis + row0[i];
-            if (DV == 4)
-                block_item(qh, qph, k, v, bf16, scale, softcap, h * hs[i], ss[i], nv, NULL, R, j0, jend, block,
-                           scores, kt, ph, bfp, 4);
-            else if (DV == 8)
-                block_item(qh, qph, k, v, bf16, scale, softcap, h * hs[i], ss[i], nv, NULL, R, j0, jend, block,
-                           scores, kt, ph, bfp, 8);
-            else
-                block_item(qh, qph, k, v, bf16, scale, softcap, h * hs[i], ss[i], nv, NULL, R, j0, jend, block,
-                           scores, kt, ph, bfp, DV);
-            if (mine) {
-                clock_gettime(CLOCK_MONOTONIC, &t1);
-                mine[i] += (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
-            }
+            block_item_dv(qh, qph, k, v, bf16, scale, softcap, h * hs[i], ss[i], nv, NULL, R, j0, jend, block,
+                          scores, kt, ph, bfp, DV);
+            if (mine) mine[i] += since(&t0);
         }
         free(scores);
         free(kt);
@@ -827,10 +830,7 @@ int triforce_attend_seqs(const float *q, int bf16, float scale, float softcap, i
             merge_row(pre ? pre + (h * nb_pre * Rtot + r) * W : NULL, pre ? nb_pre : 0, Rtot * W,
                       part + part0[i] + (h * NB[i] * nrows[i] + rr) * W, NB[i], nrows[i] * W, D,
                       out + (h * ohs + orow[r]) * D, NULL);
-            if (mine) {
-                clock_gettime(CLOCK_MONOTONIC, &t1);
-                mine[i] += (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
-            }
+            if (mine) mine[i] += since(&t0);
         }
         if (mine && !failed)
             for (int64_t i = 0; i < nseq; i++)

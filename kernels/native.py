@@ -189,8 +189,12 @@ def visible_keys(q_pos0: int, T: int, G: int, k_pos0: int, S: int) -> torch.Tens
     """[G*T] int64: how many keys each folded query row sees. The same for every layer of a
     forward, so it is computed once per forward, not once per layer (the kernel only reads it);
     built from a Python list: no tensor ops in the first layer's step."""
-    row = [min(max(q_pos0 + t - k_pos0 + 1, 0), S) for t in range(T)]
-    return torch.tensor(row * G, dtype=torch.int64)
+    return torch.tensor(visible_row(q_pos0, T, k_pos0, S) * G, dtype=torch.int64)
+
+
+def visible_row(q_pos0: int, T: int, k_pos0: int, S: int) -> list[int]:
+    """How many of S keys (positions k_pos0..) each of T query tokens at q_pos0.. sees."""
+    return [min(max(q_pos0 + t - k_pos0 + 1, 0), S) for t in range(T)]
 
 
 @functools.lru_cache(maxsize=16)
@@ -243,7 +247,7 @@ class Seqs:
     def __init__(self, rows: list[tuple[int, int, int, int, int, int, int]], G: int, N: int):
         perm, nvis, cols, r0 = [], [], [[] for _ in range(5)], 0
         for a, T, q_pos0, k_pos0, S, hs, ss in rows:
-            vis = [min(max(q_pos0 + t - k_pos0 + 1, 0), S) for t in range(T)]
+            vis = visible_row(q_pos0, T, k_pos0, S)
             for g in range(G):
                 perm.extend(range(g * N + a, g * N + a + T))
                 nvis.extend(vis)
