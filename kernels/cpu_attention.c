@@ -420,6 +420,12 @@ static inline float softmax_pack_bf(float *restrict s, int64_t lo, int64_t n, in
     __m512 mv = _mm512_set1_ps(-INFINITY);
     const __m512 sc = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
     for (int64_t j = 0; j < n; j += 16) {
+        if (j >= lo && j + 16 <= n) { /* every lane in and visible: no masks */
+            const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + j), sc);
+            _mm512_storeu_ps(s + j, x);
+            mv = _mm512_max_ps(x, mv); /* as below with every lane in */
+            continue;
+        }
         const __m512i idx = _mm512_add_epi32(lane, _mm512_set1_epi32((int)j));
         const __mmask16 in = _mm512_cmplt_epi32_mask(idx, _mm512_set1_epi32((int)n));
         const __mmask16 band = _mm512_cmplt_epi32_mask(idx, _mm512_set1_epi32((int)lo));
@@ -438,11 +444,17 @@ static inline float softmax_pack_bf(float *restrict s, int64_t lo, int64_t n, in
                 x[h] = _mm512_loadu_ps(s + jj);
                 continue;
             }
+            v16 y;
+            memcpy(&y, s + jj, sizeof y);
+            if (jj >= lo && jj + 16 <= n) { /* every lane kept: no mask */
+                y = round_bf16(exp_neg16(y - m));
+                memcpy(&x[h], &y, sizeof y);
+                sum += y;
+                continue;
+            }
             const __m512i idx = _mm512_add_epi32(lane, _mm512_set1_epi32((int)jj));
             const __mmask16 keep = _mm512_cmplt_epi32_mask(idx, _mm512_set1_epi32((int)n)) &
                                    _mm512_cmpge_epi32_mask(idx, _mm512_set1_epi32((int)lo));
-            v16 y;
-            memcpy(&y, s + jj, sizeof y);
             y = round_bf16(exp_neg16(y - m));
             __m512 z;
             memcpy(&z, &y, sizeof z);
