@@ -309,6 +309,9 @@ int triforce_qrows(const int64_t *ids, int64_t n_ids, int64_t K, const uint8_t *
 #define NJ 8      /* weight rows per tile, lanes along x rows */
 #endif
 #define WL 16     /* weight rows per tile, lanes along weight rows */
+#ifndef WR_MAX
+#define WR_MAX 1  /* rows of x up to which a tile's weight rows are not transposed (wr_rows) */
+#endif
 
 int triforce_linear_vnni(void) { return TRIFORCE_VNNI; }
 
@@ -549,6 +552,77 @@ static void wl_rows_any(const uint8_t *wt, const float *sw, const float *mu, con
 }
 #endif
 
+#if TRIFORCE_VNNI
+/* wl_rows without the transposed columns, for very few rows of x (M <= WR_MAX): per 64
+ * inputs, each of the 16 weight rows n[j] against the row of x by vpdpbusd with lanes
+ * along k (weight bytes unsigned as wl_columns makes them, x signed), then the 16 vectors
+ * summed into two: each unit's integer sum per weight row, lanes along weight rows. The
+ * integer sums are exact, so they equal wl_rows' and the float recurrence after them is
+ * wl_rows' own: the same bits, without transposing the tile for one row of x. */
+static inline __attribute__((always_inline)) void wr_rows(const uint8_t *q, const int bits, int64_t K,
+                                                          const int64_t *n, const float *sw, const float *mu,
+                                                          const uint8_t *xrec, size_t rec_bytes, int64_t M,
+                                                          int64_t Uc, const int MINV, float *res) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80), lo4 = _mm512_set1_epi8(0xf);
+    for (int64_t r = 0; r < M; r++) {
+        const uint8_t *rec = xrec + r * rec_bytes;
+        const float *dxu = (const float *)(rec + K), *xs = dxu + Uc;
+        const int32_t *cx = (const int32_t *)(xs + Uc);
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t c = 0; c < K / QC; c++) {
+            __m512i xv = _mm512_loadu_si512(rec + c * QC);
+            /* int4: a chunk's 32 bytes unpacked as [low nibbles | high nibbles], inputs 0..15,
+             * 32..47, 16..31, 48..63 by 128-bit lane; x's lanes put in that order to match */
+            if (bits == 4) xv = _mm512_shuffle_i64x2(xv, xv, 0xd8);
+            __m512i d[16];
+            for (int j = 0; j < 16; j++) {
+                __m512i w;
+                if (bits == 8)
+                    w = _mm512_xor_si512(_mm512_loadu_si512(q + n[j] * K + c * QC), flip);
+                else {
+                    const __m256i b = _mm256_loadu_si256((const __m256i *)(q + n[j] * (K / 2) + c * (QC / 2)));
+                    w = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(b), _mm256_srli_epi16(b, 4), 1), lo4);
+                }
+                d[j] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv);
+            }
+            __m512i s1[8], s2[4];
+            for (int i = 0; i < 8; i++) /* per 128-bit lane: rows 2i, 2i+1, pairs of k summed */
+                s1[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(d[2 * i], d[2 * i + 1]),
+                                         _mm512_unpackhi_epi32(d[2 * i], d[2 * i + 1]));
+            for (int m = 0; m < 4; m++) /* rows 4m .. 4m+3, each 128-bit lane's 16 inputs summed */
+                s2[m] = _mm512_add_epi32(_mm512_unpacklo_epi64(s1[2 * m], s1[2 * m + 1]),
+                                         _mm512_unpackhi_epi64(s1[2 * m], s1[2 * m + 1]));
+            /* units (inputs 0..31, 32..63): 128-bit lanes 0 + 1 and 2 + 3 (int4: 0 + 2 and 1 + 3) */
+            const int ua = bits == 8 ? 0x88 : 0x44, ub = bits == 8 ? 0xdd : 0xee;
+            const __m512i t0 = _mm512_add_epi32(_mm512_shuffle_i32x4(s2[0], s2[1], ua),
+                                                _mm512_shuffle_i32x4(s2[0], s2[1], ub));
+            const __m512i t1 = _mm512_add_epi32(_mm512_shuffle_i32x4(s2[2], s2[3], ua),
+                                                _mm512_shuffle_i32x4(s2[2], s2[3], ub));
+            const __m512i is[2] = {_mm512_shuffle_i32x4(t0, t1, 0x88), _mm512_shuffle_i32x4(t0, t1, 0xdd)};
+            for (int h = 0; h < 2; h++) {
+                const int64_t u = 2 * c + h;
+                const __m512i a = bits == 8 ? _mm512_add_epi32(is[h], _mm512_set1_epi32(cx[u])) : is[h];
+                const __m512 comb = _mm512_mul_ps(_mm512_set1_ps(dxu[u]), _mm512_loadu_ps(sw + u * 16));
+                acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a), comb, acc);
+                if (MINV) acc = _mm512_fmadd_ps(_mm512_set1_ps(xs[u]), _mm512_loadu_ps(mu + u * 16), acc);
+            }
+        }
+        _mm512_storeu_ps(res + r * 16, acc);
+    }
+}
+
+static void wr_rows_any(const uint8_t *q, int bits, int64_t K, const int64_t *n, const float *sw, const float *mu,
+                        const uint8_t *xrec, size_t rec_bytes, int64_t M, int64_t Uc, int minv, float *res) {
+    if (bits == 8) {
+        if (minv) wr_rows(q, 8, K, n, sw, mu, xrec, rec_bytes, M, Uc, 1, res);
+        else wr_rows(q, 8, K, n, sw, mu, xrec, rec_bytes, M, Uc, 0, res);
+    } else {
+        if (minv) wr_rows(q, 4, K, n, sw, mu, xrec, rec_bytes, M, Uc, 1, res);
+        else wr_rows(q, 4, K, n, sw, mu, xrec, rec_bytes, M, Uc, 0, res);
+    }
+}
+#endif
+
 /* One row of x as the int8 kernel takes it, before quantization: RMS-normalised with
  * weight nw (x * (1 / sqrtf(sum(x^2) / K + eps)) * nw, the sum in increasing k), or the
  * SwiGLU of a row [gate K | up K] (silu(gate) * up), into dst [K]. Row by row, so a row's
@@ -667,12 +741,25 @@ static int qlinear_q8(const float *x, int64_t M, int64_t K, int64_t ldx, const u
                 int64_t n[WL];
                 for (int j = 0; j < WL; j++) n[j] = n0 + (j < nt ? j : 0);
                 wl_params(scale, minv, f16, n, groups, G, U, Uc, sw, mu);
+                /* the next tile's weights and scales asked for now: this tile's work leaves
+                 * the loads far apart */
+                const int64_t wbytes = bits == 4 ? K / 2 : K, pbytes = groups * (f16 ? 2 : 4);
+                if (ti + 1 < tiles) {
+                    const int64_t next = N - n0 - nt < WL ? N - n0 - nt : WL;
+                    for (int64_t b = 0; b < next * wbytes; b += 64) __builtin_prefetch(q + (n0 + nt) * wbytes + b, 0, 0);
+                    for (int64_t b = 0; b < next * pbytes; b += 64) {
+                        __builtin_prefetch((const uint8_t *)scale + (n0 + nt) * pbytes + b, 0, 0);
+                        if (minv) __builtin_prefetch((const uint8_t *)minv + (n0 + nt) * pbytes + b, 0, 0);
+                    }
+                }
+                if (M <= WR_MAX && U == 32) { /* one or two rows of x: no transposed columns */
+                    float res[WR_MAX][16];
+                    wr_rows_any(q, bits, K, n, sw, mu, xbuf, rec_bytes, M, Uc, minv != NULL, &res[0][0]);
+                    for (int64_t r = 0; r < M; r++)
+                        for (int64_t j = 0; j < nt; j++) store(out, ldo, bias, radd, ldr, r, n0 + j, res[r][j]);
+                    continue;
+                }
                 wl_columns(q, bits, K, n, wt);
-                /* the next tile's weights asked for now: the rows' dots leave the loads far apart */
-                const int64_t wbytes = bits == 4 ? K / 2 : K;
-                if (ti + 1 < tiles)
-                    for (int64_t b = 0; b < (N - n0 - nt < WL ? N - n0 - nt : WL) * wbytes; b += 64)
-                        __builtin_prefetch(q + (n0 + nt) * wbytes + b, 0, 0);
                 for (int64_t r0 = 0; r0 < M; r0 += 16) {
                     const int64_t rb = M - r0 < 16 ? M - r0 : 16;
                     float res[16][16];
