@@ -562,6 +562,60 @@ static inline __attribute__((always_inline)) void pv_rows_bf4(
 }
 #undef PV4_PAIR
 #undef PV4_ROW
+/* pv_rows_bf4 for 128 values of a head (DV 8: a head of 128; twice for 256) and up to 3 rows: each 32 values' pair of
+ * unpacked vectors goes to every row before the next is loaded (24 accumulators, 2 value
+ * vectors and 3 probability pairs in registers) */
+#define PV8_DP(R, A, B)                                                                              \
+    if (NR > R) {                                                                                    \
+        A = _mm512_dpbf16_ps(A, ul, b##R);                                                           \
+        B = _mm512_dpbf16_ps(B, uh, b##R);                                                           \
+    }
+#define PV8_HALF(TWO, C, R0A, R0B, R1A, R1B, R2A, R2B)                                                \
+    {                                                                                                \
+        const __m512i va = _mm512_loadu_si512(vj + 32 * (C));                                        \
+        const __m512i vb = (TWO) ? _mm512_loadu_si512(vj + ss + 32 * (C)) : _mm512_setzero_si512();  \
+        __builtin_prefetch(vj + 16 * ss + 32 * (C)); /* 16 keys on */                                \
+        __builtin_prefetch(vj + 17 * ss + 32 * (C));                                                 \
+        const __m512bh ul = (__m512bh)_mm512_unpacklo_epi16(va, vb);                                 \
+        const __m512bh uh = (__m512bh)_mm512_unpackhi_epi16(va, vb);                                 \
+        PV8_DP(0, R0A, R0B) PV8_DP(1, R1A, R1B) PV8_DP(2, R2A, R2B)                                  \
+    }
+#define PV8_PAIR(TWO, J, PJ)                                                                          \
+    do {                                                                                             \
+        const uint16_t *vj = v + base + (J) * ss;                                                    \
+        const __m512bh b0 = (__m512bh)_mm512_set1_epi32((int)p0[PJ]);                                \
+        const __m512bh b1 = (__m512bh)_mm512_set1_epi32((int)p1[PJ]);                                \
+        const __m512bh b2 = (__m512bh)_mm512_set1_epi32((int)p2[PJ]);                                \
+        PV8_HALF(TWO, 0, a0, a1, a8, a9, a16, a17) PV8_HALF(TWO, 1, a2, a3, a10, a11, a18, a19)      \
+        PV8_HALF(TWO, 2, a4, a5, a12, a13, a20, a21) PV8_HALF(TWO, 3, a6, a7, a14, a15, a22, a23)    \
+    } while (0)
+
+static inline __attribute__((always_inline)) void pv_rows_bf8(
+        float *restrict ph, int64_t W, const float *scores, const uint16_t *v, int64_t base,
+        int64_t ss, int64_t j0, int64_t jend, int64_t r0, int64_t block, const int NR) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    __m512 a8 = a0, a9 = a0, a10 = a0, a11 = a0, a12 = a0, a13 = a0, a14 = a0, a15 = a0;
+    __m512 a16 = a0, a17 = a0, a18 = a0, a19 = a0, a20 = a0, a21 = a0, a22 = a0, a23 = a0;
+    const uint32_t *p0 = (const uint32_t *)(scores + r0 * block); /* rows from NR on: never read */
+    const uint32_t *p1 = (const uint32_t *)(scores + (r0 + (NR > 1 ? 1 : 0)) * block);
+    const uint32_t *p2 = (const uint32_t *)(scores + (r0 + (NR > 2 ? 2 : 0)) * block);
+    const int64_t pairs = (jend - j0) >> 1;
+    for (int64_t pj = 0; pj < pairs; pj++) PV8_PAIR(1, j0 + 2 * pj, pj);
+    if ((jend - j0) & 1) PV8_PAIR(0, jend - 1, pairs);
+    const __m512 acc[24] = {a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11,
+                            a12, a13, a14, a15, a16, a17, a18, a19, a20, a21, a22, a23};
+    for (int rr = 0; rr < NR; rr++) {
+        float *o = ph + (r0 + rr) * W;
+        for (int i = 0; i < 8; i++) {
+            float t[16];
+            _mm512_storeu_ps(t, acc[8 * rr + i]);
+            for (int kk = 0; kk < 16; kk++) o[32 * (i / 2) + 8 * (kk / 4) + 4 * (i % 2) + kk % 4] = t[kk];
+        }
+    }
+}
+#undef PV8_PAIR
+#undef PV8_HALF
+#undef PV8_DP
 #else
 #define BF_PATH 0
 #endif
@@ -638,6 +692,15 @@ static inline __attribute__((always_inline)) void block_item(
                 r0 += 3;
             }
             for (; r0 < R; r0++) pv_rows_bf4(ph, W, scores, vb, base, ss, j0, jend, r0, block, 1);
+            return;
+        }
+        if (DV % 8 == 0) { /* head sizes 128, 256: the same, three rows and 128 values at a time */
+            for (int64_t e = 0; e < 16 * DV; e += 128) {
+                int64_t r = 0;
+                for (; r + 3 <= R; r += 3) pv_rows_bf8(ph + e, W, scores, vb, base + e, ss, j0, jend, r, block, 3);
+                if (R - r == 2) pv_rows_bf8(ph + e, W, scores, vb, base + e, ss, j0, jend, r, block, 2);
+                if (R - r == 1) pv_rows_bf8(ph + e, W, scores, vb, base + e, ss, j0, jend, r, block, 1);
+            }
             return;
         }
         if (DV <= 4)
