@@ -279,7 +279,7 @@ int triforce_qrows(const int64_t *ids, int64_t n_ids, int64_t K, const uint8_t *
  *   acc  = fma(float(isum), dx[unit] * sw[unit], acc)   (the scale product rounded, then one FMA)
  *   acc  = fma(xs[unit], min[unit], acc)                 (weights with offsets: xs = dx * sum qx)
  * then out = acc (+ bias) (res + out with a residual). Only integer sums (exact in any order)
- * depend on how the work is laid out, so two layouts compute it, each for the rows it suits:
+ * depend on how the work is laid out, so three layouts compute it, each for the rows it suits:
  * - many rows (M >= XL_MIN): lanes are 16 rows of x. x is stored transposed as it is
  *   quantized (16 rows x 4 bytes per vector, q + 128 unsigned), and 4 bytes of a weight row
  *   are broadcast into vpdpbusd's signed operand; the lane starts from -128 * (sum of the
@@ -290,6 +290,9 @@ int triforce_qrows(const int64_t *ids, int64_t n_ids, int64_t K, const uint8_t *
  *   into 4-byte columns (int8 weights + 128 unsigned, int4 nibbles), and 4 bytes of a row of x
  *   are broadcast as the signed operand; int8 weights' lanes start from -128 * (sum of the
  *   unit's x).
+ * - one row (M <= WR_MAX): the same lanes along weight rows without the transposed columns
+ *   (wr_rows): each weight row against the row of x with lanes along k, the 16 rows' lanes
+ *   then summed into each unit's integer sums.
  * int4 weights are unpacked to bytes first (nibbles 0..15). Builds without VNNI compute the
  * same recurrence in portable C: slow, for sanitizer runs and other CPUs.
  *
@@ -752,7 +755,7 @@ static int qlinear_q8(const float *x, int64_t M, int64_t K, int64_t ldx, const u
                         if (minv) __builtin_prefetch((const uint8_t *)minv + (n0 + nt) * pbytes + b, 0, 0);
                     }
                 }
-                if (M <= WR_MAX && U == 32) { /* one or two rows of x: no transposed columns */
+                if (M <= WR_MAX && U == 32) { /* a single row of x: no transposed columns */
                     float res[WR_MAX][16];
                     wr_rows_any(q, bits, K, n, sw, mu, xbuf, rec_bytes, M, Uc, minv != NULL, &res[0][0]);
                     for (int64_t r = 0; r < M; r++)

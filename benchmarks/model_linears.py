@@ -1,0 +1,68 @@
+"""Every quantized projection of a loaded model at M rows of activations, as a forward runs them.
+
+Usage:
+    python benchmarks/model_linears.py                     # the bundled model, rows 1, 2, 4, 8
+    python benchmarks/model_linears.py --model gemma-3-270m-q4_k_m.gguf --rows 1 7 --threads 2
+
+One pass is every `QLinear` of the model (each layer's q/k/v, o, gate/up and down, and the
+LM head) called once with M rows, with the activations the model was loaded with (int8 per
+row and 32 inputs on an AVX-512 VNNI CPU): what a decode (M = 1), a verification (γ+1) or a
+batch's ragged forward spends in its projections. Prints, per M, the best of `--repeats`
+timed blocks of `--passes` passes in ms per pass, and the weight bytes read per ms (GB/s)
+beside the machine's copy bandwidth (the floor a pass cannot beat).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from triforce_offload.kernels.qlinear import QLinear
+from triforce_offload.runtime import api
+
+
+def copy_gbs(nbytes: int = 256 << 20) -> float:
+    """Host copy bandwidth (read + write), GB/s: best of 3 copies of a 256 MiB buffer."""
+    a, b = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    a.fill_(1)
+    b.copy_(a)
+    best = min(_timed(lambda: b.copy_(a)) for _ in range(3))
+    return 2 * nbytes / best / 1e9
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="a GGUF path or hub name (default: the bundled model)")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--passes", type=int, default=50)
+    p.add_argument("--repeats", type=int, default=5)
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    loaded = api.load(a.model)
+    lins = [m for m in loaded.model.modules() if isinstance(m, QLinear)]
+    if not lins:
+        raise SystemExit("the model has no quantized projections (load a GGUF)")
+    nbytes = sum(m.nbytes() for m in lins)
+    floor = copy_gbs()
+    print(f"{len(lins)} projections, {nbytes / 1e6:.1f} MB of weights, activations {loaded.activations}, "
+          f"{a.threads} threads; copy bandwidth {floor:.1f} GB/s (a pass's floor: {nbytes / floor / 1e6:.2f} ms)")
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for M in a.rows:
+            xs = [torch.randn(1, M, m.in_features, generator=g) for m in lins]
+            one = lambda: [m(x) for m, x in zip(lins, xs)]  # noqa: E731
+            one()
+            best = min(_timed(lambda: [one() for _ in range(a.passes)]) for _ in range(a.repeats)) / a.passes
+            print(f"rows {M}: {best * 1e3:.2f} ms per pass, {nbytes / best / 1e9:.1f} GB/s of weights")
+
+
+if __name__ == "__main__":
+    main()
