@@ -469,6 +469,38 @@ static inline float softmax_pack_bf(float *restrict s, int64_t lo, int64_t n, in
     return m;
 }
 
+/* The named accumulators of pv_rows_bf4 and pv_rows_bf8 (a0 .. a23), and their rows' outputs
+ * at ph, V vectors per row (element order as pv_rows_bf's) */
+#define PV_ACCUMULATORS                                                                               \
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;   \
+    __m512 a8 = a0, a9 = a0, a10 = a0, a11 = a0, a12 = a0, a13 = a0, a14 = a0, a15 = a0;             \
+    __m512 a16 = a0, a17 = a0, a18 = a0, a19 = a0, a20 = a0, a21 = a0, a22 = a0, a23 = a0;
+#define PV_P(R) __attribute__((unused)) const uint32_t *p##R = (const uint32_t *)(scores + (r0 + (NR > R ? R : 0)) * block);
+/* the body of pv_rows_bf4/8: each row's packed probabilities p0 .. p5 (pack_probs; rows
+ * from NR on are never read), the whole pairs of keys, an odd last key, the outputs */
+#define PV_BODY(PAIR, V)                                                                              \
+    PV_ACCUMULATORS                                                                                  \
+    PV_P(0) PV_P(1) PV_P(2) PV_P(3) PV_P(4) PV_P(5)                                                  \
+    const int64_t pairs = (jend - j0) >> 1;                                                          \
+    for (int64_t pj = 0; pj < pairs; pj++) PAIR(1, j0 + 2 * pj, pj);                                 \
+    if ((jend - j0) & 1) PAIR(0, jend - 1, pairs);                                                   \
+    PV_STORE(V)
+#define PV_STORE(V)                                                                                   \
+    {                                                                                                \
+        const __m512 acc[24] = {a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11,                    \
+                                a12, a13, a14, a15, a16, a17, a18, a19, a20, a21, a22, a23};         \
+        for (int rr = 0; rr < NR; rr++) pv_store_row(ph + (r0 + rr) * W, acc + (V) * rr, V);         \
+    }
+
+/* a row's V accumulators (pv_rows_bf's lane order) into its output o in element order */
+static inline void pv_store_row(float *o, const __m512 *acc, const int V) {
+    for (int i = 0; i < V; i++) {
+        float t[16];
+        _mm512_storeu_ps(t, acc[i]);
+        for (int kk = 0; kk < 16; kk++) o[32 * (i / 2) + 8 * (kk / 4) + 4 * (i % 2) + kk % 4] = t[kk];
+    }
+}
+
 /* rows r0 .. r0+NR-1 of sum_j p[r][j] v[j] by pairs of keys: the pair (p[j], p[j+1]) (the
  * rounded probabilities' bits) against the values of keys j and j+1 interleaved element by
  * element (unpack within 128-bit lanes: accumulator c's lane k holds element
@@ -496,14 +528,7 @@ static inline __attribute__((always_inline)) void pv_rows_bf(
             for (int i = 0; i < DV; i++) a[rr][i] = _mm512_dpbf16_ps(a[rr][i], (__m512bh)vp[i], (__m512bh)b);
         }
     }
-    for (int rr = 0; rr < NR; rr++) {
-        float *o = ph + (r0 + rr) * W;
-        for (int i = 0; i < DV; i++) {
-            float t[16];
-            _mm512_storeu_ps(t, a[rr][i]);
-            for (int kk = 0; kk < 16; kk++) o[32 * (i / 2) + 8 * (kk / 4) + 4 * (i % 2) + kk % 4] = t[kk];
-        }
-    }
+    for (int rr = 0; rr < NR; rr++) pv_store_row(ph + (r0 + rr) * W, a[rr], DV);
 }
 /* pv_rows_bf for a head size of 64 (DV 4) and up to 6 rows, each accumulator a named
  * variable: GCC keeps pv_rows_bf's accumulator array in registers but also stores it to
@@ -539,32 +564,13 @@ static inline __attribute__((always_inline)) void pv_rows_bf(
 static inline __attribute__((always_inline)) void pv_rows_bf4(
         float *restrict ph, int64_t W, const float *scores, const uint16_t *v, int64_t base,
         int64_t ss, int64_t j0, int64_t jend, int64_t r0, int64_t block, const int NR) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-    __m512 a8 = a0, a9 = a0, a10 = a0, a11 = a0, a12 = a0, a13 = a0, a14 = a0, a15 = a0;
-    __m512 a16 = a0, a17 = a0, a18 = a0, a19 = a0, a20 = a0, a21 = a0, a22 = a0, a23 = a0;
-    /* each row's packed probabilities (pack_probs); rows from NR on are never read */
-#define PV4_P(R) const uint32_t *p##R = (const uint32_t *)(scores + (r0 + (NR > R ? R : 0)) * block);
-    PV4_P(0) PV4_P(1) PV4_P(2) PV4_P(3) PV4_P(4) PV4_P(5)
-#undef PV4_P
-    const int64_t pairs = (jend - j0) >> 1;
-    for (int64_t pj = 0; pj < pairs; pj++) PV4_PAIR(1, j0 + 2 * pj, pj);
-    if ((jend - j0) & 1) PV4_PAIR(0, jend - 1, pairs);
-    const __m512 acc[24] = {a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11,
-                            a12, a13, a14, a15, a16, a17, a18, a19, a20, a21, a22, a23};
-    for (int rr = 0; rr < NR; rr++) {
-        float *o = ph + (r0 + rr) * W;
-        for (int i = 0; i < 4; i++) {
-            float t[16];
-            _mm512_storeu_ps(t, acc[4 * rr + i]);
-            for (int kk = 0; kk < 16; kk++) o[32 * (i / 2) + 8 * (kk / 4) + 4 * (i % 2) + kk % 4] = t[kk];
-        }
-    }
+    PV_BODY(PV4_PAIR, 4)
 }
 #undef PV4_PAIR
 #undef PV4_ROW
-/* pv_rows_bf4 for 128 values of a head (DV 8: a head of 128; twice for 256) and up to 3 rows: each 32 values' pair of
- * unpacked vectors goes to every row before the next is loaded (24 accumulators, 2 value
- * vectors and 3 probability pairs in registers) */
+/* pv_rows_bf4 for 128 values of a head (DV 8: a head of 128; twice for 256) and up to 3
+ * rows: each 32 values' pair of unpacked vectors goes to every row before the next is
+ * loaded (24 accumulators, 2 value vectors and 3 probability pairs in registers) */
 #define PV8_DP(R, A, B)                                                                              \
     if (NR > R) {                                                                                    \
         A = _mm512_dpbf16_ps(A, ul, b##R);                                                           \
@@ -593,29 +599,15 @@ static inline __attribute__((always_inline)) void pv_rows_bf4(
 static inline __attribute__((always_inline)) void pv_rows_bf8(
         float *restrict ph, int64_t W, const float *scores, const uint16_t *v, int64_t base,
         int64_t ss, int64_t j0, int64_t jend, int64_t r0, int64_t block, const int NR) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-    __m512 a8 = a0, a9 = a0, a10 = a0, a11 = a0, a12 = a0, a13 = a0, a14 = a0, a15 = a0;
-    __m512 a16 = a0, a17 = a0, a18 = a0, a19 = a0, a20 = a0, a21 = a0, a22 = a0, a23 = a0;
-    const uint32_t *p0 = (const uint32_t *)(scores + r0 * block); /* rows from NR on: never read */
-    const uint32_t *p1 = (const uint32_t *)(scores + (r0 + (NR > 1 ? 1 : 0)) * block);
-    const uint32_t *p2 = (const uint32_t *)(scores + (r0 + (NR > 2 ? 2 : 0)) * block);
-    const int64_t pairs = (jend - j0) >> 1;
-    for (int64_t pj = 0; pj < pairs; pj++) PV8_PAIR(1, j0 + 2 * pj, pj);
-    if ((jend - j0) & 1) PV8_PAIR(0, jend - 1, pairs);
-    const __m512 acc[24] = {a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11,
-                            a12, a13, a14, a15, a16, a17, a18, a19, a20, a21, a22, a23};
-    for (int rr = 0; rr < NR; rr++) {
-        float *o = ph + (r0 + rr) * W;
-        for (int i = 0; i < 8; i++) {
-            float t[16];
-            _mm512_storeu_ps(t, acc[8 * rr + i]);
-            for (int kk = 0; kk < 16; kk++) o[32 * (i / 2) + 8 * (kk / 4) + 4 * (i % 2) + kk % 4] = t[kk];
-        }
-    }
+    PV_BODY(PV8_PAIR, 8)
 }
 #undef PV8_PAIR
 #undef PV8_HALF
 #undef PV8_DP
+#undef PV_ACCUMULATORS
+#undef PV_STORE
+#undef PV_P
+#undef PV_BODY
 #else
 #define BF_PATH 0
 #endif
