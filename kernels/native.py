@@ -335,8 +335,11 @@ def attend(q, k, v, q_pos0: int, k_pos0: int = 0, scale: float | None = None, ou
     lib, bf16, ks, cap = load(), int(k.dtype == torch.bfloat16), k.stride(), float(softcap or 0.0)
 
     def call(r0, r1, o, ls):  # rows r0..r1 -> o, ls: the kernel over every key
-        qs, nv, n = qf[:, r0:r1].contiguous(), nvis[r0:r1], r1 - r0
-        p = part[:, :, :n] if n == part.shape[2] else torch.empty(H, nb, n, D + 2, dtype=torch.float32)
+        if r0 == 0 and r1 == R:  # every row (a decode, a verification): no slices
+            qs, nv, n = qf, nvis, R
+        else:
+            qs, nv, n = qf[:, r0:r1].contiguous(), nvis[r0:r1], r1 - r0
+        p = part if n == part.shape[2] else torch.empty(H, nb, n, D + 2, dtype=torch.float32)
         if nlo is not None:
             return _check(lib.triforce_attend_band(qs.data_ptr(), k.data_ptr(), v.data_ptr(), bf16, scale, cap, H, n,
                                                    D, S, ks[1], ks[2], nv.data_ptr(), nlo[r0:r1].data_ptr(), block,
