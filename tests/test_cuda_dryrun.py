@@ -106,6 +106,28 @@ def test_every_mode_runs_clean(model, prompt, reference, mode, place, graphs):
     assert dry.gpu.reads["uncounted"] == 0 and dry.gpu.reads["counted"] > 0
 
 
+@pytest.mark.parametrize("place", PLACES)
+@pytest.mark.parametrize("mode", MODES)
+def test_a_batch_runs_clean_and_each_sequence_is_its_solo_run(model, mode, place):
+    """api.generate_batch on the fake device: three prompts of different lengths, every
+    mode, resident and offloaded. The checks hold in every member thread, each sequence's
+    tokens are its solo run's on the same device, and the batch really ran (on CUDA each
+    sequence's forwards run by themselves: cuBLAS picks its kernel by the call's shape,
+    docs/batching.md). Every level runs (no bypass): CUDA's rows are not row-exact, so a
+    sequence equals its solo run where the speculative path is the same, which timings would
+    otherwise choose (and its fp32 tokens need not be the CPU's at a random tiny model's
+    near ties)."""
+    prompts = [repetitive_prompt(200, 64), repetitive_prompt(150, 64)[::-1][:130], repetitive_prompt(90, 64)]
+    o = opts(mode, place, bypass=False)
+    solo = [dry_run(model, p, o)[0] for p in prompts]
+    with DryRun() as dry:
+        out = dry.generate_batch(dry.cuda(model), prompts, o)
+    dry.check()
+    assert [toks for toks, _ in out] == solo
+    st = out[0][1].extra
+    assert st["batch_size"] == 3 and st["batch_forwards_alone"] > 0 and st["batch_forwards_shared"] == 0
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("attention", ["triton", "flash-attn"])
 def test_fixed_shape_attention_kernels(model, prompt, reference, attention, mode):

@@ -162,6 +162,24 @@ class DryRun:
                     store[name] = moved[id(t)]
         return dataclasses.replace(loaded, model=model, device=torch.device("cuda"))
 
+    def generate_batch(self, loaded, prompts, opts):
+        """api.generate_batch on the fake device. A batch's sequences run in member threads
+        (runtime/batch/runner.py) and torch's dispatch modes are per thread, so each member
+        thread enters the fake device's modes too. The decode loop is not marked (the
+        members' prefills and decodes interleave): the other checks apply."""
+        from triforce_offload.runtime.api import generate_batch
+        from triforce_offload.runtime.batch.runner import Batch
+        member = Batch._member
+
+        def in_modes(batch, *args, **kwargs):
+            with self.router, self.checker:
+                return member(batch, *args, **kwargs)
+        Batch._member = in_modes
+        try:
+            return generate_batch(loaded, prompts, opts)
+        finally:
+            Batch._member = member
+
     def generate(self, loaded, prompt, opts, on_token=None, progress=None):
         """api.generate with the decode loop marked (from the first generated token on,
         every blocking device-to-host read must be a counted one) and, for the speculative

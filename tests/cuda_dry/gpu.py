@@ -26,6 +26,7 @@ a block out again while a copy may still read it).
 """
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 from collections import Counter
@@ -144,9 +145,19 @@ class Block:
 class Gpu:
     """The fake device's state and the checks on it."""
 
+    @property
+    def current(self) -> "Stream":
+        """The calling thread's current stream (a thread that set none: the default one)."""
+        return getattr(self._tls, "current", self.default)
+
+    @current.setter
+    def current(self, stream: "Stream"):
+        self._tls.current = stream
+
     def __init__(self, free: int = 20 << 30, total: int = 24 << 30):
         self.streams: list[Stream] = []
         self.default = Stream(self, "compute")
+        self._tls = threading.local()  # the current stream is per host thread, as CUDA's is
         self.current = self.default
         self.host = {}  # the host's vector clock
         self.mem_free, self.mem_total = free, total
