@@ -446,20 +446,15 @@ static inline float softmax_pack_bf(float *restrict s, int64_t lo, int64_t n, in
             }
             v16 y;
             memcpy(&y, s + jj, sizeof y);
-            if (jj >= lo && jj + 16 <= n) { /* every lane kept: no mask */
-                y = round_bf16(exp_neg16(y - m));
-                memcpy(&x[h], &y, sizeof y);
-                sum += y;
-                continue;
-            }
-            const __m512i idx = _mm512_add_epi32(lane, _mm512_set1_epi32((int)jj));
-            const __mmask16 keep = _mm512_cmplt_epi32_mask(idx, _mm512_set1_epi32((int)n)) &
-                                   _mm512_cmpge_epi32_mask(idx, _mm512_set1_epi32((int)lo));
             y = round_bf16(exp_neg16(y - m));
-            __m512 z;
-            memcpy(&z, &y, sizeof z);
-            x[h] = _mm512_maskz_mov_ps(keep, z);
-            memcpy(&y, &x[h], sizeof y);
+            memcpy(&x[h], &y, sizeof y);
+            if (jj < lo || jj + 16 > n) { /* keys outside [lo, n) weigh 0 (else every lane is kept) */
+                const __m512i idx = _mm512_add_epi32(lane, _mm512_set1_epi32((int)jj));
+                const __mmask16 keep = _mm512_cmplt_epi32_mask(idx, _mm512_set1_epi32((int)n)) &
+                                       _mm512_cmpge_epi32_mask(idx, _mm512_set1_epi32((int)lo));
+                x[h] = _mm512_maskz_mov_ps(keep, x[h]);
+                memcpy(&y, &x[h], sizeof y);
+            }
             sum += y;
         }
         const __m512bh pr = _mm512_cvtne2ps_pbh(x[1], x[0]); /* exact: bfloat16 values */
