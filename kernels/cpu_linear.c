@@ -446,14 +446,18 @@ static inline void transpose16(__m512i r[16]) {
     }
 }
 
+/* 32 packed int4 bytes (64 inputs of a row: blocks A, B of 16 bytes) as [low nibbles |
+ * high nibbles]: inputs 0..15, 32..47, 16..31, 48..63 by 128-bit lane, values 0..15 */
+static inline __m512i nibbles(const uint8_t *p) {
+    const __m256i b = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(b), _mm256_srli_epi16(b, 4), 1),
+                            _mm512_set1_epi8(0xf));
+}
+
 /* 64 inputs (chunk c) of weight row n as bytes in natural order (int4: nibbles 0..15) */
 static inline __m512i chunk_bytes(const uint8_t *q, int bits, int64_t K, int64_t n, int64_t c) {
     if (bits == 8) return _mm512_loadu_si512(q + n * K + c * QC);
-    /* 32 packed bytes: [A lo, A hi, B lo, B hi] as 4 x 16 bytes */
-    const __m256i lo4 = _mm256_set1_epi8(0xf);
-    const __m256i b = _mm256_loadu_si256((const __m256i *)(q + n * (K / 2) + c * (QC / 2)));
-    const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, lo4)),
-                                         _mm256_and_si256(_mm256_srli_epi16(b, 4), lo4), 1);
+    const __m512i v = nibbles(q + n * (K / 2) + c * (QC / 2));
     return _mm512_shuffle_i64x2(v, v, 0xd8); /* 128-bit lanes 0, 2, 1, 3 */
 }
 
@@ -566,7 +570,7 @@ static inline __attribute__((always_inline)) void wr_rows(const uint8_t *q, cons
                                                           const int64_t *n, const float *sw, const float *mu,
                                                           const uint8_t *xrec, size_t rec_bytes, int64_t M,
                                                           int64_t Uc, const int MINV, float *res) {
-    const __m512i flip = _mm512_set1_epi8((char)0x80), lo4 = _mm512_set1_epi8(0xf);
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
     for (int64_t r = 0; r < M; r++) {
         const uint8_t *rec = xrec + r * rec_bytes;
         const float *dxu = (const float *)(rec + K), *xs = dxu + Uc;
@@ -574,18 +578,13 @@ static inline __attribute__((always_inline)) void wr_rows(const uint8_t *q, cons
         __m512 acc = _mm512_setzero_ps();
         for (int64_t c = 0; c < K / QC; c++) {
             __m512i xv = _mm512_loadu_si512(rec + c * QC);
-            /* int4: a chunk's 32 bytes unpacked as [low nibbles | high nibbles], inputs 0..15,
-             * 32..47, 16..31, 48..63 by 128-bit lane; x's lanes put in that order to match */
+            /* int4: the weights as `nibbles` leaves them (chunk_bytes' order without its lane
+             * shuffle, which one row's x pays once instead of each weight row) */
             if (bits == 4) xv = _mm512_shuffle_i64x2(xv, xv, 0xd8);
             __m512i d[16];
             for (int j = 0; j < 16; j++) {
-                __m512i w;
-                if (bits == 8)
-                    w = _mm512_xor_si512(_mm512_loadu_si512(q + n[j] * K + c * QC), flip);
-                else {
-                    const __m256i b = _mm256_loadu_si256((const __m256i *)(q + n[j] * (K / 2) + c * (QC / 2)));
-                    w = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(b), _mm256_srli_epi16(b, 4), 1), lo4);
-                }
+                const __m512i w = bits == 8 ? _mm512_xor_si512(chunk_bytes(q, 8, K, n[j], c), flip)
+                                            : nibbles(q + n[j] * (K / 2) + c * (QC / 2));
                 d[j] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv);
             }
             __m512i s1[8], s2[4];
