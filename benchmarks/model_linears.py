@@ -18,17 +18,9 @@ import time
 
 import torch
 
+from triforce_offload.bench.bandwidth import copy_bandwidth
 from triforce_offload.kernels.qlinear import QLinear
 from triforce_offload.runtime import api
-
-
-def copy_gbs(nbytes: int = 256 << 20) -> float:
-    """Host copy bandwidth (read + write), GB/s: best of 3 copies of a 256 MiB buffer."""
-    a, b = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
-    a.fill_(1)
-    b.copy_(a)
-    best = min(_timed(lambda: b.copy_(a)) for _ in range(3))
-    return 2 * nbytes / best / 1e9
 
 
 def _timed(fn) -> float:
@@ -51,7 +43,7 @@ def main():
     if not lins:
         raise SystemExit("the model has no quantized projections (load a GGUF)")
     nbytes = sum(m.nbytes() for m in lins)
-    floor = copy_gbs()
+    floor = copy_bandwidth("cpu", 256, reps=5) / 1e9  # GB/s, as bench measures its floors
     print(f"{len(lins)} projections, {nbytes / 1e6:.1f} MB of weights, activations {loaded.activations}, "
           f"{a.threads} threads; copy bandwidth {floor:.1f} GB/s (a pass's floor: {nbytes / floor / 1e6:.2f} ms)")
     g = torch.Generator().manual_seed(0)
