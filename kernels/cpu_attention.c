@@ -79,6 +79,30 @@ static inline v16 vmax(v16 a, v16 b) {
 /* exp of 16 values <= 0 (scores minus their max): Cephes' expf polynomial in vector
  * extensions, so it runs 16 lanes at a time without -ffast-math (which would also assume
  * there are no infinities). Relative error about 2e-7. */
+#if defined(__AVX512F__)
+/* The same operations as the vector-extension version below compiles to (its multiply-adds
+ * fused as GCC fuses them), in fewer instructions: vmaxps is vmax (x where x > -87, else
+ * -87, NaN included), and vscalefps multiplies by 2^n exactly as the built power of two
+ * does (every result here is a normal float: x >= -87). So the same bits. */
+static inline v16 exp_neg16(v16 xv) {
+    __m512 x;
+    memcpy(&x, &xv, sizeof x);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_cvtepi32_ps(_mm512_cvttps_epi32(
+        _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(-0.5f)))); /* round */
+    const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f),
+                                     _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693359375f), x));
+    __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(1.9875691500e-4f), _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(r, _mm512_mul_ps(p, r), r), _mm512_set1_ps(1.0f));
+    const __m512 e = _mm512_scalef_ps(y, n);
+    memcpy(&xv, &e, sizeof e);
+    return xv;
+}
+#else
 static inline v16 exp_neg16(v16 x) {
     v16 lo = {0};
     lo -= 87.0f;
@@ -94,6 +118,7 @@ static inline v16 exp_neg16(v16 x) {
     const v16 y = p * r * r + r + 1.0f;
     return y * (v16)((ni + 127) << 23);
 }
+#endif
 
 /* tanh of 16 values, Cephes' tanhf in vector extensions: x + x^3 P(x^2) below |x| 0.625,
  * else (1 - e) / (1 + e) with e = exp(-2|x|); the sign copied back. Relative error about
@@ -127,8 +152,16 @@ static inline void softcap_row(float *restrict s, int64_t n, float scale, float 
     }
 }
 
-/* x rounded to bfloat16 (to nearest, ties to even; finite values), as float32 */
+/* x rounded to bfloat16 (to nearest, ties to even; normal values and zeros: vcvtneps2bf16
+ * reads a subnormal as zero), as float32 */
 static inline v16 round_bf16(v16 x) {
+#if defined(__AVX512BF16__)
+    __m512 f;
+    memcpy(&f, &x, sizeof f);
+    const __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(f)), 16);
+    memcpy(&x, &w, sizeof x);
+    return x;
+#endif
     u32x16 u;
     memcpy(&u, &x, sizeof u);
     u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
@@ -437,6 +470,27 @@ static inline float softmax_pack_bf(float *restrict s, int64_t lo, int64_t n, in
     const float m = _mm512_reduce_max_ps(mv);
     v16 sum = {0};
     for (int64_t j = 0; j < len; j += 32) {
+        if (j >= lo && j + 64 <= n) { /* 64 keys, every one visible: four exponentials' long
+                                        * dependency chains side by side, the same operations */
+            v16 y[4];
+            __m256bh c[4]; /* each vector's 16 probabilities rounded to bfloat16 (round_bf16's) */
+            memcpy(y, s + j, sizeof y);
+            for (int h = 0; h < 4; h++) {
+                __m512 e;
+                const v16 x = exp_neg16(y[h] - m);
+                memcpy(&e, &x, sizeof e);
+                c[h] = _mm512_cvtneps_pbh(e);
+                const __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)c[h]), 16);
+                memcpy(y + h, &w, sizeof w);
+            }
+            for (int h = 0; h < 4; h++) sum += y[h];
+            for (int h = 0; h < 4; h += 2) { /* pairs in key order: two vectors' words side by side */
+                const __m512i pr = _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)c[h]), (__m256i)c[h + 1], 1);
+                memcpy((uint32_t *)s + j / 2 + 8 * h, &pr, sizeof pr);
+            }
+            j += 32;
+            continue;
+        }
         __m512 x[2];
         for (int h = 0; h < 2; h++) {
             const int64_t jj = j + 16 * h;
