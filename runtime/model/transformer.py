@@ -17,6 +17,7 @@ import dataclasses
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.modules import module as _torch_module
 
 from ...kernels.linear import Linear, by_rows
 from ...kernels.qlinear import QLinear
@@ -99,8 +100,9 @@ def rotate(x, cos, sin):
     return torch.addcmul(x * cos, swapped, sin)
 
 
-_HOOKS = tuple(getattr(torch.nn.modules.module, n, {}) for n in (
-    "_global_forward_hooks", "_global_forward_pre_hooks", "_global_forward_hooks_always_called"))
+# torch's global module hooks (nn.modules.module.register_module_forward_hook and the like)
+_HOOKS = (_torch_module._global_forward_hooks, _torch_module._global_forward_pre_hooks,
+          _torch_module._global_forward_hooks_always_called)
 
 
 def call(module: nn.Module, *args, **kwargs):
