@@ -152,21 +152,35 @@ static inline void softcap_row(float *restrict s, int64_t n, float scale, float 
     }
 }
 
-/* x rounded to bfloat16 (to nearest, ties to even; normal values and zeros: vcvtneps2bf16
- * reads a subnormal as zero), as float32 */
-static inline v16 round_bf16(v16 x) {
 #if defined(__AVX512BF16__)
+/* x's 16 values rounded to bfloat16 words (to nearest, ties to even; normal values and
+ * zeros: vcvtneps2bf16 reads a subnormal as zero) */
+static inline __m256bh bf16_words(v16 x) {
     __m512 f;
     memcpy(&f, &x, sizeof f);
-    const __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(f)), 16);
-    memcpy(&x, &w, sizeof x);
+    return _mm512_cvtneps_pbh(f);
+}
+
+/* 16 bfloat16 words as float32 */
+static inline v16 widen_bf16(__m256bh w) {
+    const __m512i u = _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)w), 16);
+    v16 x;
+    memcpy(&x, &u, sizeof x);
     return x;
+}
 #endif
+
+/* x rounded to bfloat16 (to nearest, ties to even; normal values and zeros), as float32 */
+static inline v16 round_bf16(v16 x) {
+#if defined(__AVX512BF16__)
+    return widen_bf16(bf16_words(x));
+#else
     u32x16 u;
     memcpy(&u, &x, sizeof u);
     u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
     memcpy(&x, &u, sizeof x);
     return x;
+#endif
 }
 
 /* softmax statistics of s[lo .. n-1] in place: s becomes exp(s - m) (0 below lo and from n
@@ -476,12 +490,8 @@ static inline float softmax_pack_bf(float *restrict s, int64_t lo, int64_t n, in
             __m256bh c[4]; /* each vector's 16 probabilities rounded to bfloat16 (round_bf16's) */
             memcpy(y, s + j, sizeof y);
             for (int h = 0; h < 4; h++) {
-                __m512 e;
-                const v16 x = exp_neg16(y[h] - m);
-                memcpy(&e, &x, sizeof e);
-                c[h] = _mm512_cvtneps_pbh(e);
-                const __m512i w = _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)c[h]), 16);
-                memcpy(y + h, &w, sizeof w);
+                c[h] = bf16_words(exp_neg16(y[h] - m));
+                y[h] = widen_bf16(c[h]);
             }
             for (int h = 0; h < 4; h++) sum += y[h];
             for (int h = 0; h < 4; h += 2) { /* pairs in key order: two vectors' words side by side */
