@@ -522,32 +522,65 @@ static void wl_columns(const uint8_t *q, int bits, int64_t K, const int64_t *n, 
     }
 }
 
-/* Rows r < M of x (natural records: qx [K], dxu [Uc], xs [Uc], cx [Uc] = -128 * sq) against a
- * tile of 16 weight columns wt, sw and mu [Uc][16] -> res [M][16]. */
+/* Rows r0 .. r0 + RB - 1 of x (natural records: qx [K], dxu [Uc], xs [Uc], cx [Uc] = -128 * sq)
+ * against a tile of 16 weight columns wt, sw and mu [Uc][16] -> res [RB][16]. Each row keeps
+ * its own two integer chains and float accumulator, in the same order whatever RB is: rows
+ * side by side share the column loads and give the core independent chains (one row alone
+ * waits on its accumulator's FMAs), never each other's values. */
+static inline __attribute__((always_inline)) void wl_block(const uint8_t *wt, const float *sw, const float *mu,
+                                                           const uint8_t *xrec, size_t rec_bytes, const int RB,
+                                                           int64_t K, int64_t Uc, const int bits, const int U,
+                                                           const int MINV, float *res) {
+    const uint8_t *rec[4];
+    const float *dxu[4], *xs[4];
+    const int32_t *cx[4];
+    __m512 acc[4];
+    for (int i = 0; i < RB; i++) {
+        rec[i] = xrec + i * rec_bytes;
+        dxu[i] = (const float *)(rec[i] + K);
+        xs[i] = dxu[i] + Uc;
+        cx[i] = (const int32_t *)(xs[i] + Uc);
+        acc[i] = _mm512_setzero_ps();
+    }
+    for (int64_t u = 0; u < Uc; u++) {
+        __m512i a[4], b[4];
+        for (int i = 0; i < RB; i++) {
+            a[i] = bits == 8 ? _mm512_set1_epi32(cx[i][u]) : _mm512_setzero_si512();
+            b[i] = _mm512_setzero_si512();
+        }
+        for (int t = 0; t < U / 4; t += 2) {
+            const __m512i w0 = _mm512_loadu_si512(wt + (u * (U / 4) + t) * 64);
+            const __m512i w1 = _mm512_loadu_si512(wt + (u * (U / 4) + t + 1) * 64);
+            for (int i = 0; i < RB; i++) {
+                int32_t x0, x1;
+                memcpy(&x0, rec[i] + u * U + 4 * t, sizeof x0);
+                memcpy(&x1, rec[i] + u * U + 4 * t + 4, sizeof x1);
+                a[i] = _mm512_dpbusd_epi32(a[i], w0, _mm512_set1_epi32(x0));
+                b[i] = _mm512_dpbusd_epi32(b[i], w1, _mm512_set1_epi32(x1));
+            }
+        }
+        const __m512 s = _mm512_loadu_ps(sw + u * 16);
+        for (int i = 0; i < RB; i++) {
+            const __m512 comb = _mm512_mul_ps(_mm512_set1_ps(dxu[i][u]), s);
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a[i], b[i])), comb, acc[i]);
+            if (MINV) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(xs[i][u]), _mm512_loadu_ps(mu + u * 16), acc[i]);
+        }
+    }
+    for (int i = 0; i < RB; i++) _mm512_storeu_ps(res + i * 16, acc[i]);
+}
+
+/* Rows r < M of x against a tile (wl_block): four at a time, then what is left. */
 static inline __attribute__((always_inline)) void wl_rows(const uint8_t *wt, const float *sw, const float *mu,
                                                           const uint8_t *xrec, size_t rec_bytes, int64_t M,
                                                           int64_t K, int64_t Uc, const int bits, const int U,
                                                           const int MINV, float *res) {
-    for (int64_t r = 0; r < M; r++) {
-        const uint8_t *rec = xrec + r * rec_bytes;
-        const float *dxu = (const float *)(rec + K), *xs = dxu + Uc;
-        const int32_t *cx = (const int32_t *)(xs + Uc);
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t u = 0; u < Uc; u++) {
-            __m512i a = bits == 8 ? _mm512_set1_epi32(cx[u]) : _mm512_setzero_si512(), b = _mm512_setzero_si512();
-            for (int t = 0; t < U / 4; t += 2) {
-                int32_t x0, x1;
-                memcpy(&x0, rec + u * U + 4 * t, sizeof x0);
-                memcpy(&x1, rec + u * U + 4 * t + 4, sizeof x1);
-                a = _mm512_dpbusd_epi32(a, _mm512_loadu_si512(wt + (u * (U / 4) + t) * 64), _mm512_set1_epi32(x0));
-                b = _mm512_dpbusd_epi32(b, _mm512_loadu_si512(wt + (u * (U / 4) + t + 1) * 64), _mm512_set1_epi32(x1));
-            }
-            const __m512 comb = _mm512_mul_ps(_mm512_set1_ps(dxu[u]), _mm512_loadu_ps(sw + u * 16));
-            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a, b)), comb, acc);
-            if (MINV) acc = _mm512_fmadd_ps(_mm512_set1_ps(xs[u]), _mm512_loadu_ps(mu + u * 16), acc);
-        }
-        _mm512_storeu_ps(res + r * 16, acc);
+    int64_t r = 0;
+    for (; r + 4 <= M; r += 4) wl_block(wt, sw, mu, xrec + r * rec_bytes, rec_bytes, 4, K, Uc, bits, U, MINV, res + r * 16);
+    if (M - r >= 2) {
+        wl_block(wt, sw, mu, xrec + r * rec_bytes, rec_bytes, 2, K, Uc, bits, U, MINV, res + r * 16);
+        r += 2;
     }
+    if (r < M) wl_block(wt, sw, mu, xrec + r * rec_bytes, rec_bytes, 1, K, Uc, bits, U, MINV, res + r * 16);
 }
 
 static void wl_rows_any(const uint8_t *wt, const float *sw, const float *mu, const uint8_t *xrec, size_t rec_bytes,
