@@ -114,6 +114,51 @@ def test_a_batchs_sequences_attend_in_one_call_per_layer(monkeypatch):
         assert torch.equal(a, b)
 
 
+def test_retrieval_caches_attend_in_the_same_call_as_full_caches(monkeypatch):
+    """The retrieval level's caches (selected chunks, then appended tokens) join the full
+    caches' one native call per layer in a ragged forward (a triforce batch's rounds mix
+    both levels' rows), and each sequence's logits are the bits of its solo forward over a
+    cache built the same way."""
+    from triforce_offload.runtime.batch import rows
+    from triforce_offload.runtime.batch.rows import Rows, forward
+    from triforce_offload.runtime.cache.retrieval import Recorder, RetrievalCache
+    L = quantized(tiny(scale=3.0, seed=1, dim=128))  # head size 32: the bf16 path
+    calls, real = [], native.attend_seqs
+
+    def spy(plan, *a, **kw):
+        calls.append(plan.n)
+        return real(plan, *a, **kw)
+    monkeypatch.setattr(rows.native, "attend_seqs", spy)
+
+    def retrieval(ids, n):  # a prompt's retrieval cache (budget 64 of n tokens), as the engine builds it
+        full = Recorder(FullCache(L.cfg, 1024, dtype=L.kv_dtype))
+        with torch.inference_mode():
+            L.model(ids[:, :n], 0, full)
+        full.commit(n)
+        ret = RetrievalCache(L.cfg, 64, 8, 16, dtype=L.kv_dtype)
+        ret.build(full, full.q, n)
+        return ret
+    sets, solo = [], []
+    for i, (n, T) in enumerate({300: 1, 517: 5, 90: 3}.items()):
+        ids = torch.tensor([repetitive_prompt(n + T, L.cfg.vocab_size, seed=i)])
+        if i == 2:  # a full cache beside them (a verification)
+            c, alone = (FullCache(L.cfg, 1024, dtype=L.kv_dtype) for _ in range(2))
+            with torch.inference_mode():
+                for cache in (c, alone):
+                    L.model(ids[:, :n], 0, cache)
+                    cache.commit(n)
+        else:
+            c, alone = retrieval(ids, n), retrieval(ids, n)
+            assert c.n_retrieved < n  # chunks were selected: the slots are not the positions
+        with torch.inference_mode():
+            solo.append(L.model(ids[:, n: n + T], n, alone))
+        sets.append(Rows(ids[:, n: n + T], n, c))
+    got = forward(L.model, sets)
+    assert calls and set(calls) == {3} and len(calls) == 2  # tiny(): 2 layers, every sequence in each
+    for a, b in zip(got, solo):
+        assert torch.equal(a, b)
+
+
 def test_a_prefix_off_the_key_blocks_is_refused():
     k = torch.randn(1, 2, B + 16, 64)
     with pytest.raises(ValueError, match="multiple"):

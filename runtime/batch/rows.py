@@ -22,7 +22,7 @@ from ...kernels import native
 from ...kernels.linear import EXACT_ROWS, exact_rows
 from ...kernels.qlinear import rows_exact
 from ..cache.kv import ROWWISE_MAX, FullCache, exact_bands
-from ..cache.retrieval import Recorder
+from ..cache.retrieval import Recorder, RetrievalCache
 from ..hostread import to_device
 
 
@@ -49,7 +49,7 @@ class Ragged:
     def __init__(self, sets: list[Rows]):
         self.sets = sets
         self._threads = torch.get_num_threads()  # a call's thread-seconds over this: its wall share
-        self._fulls = [full_cache(s.cache) for s in sets]
+        self._fulls = [direct_cache(s.cache) for s in sets]
         self._plans: dict[tuple, list] = {}  # layer kind -> `_groups`
         self.bounds = []  # (first row, rows) per set
         a = 0
@@ -85,8 +85,9 @@ class Ragged:
 
     def _groups(self, layer, q) -> list:
         """This layer's groups of two or more sequences whose attention is the native kernel
-        over their own keys (`FullCache.direct`), by the prefix they share (or none) and the
-        KV's dtype: (native.Seqs, [(set index, cache)], the shared prefix's cache or None).
+        over their own keys (`FullCache.direct`, `RetrievalCache.direct`: the full and the
+        retrieval level's caches alike), by the prefix they share (or none) and the KV's
+        dtype: (native.Seqs, [(set index, cache)], the shared prefix's cache or None).
         The same for every layer of a kind (window layers, whole ones): planned once per
         forward and kind."""
         fulls = self._fulls
@@ -98,21 +99,23 @@ class Ragged:
         for i, (s, (a, n), f) in enumerate(zip(self.sets, self.bounds, fulls)):
             if (f is not None and n <= ROWWISE_MAX and q.dtype == torch.float32
                     and f.direct(layer, q[:, :, a: a + n], s.start)):
-                by.setdefault((id(f.base), f.k[layer].dtype), []).append((i, f))
+                by.setdefault((id(f.prefix), f.k[layer].dtype), []).append((i, f))
         got = []
         for members in by.values():
             if len(members) < 2:
                 continue  # alone: its cache attends itself
             H = members[0][1].n_kv_heads
-            G, npre = q.shape[1] // H, members[0][1].offset // native.BLOCK
+            first = members[0][1]
+            G, npre = q.shape[1] // H, (first.first_position // native.BLOCK if first.prefix is not None else 0)
             for part in self._within_scratch(members, H * G * (q.shape[-1] + 2) * 4, npre):
                 rows = []
                 for i, f in part:
                     K = f.own(layer)[0]
                     a, n = self.bounds[i]
                     s = self.sets[i]
-                    rows.append((a, n, s.start, f.offset, s.start + n - f.offset, K.stride(1), K.stride(2)))
-                got.append((native.Seqs(rows, G, q.shape[2]), part, part[0][1].base))
+                    p0 = f.first_position
+                    rows.append((a, n, s.start, p0, s.start + n - p0, K.stride(1), K.stride(2)))
+                got.append((native.Seqs(rows, G, q.shape[2]), part, first.prefix))
         self._plans[kind] = got
         return got
 
@@ -123,7 +126,7 @@ class Ragged:
         runs, run, used = [], [], 0
         for i, f in members:
             s = self.sets[i]
-            blocks = npre + -(-(s.start + s.n - f.offset) // native.BLOCK)
+            blocks = npre + -(-(s.start + s.n - f.first_position) // native.BLOCK)
             need = row_block_bytes * s.n * blocks
             if run and used + need > native.SCRATCH_BYTES:
                 runs.append(run)
@@ -142,7 +145,7 @@ class Ragged:
         pre = None
         if base is not None:
             t0 = time.perf_counter()
-            pre = native.attend_parts(qf, *base.keys(layer, first.offset), softcap=first.softcap)
+            pre = native.attend_parts(qf, *base.keys(layer, first.first_position), softcap=first.softcap)
             each = (time.perf_counter() - t0) / len(members)
             for i, _ in members:
                 self.sets[i].attention_s += each
@@ -157,10 +160,11 @@ class Ragged:
             s.cache.end_forward()
 
 
-def full_cache(cache):
-    """The FullCache behind a ragged set's cache (a Recorder's inner one), else None."""
+def direct_cache(cache):
+    """The cache behind a ragged set's cache (a Recorder's inner one) that can attend in one
+    native call with others' (a FullCache or a RetrievalCache), else None."""
     c = cache.inner if isinstance(cache, Recorder) else cache
-    return c if isinstance(c, FullCache) else None
+    return c if isinstance(c, (FullCache, RetrievalCache)) else None
 
 
 def exact(model, rows: int = 1) -> bool:

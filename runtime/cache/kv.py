@@ -418,6 +418,16 @@ class FullCache(KVCache):
         at index i)."""
         return self.k[layer], self.v[layer]
 
+    @property
+    def prefix(self) -> "FullCache | None":
+        """The shared prefix whose KV precedes `own`'s (None: none; `offset` is then 0)."""
+        return self.base
+
+    @property
+    def first_position(self) -> int:
+        """The position `own`'s index 0 stands for (after a shared prefix: its length)."""
+        return self.offset
+
     def settle(self, layer: int, out):
         """The next `attend` of `layer` writes its K, V and returns `out`, which the caller
         fills afterwards with the output computed in one call with other sequences' rows

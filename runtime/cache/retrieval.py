@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from ...kernels import native
 from ...kernels.retrieval import chunk_means, chunk_scores, gather_chunks, top_chunks
 from .kv import KVCache, PerForward, WindowRing, static_slots, window_attention, write_and_attend
 from ..errors import TriforceError
@@ -143,6 +144,7 @@ class RetrievalCache(KVCache):
         self.offset = torch.zeros(1, dtype=torch.int64, device=device)  # n_retrieved - base, on the device
         # a fixed-shape forward's slots (start + offset ..) and length, once for every layer
         self._slots = PerForward(lambda start, T: static_slots(start + self.offset, T))
+        self._done: dict = {}  # layer -> the next attend's output, computed with other sequences' (`settle`)
 
     @staticmethod
     def slots_for(budget: int, retrieval_chunk: int, extra: int) -> int:
@@ -173,9 +175,37 @@ class RetrievalCache(KVCache):
 
     def begin_forward(self, start, n_tokens: int):
         self._slots.begin(start, n_tokens)
+        self._done.clear()  # what a forward settles belongs to it (batch.rows.Ragged)
 
     def end_forward(self):
         self._slots.end()
+        self._done.clear()
+
+    # What a ragged forward needs to attend this cache with other sequences' in one native
+    # call (batch.rows.Ragged), as FullCache offers it: slots are consecutive positions
+    # from base - n_retrieved (the selected chunks first, all before base), so `own` is a
+    # full cache's buffer at that offset, and the kernel gives each row the bits of
+    # `attend` (the solo path's `window_attention` over the same buffer from the same key).
+    prefix = None  # no shared prefix before `own`
+
+    @property
+    def first_position(self) -> int:
+        """The position slot 0 stands for: the rows' causal order in one call with others."""
+        return self.base - self.n_retrieved
+
+    def plain(self, layer: int) -> bool:
+        return self.k[layer] is not None and self.windows[layer] is None and (self.ring is None or layer not in self.ring)
+
+    def direct(self, layer: int, q, start) -> bool:
+        return (isinstance(start, int) and start >= self.base and self.plain(layer)
+                and native.supports(q, self.k[layer]))
+
+    def own(self, layer: int):
+        return self.k[layer], self.v[layer]
+
+    def settle(self, layer: int, out):
+        """The next `attend` of `layer` writes its K, V and returns `out` (FullCache.settle)."""
+        self._done[layer] = out
 
     @staticmethod
     def fits(length: int, budget: int, retrieval_chunk: int) -> bool:
@@ -243,6 +273,9 @@ class RetrievalCache(KVCache):
         K, V = self.k[layer], self.v[layer]
         K[:, :, s: s + T] = k
         V[:, :, s: s + T] = v
+        done = self._done.pop(layer, None)
+        if done is not None:
+            return done
         k0 = self.base - self.n_retrieved  # slots as consecutive positions (exact for a sliding layer)
         return window_attention(q, K[:, :, : s + T], V[:, :, : s + T], start, k0, self.windows[layer],
                                 self.softcap)
