@@ -79,19 +79,25 @@ def test_many_sequences_in_one_call_are_the_bits_of_their_own_calls(dtype, D, so
         native.attend_seqs(plan, qf[:, 1:], bufs, out, dtype == torch.bfloat16, pre, softcap=softcap)
 
 
-def batch_calls(monkeypatch, widths: dict[int, int]) -> tuple[list[int], list, list]:
-    """A ragged forward of sequences with `widths` {prompt length: rows} on a model whose
-    head size takes the bf16 path, with the sequence counts of its native.attend_seqs
-    calls recorded: (counts, the forward's logits, each sequence's solo logits)."""
+def seqs_per_call(monkeypatch) -> list[int]:
+    """The sequence count of every native.attend_seqs call a ragged forward makes from now on."""
     from triforce_offload.runtime.batch import rows
-    from triforce_offload.runtime.batch.rows import Rows, forward
-    L = quantized(tiny(scale=3.0, seed=1, dim=128))  # head size 32: the bf16 path
     calls, real = [], native.attend_seqs
 
     def spy(plan, *a, **kw):
         calls.append(plan.n)
         return real(plan, *a, **kw)
     monkeypatch.setattr(rows.native, "attend_seqs", spy)
+    return calls
+
+
+def batch_calls(monkeypatch, widths: dict[int, int]) -> tuple[list[int], list, list]:
+    """A ragged forward of sequences with `widths` {prompt length: rows} on a model whose
+    head size takes the bf16 path, with the sequence counts of its native.attend_seqs
+    calls recorded: (counts, the forward's logits, each sequence's solo logits)."""
+    from triforce_offload.runtime.batch.rows import Rows, forward
+    L = quantized(tiny(scale=3.0, seed=1, dim=128))  # head size 32: the bf16 path
+    calls = seqs_per_call(monkeypatch)
     sets, solo = [], []
     for i, (n, T) in enumerate(widths.items()):
         ids = torch.tensor([repetitive_prompt(n + T, L.cfg.vocab_size, seed=i)])
@@ -119,16 +125,10 @@ def test_retrieval_caches_attend_in_the_same_call_as_full_caches(monkeypatch):
     caches' one native call per layer in a ragged forward (a triforce batch's rounds mix
     both levels' rows), and each sequence's logits are the bits of its solo forward over a
     cache built the same way."""
-    from triforce_offload.runtime.batch import rows
     from triforce_offload.runtime.batch.rows import Rows, forward
     from triforce_offload.runtime.cache.retrieval import Recorder, RetrievalCache
     L = quantized(tiny(scale=3.0, seed=1, dim=128))  # head size 32: the bf16 path
-    calls, real = [], native.attend_seqs
-
-    def spy(plan, *a, **kw):
-        calls.append(plan.n)
-        return real(plan, *a, **kw)
-    monkeypatch.setattr(rows.native, "attend_seqs", spy)
+    calls = seqs_per_call(monkeypatch)
 
     def retrieval(ids, n):  # a prompt's retrieval cache (budget 64 of n tokens), as the engine builds it
         full = Recorder(FullCache(L.cfg, 1024, dtype=L.kv_dtype))
