@@ -94,6 +94,23 @@ class RetrievalKV(Cache, Protocol):
 
 
 @runtime_checkable
+class DirectKV(Cache, Protocol):
+    """A CPU cache whose attention a ragged forward can compute in one native call with
+    other sequences' (batch.rows.Ragged; FullCache, RetrievalCache): its K, V buffers
+    (`own`) hold consecutive positions from `first_position`, after a shared `prefix`
+    cache's (or none); `direct` says whether an attend of q at start would be the native
+    kernel over them, `settle` hands it the output computed with the others'."""
+
+    prefix: object | None  # the shared prefix's FullCache, or None
+    first_position: int  # the position `own`'s index 0 stands for
+
+    def plain(self, layer: int) -> bool: ...
+    def direct(self, layer: int, q, start) -> bool: ...
+    def own(self, layer: int) -> tuple: ...  # K, V buffers [B, Hkv, slots, D]
+    def settle(self, layer: int, out) -> None: ...
+
+
+@runtime_checkable
 class HostStore(Protocol):
     """Host-backed KV of the offloaded layers (offload/store.py HostKVStore): per layer
     K and V tensors `k[layer]`, `v[layer]` ([S, B, Hkv, D] token-major, views into one

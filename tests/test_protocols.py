@@ -49,6 +49,8 @@ def test_every_kind_follows_its_protocol_and_no_other(L):
     assert not isinstance(caches["full"][0], P.RetrievalKV)
     assert not isinstance(caches["full"][0], P.RecordingKV)
     assert not isinstance(caches["recorder"][0], P.OffloadedKV)  # what it wraps is
+    # a ragged forward's one attention call per layer: the in-memory full and retrieval caches
+    assert {n for n, (c, _) in caches.items() if isinstance(c, P.DirectKV)} == {"full", "retrieval"}
     assert isinstance(Recorder(caches["offloaded"][0]).inner, P.OffloadedKV)
     spec = StoreSpec([1, 2], L.cfg.n_kv_heads, L.cfg.head_dim, 16)
     assert isinstance(HostKVStore(spec, pin=False), P.HostStore)

@@ -22,7 +22,8 @@ from ...kernels import native
 from ...kernels.linear import EXACT_ROWS, exact_rows
 from ...kernels.qlinear import rows_exact
 from ..cache.kv import ROWWISE_MAX, FullCache, exact_bands
-from ..cache.retrieval import Recorder, RetrievalCache
+from ..cache.retrieval import Recorder
+from ..protocols import DirectKV
 from ..hostread import to_device
 
 
@@ -162,9 +163,15 @@ class Ragged:
 
 def direct_cache(cache):
     """The cache behind a ragged set's cache (a Recorder's inner one) that can attend in one
-    native call with others' (a FullCache or a RetrievalCache), else None."""
+    native call with others' (`protocols.DirectKV`: a FullCache, a RetrievalCache), else None."""
     c = cache.inner if isinstance(cache, Recorder) else cache
-    return c if isinstance(c, (FullCache, RetrievalCache)) else None
+    kind = _DIRECT.get(type(c))
+    if kind is None:  # a protocol check probes every member (~20 us): once per cache class
+        kind = _DIRECT[type(c)] = isinstance(c, DirectKV)
+    return c if kind else None
+
+
+_DIRECT: dict[type, bool] = {}  # cache class -> a DirectKV
 
 
 def exact(model, rows: int = 1) -> bool:

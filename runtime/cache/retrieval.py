@@ -276,9 +276,9 @@ class RetrievalCache(KVCache):
         done = self._done.pop(layer, None)
         if done is not None:
             return done
-        k0 = self.base - self.n_retrieved  # slots as consecutive positions (exact for a sliding layer)
-        return window_attention(q, K[:, :, : s + T], V[:, :, : s + T], start, k0, self.windows[layer],
-                                self.softcap)
+        # slots as consecutive positions (exact for a sliding layer)
+        return window_attention(q, K[:, :, : s + T], V[:, :, : s + T], start, self.first_position,
+                                self.windows[layer], self.softcap)
 
     @torch.inference_mode()
     def absorb(self, full, lo: int, hi: int):
