@@ -522,7 +522,7 @@ static void wl_columns(const uint8_t *q, int bits, int64_t K, const int64_t *n, 
     }
 }
 
-/* Rows r0 .. r0 + RB - 1 of x (natural records: qx [K], dxu [Uc], xs [Uc], cx [Uc] = -128 * sq)
+/* RB rows of x from xrec (natural records: qx [K], dxu [Uc], xs [Uc], cx [Uc] = -128 * sq)
  * against a tile of 16 weight columns wt, sw and mu [Uc][16] -> res [RB][16]. Each row keeps
  * its own two integer chains and float accumulator, in the same order whatever RB is: rows
  * side by side share the column loads and give the core independent chains (one row alone

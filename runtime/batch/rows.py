@@ -105,8 +105,8 @@ class Ragged:
         for members in by.values():
             if len(members) < 2:
                 continue  # alone: its cache attends itself
-            H = members[0][1].n_kv_heads
             first = members[0][1]
+            H = first.n_kv_heads
             G, npre = q.shape[1] // H, (first.first_position // native.BLOCK if first.prefix is not None else 0)
             for part in self._within_scratch(members, H * G * (q.shape[-1] + 2) * 4, npre):
                 rows = []

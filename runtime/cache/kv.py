@@ -331,7 +331,43 @@ class PerForward:
         return self.make(start, T)
 
 
-class FullCache(KVCache):
+class Settles:
+    """What a cache holding its layers in buffers self.k, self.v (None where a ring keeps the
+    layer) and a `PerForward` self._slots offers a ragged forward that attends many
+    sequences in one native call per layer (batch.rows.Ragged, protocols.DirectKV; FullCache,
+    RetrievalCache): the buffers, which layers they hold whole, and `settle`. The class
+    using it sets self._done = {} and defines `direct`, `prefix` and `first_position`;
+    its `attend` writes K, V, then returns `settled(layer)` where there is one."""
+
+    def plain(self, layer: int) -> bool:
+        """`layer` is held whole in this cache's own buffers (no window, no ring)."""
+        return layer in self.full_layers and self.windows[layer] is None and (self.ring is None or layer not in self.ring)
+
+    def own(self, layer: int):
+        """This cache's own K, V buffers of `layer` [B, Hkv, slots, D] (position
+        first_position + i at index i)."""
+        return self.k[layer], self.v[layer]
+
+    def settle(self, layer: int, out):
+        """The next `attend` of `layer` writes its K, V and returns `out`, which the caller
+        fills afterwards with the output computed in one call with other sequences' rows
+        (batch.rows.Ragged)."""
+        self._done[layer] = out
+
+    def settled(self, layer: int):
+        """The output `settle` handed this forward's attend of `layer` (once), or None."""
+        return self._done.pop(layer, None)
+
+    def begin_forward(self, start, n_tokens: int):
+        self._slots.begin(start, n_tokens)
+        self._done.clear()  # what a forward settles belongs to it (Ragged._direct)
+
+    def end_forward(self):
+        self._slots.end()
+        self._done.clear()
+
+
+class FullCache(Settles, KVCache):
     """Every token's K and V, preallocated to `capacity` tokens (no growth by copying)."""
 
     def __init__(self, cfg: ModelConfig, capacity: int, batch: int = 1,
@@ -400,10 +436,6 @@ class FullCache(KVCache):
                 mine[i] = t
         self.base, self.offset, self._done = None, 0, {}
 
-    def plain(self, layer: int) -> bool:
-        """`layer` is held whole in this cache's own buffers (no window, no ring)."""
-        return layer in self.full_layers and self.windows[layer] is None and (self.ring is None or layer not in self.ring)
-
     def direct(self, layer: int, q, start) -> bool:
         """Whether `attend` of q at `start` in `layer` is the native kernel over this cache's
         own keys, from the first or after a shared prefix read as per-block results
@@ -412,11 +444,6 @@ class FullCache(KVCache):
         if not isinstance(start, int) or start < self.offset or not self.plain(layer):
             return False
         return self.shares(layer, q, start) if self.offset else native.supports(q, self.k[layer])
-
-    def own(self, layer: int):
-        """This cache's own K, V buffers of `layer` [B, Hkv, capacity, D] (position offset + i
-        at index i)."""
-        return self.k[layer], self.v[layer]
 
     @property
     def prefix(self) -> "FullCache | None":
@@ -427,12 +454,6 @@ class FullCache(KVCache):
     def first_position(self) -> int:
         """The position `own`'s index 0 stands for (after a shared prefix: its length)."""
         return self.offset
-
-    def settle(self, layer: int, out):
-        """The next `attend` of `layer` writes its K, V and returns `out`, which the caller
-        fills afterwards with the output computed in one call with other sequences' rows
-        (batch.rows.Ragged)."""
-        self._done[layer] = out
 
     def shares(self, layer: int, q, start) -> bool:
         """Whether attention of q at `start` in `layer` reads the shared prefix through the
@@ -460,14 +481,6 @@ class FullCache(KVCache):
     def close(self):
         self.leased = False  # the run ended (finish_stats) or a prefix store let it go
 
-    def begin_forward(self, start, n_tokens: int):
-        self._slots.begin(start, n_tokens)
-        self._done.clear()  # what a forward settles belongs to it (Ragged._direct)
-
-    def end_forward(self):
-        self._slots.end()
-        self._done.clear()
-
     def attend(self, layer, q, k, v, start):
         if isinstance(start, torch.Tensor):
             return self._attend_static(layer, q, k, v, start)
@@ -480,7 +493,7 @@ class FullCache(KVCache):
         K, V = self.k[layer], self.v[layer]
         K[:, :, start - P:end - P] = k
         V[:, :, start - P:end - P] = v
-        done = self._done.pop(layer, None)
+        done = self.settled(layer)
         if done is not None:
             return done
         if P and self.shares(layer, q, start):

@@ -25,7 +25,7 @@ import torch
 
 from ...kernels import native
 from ...kernels.retrieval import chunk_means, chunk_scores, gather_chunks, top_chunks
-from .kv import KVCache, PerForward, WindowRing, static_slots, window_attention, write_and_attend
+from .kv import KVCache, PerForward, Settles, WindowRing, static_slots, window_attention, write_and_attend
 from ..errors import TriforceError
 
 
@@ -116,7 +116,7 @@ class Recorder:
         self.inner.close()
 
 
-class RetrievalCache(KVCache):
+class RetrievalCache(Settles, KVCache):
     """`budget` tokens of selected chunks per layer and KV head + room for `extra` new tokens.
 
     Static (CUDA graphs): with `start` a device tensor, the slot of a position is
@@ -173,16 +173,8 @@ class RetrievalCache(KVCache):
         self.base = self.n_retrieved = self.length = 0
         self.holds_all = False
 
-    def begin_forward(self, start, n_tokens: int):
-        self._slots.begin(start, n_tokens)
-        self._done.clear()  # what a forward settles belongs to it (batch.rows.Ragged)
-
-    def end_forward(self):
-        self._slots.end()
-        self._done.clear()
-
     # What a ragged forward needs to attend this cache with other sequences' in one native
-    # call (batch.rows.Ragged), as FullCache offers it: slots are consecutive positions
+    # call (batch.rows.Ragged; the rest is `Settles`'): slots are consecutive positions
     # from base - n_retrieved (the selected chunks first, all before base), so `own` is a
     # full cache's buffer at that offset, and the kernel gives each row the bits of
     # `attend` (the solo path's `window_attention` over the same buffer from the same key).
@@ -193,19 +185,9 @@ class RetrievalCache(KVCache):
         """The position slot 0 stands for: the rows' causal order in one call with others."""
         return self.base - self.n_retrieved
 
-    def plain(self, layer: int) -> bool:
-        return self.k[layer] is not None and self.windows[layer] is None and (self.ring is None or layer not in self.ring)
-
     def direct(self, layer: int, q, start) -> bool:
         return (isinstance(start, int) and start >= self.base and self.plain(layer)
                 and native.supports(q, self.k[layer]))
-
-    def own(self, layer: int):
-        return self.k[layer], self.v[layer]
-
-    def settle(self, layer: int, out):
-        """The next `attend` of `layer` writes its K, V and returns `out` (FullCache.settle)."""
-        self._done[layer] = out
 
     @staticmethod
     def fits(length: int, budget: int, retrieval_chunk: int) -> bool:
@@ -273,7 +255,7 @@ class RetrievalCache(KVCache):
         K, V = self.k[layer], self.v[layer]
         K[:, :, s: s + T] = k
         V[:, :, s: s + T] = v
-        done = self._done.pop(layer, None)
+        done = self.settled(layer)
         if done is not None:
             return done
         # slots as consecutive positions (exact for a sliding layer)
