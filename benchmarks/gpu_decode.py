@@ -103,8 +103,15 @@ def args_(argv=None):
                     help="copy-bandwidth buffer (default 1024 on CUDA, 256 on the CPU)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--batch", type=contexts_arg, nargs="+", default=None,
+                    help="batch sizes (e.g. 1,4,8,16): each context decoded by B sequences at once "
+                         "(runtime/batch), aggregate tokens/s against the floor (the weights read "
+                         "once a step, every sequence's KV), instead of the single-stream rows")
     ap.add_argument("--out", default="results/gpu_decode.jsonl")
     a = ap.parse_args(argv)
+    a.batch = [b for group in a.batch for b in group] if a.batch else None
+    if a.batch and (min(a.batch) < 1 or set(a.modes) - {"graphed", "triforce"}):
+        ap.error("--batch takes sizes >= 1 and the modes graphed and triforce")
     a.contexts = [c for group in a.contexts for c in group]
     if a.new_tokens < 3:
         ap.error("--new-tokens must be at least 3")
@@ -189,10 +196,11 @@ def commit() -> str | None:
 
 # --------------------------------------------------------------------------- the runs
 
-def make_prompt(L, a, n: int) -> list[int]:
-    """`n` prompt token ids: random ids (seeded), or the essays with a summary request."""
+def make_prompt(L, a, n: int, which: int = 0) -> list[int]:
+    """`n` prompt token ids: random ids (seeded; `which` another seed), or the essays with a
+    summary request."""
     if a.prompt_text == "random":
-        g = torch.Generator().manual_seed(a.seed + n)
+        g = torch.Generator().manual_seed(a.seed + n + 7919 * which)
         return torch.randint(0, L.cfg.vocab_size, (n,), generator=g).tolist()
     from triforce_offload.runtime.data import long_prompt
     prompt = long_prompt(L.tokenizer, n)
@@ -305,8 +313,9 @@ def median_run(fn, repeats: int) -> dict:
     return {**row, "ms_per_token": ms} if repeats > 1 else row
 
 
-def fit(L, ctx: int, a, device: torch.device, weights: int) -> str | None:
-    """Why `ctx` does not fit (weights + KV over 90% of the free device memory), or None."""
+def fit(L, ctx: int, a, device: torch.device, weights: int, batch: int = 1) -> str | None:
+    """Why `ctx` (for `batch` sequences) does not fit (weights + KV over 90% of the free
+    device memory), or None."""
     free = device_free(device)
     if free is None:
         return None
@@ -314,6 +323,7 @@ def fit(L, ctx: int, a, device: torch.device, weights: int) -> str | None:
     kv = L.cfg.kv_bytes_per_token(elem) * (ctx + SLACK)
     if "triforce" in a.modes:
         kv += L.cfg.kv_bytes_per_token(elem) * a.budget  # the retrieval cache
+    kv *= batch
     avail = free + weights  # the weights are resident already
     if weights + kv <= 0.9 * avail:
         return None
@@ -368,6 +378,10 @@ def main(argv=None):
         with out.open("a") as f:
             f.write(json.dumps(row) + "\n")
 
+    if a.batch:
+        batch_rows(L, a, device, emit, weights, resident, copy_bps, elem)
+        print(batch_table(rows, copy_bps))
+        return
     for ctx in a.contexts:
         why = fit(L, ctx, a, device, resident)
         if why:
@@ -392,6 +406,62 @@ def main(argv=None):
     if "hf" in a.modes:
         hf_rows(L, a, device, prompts, emit, weights, copy_bps, elem)
     print(table(rows, copy_bps))
+
+
+def batch_rows(L, a, device, emit, weights, resident, copy_bps, elem):
+    """Per context and batch size B: B sequences, each its own prompt, through
+    `runtime.batch` (bench --batch's timing: T_PP until every sequence has its first token,
+    S_TG the tokens after it over the time they took), each mode after an untimed run of the
+    same batch (Triton kernels compiled, graphs of lone rounds captured). The floor: a step
+    reads the weights once and each sequence's KV. `same_as_batch1`: the first sequence's
+    tokens equal its run at batch 1 (the batched engine's identity, on this GPU)."""
+    from triforce_offload.bench.batch import run_ours as run_batch
+    for ctx in a.contexts:
+        kv = L.cfg.kv_bytes_per_token(elem) * ctx
+        solo = {}
+        for B in a.batch:
+            why = fit(L, ctx, a, device, resident, B)
+            if why:
+                log(f"context {ctx} batch {B} skipped: {why}")
+                emit({"context": ctx, "batch": B, "mode": "all", "skipped": why})
+                continue
+            prompts = [make_prompt(L, a, ctx - a.new_tokens, b) for b in range(B)]
+            for mode in a.modes:
+                opts = options(mode, a, a.new_tokens)
+                run_batch(L, prompts, opts)  # warm-up
+                sync(device)
+                r = run_batch(L, prompts, opts)
+                sync(device)
+                toks = r.pop("tokens")
+                solo.setdefault(mode, toks[0])
+                step_bytes = weights + B * kv
+                floor_s = step_bytes / copy_bps  # a step: B tokens
+                emit({"context": ctx, "batch": B, "mode": LABEL[mode], **r,
+                      "ms_per_step": 1000 * B / r["speed_tg"] if r["speed_tg"] else None,
+                      "bytes_per_step": step_bytes, "floor_tok_per_s": B / floor_s,
+                      "floor_ratio": (B / floor_s) / r["speed_tg"] if r["speed_tg"] else None,
+                      "same_as_batch1": toks[0] == solo[mode]})
+
+
+def batch_table(rows: list[dict], copy_bps: float) -> str:
+    head = rows[0] if rows else {}
+    one = {(r["context"], r["mode"]): r["speed_tg"] for r in rows if r.get("batch") == 1 and "speed_tg" in r}
+    lines = [f"{head.get('model', '')} on {head.get('device', '')}, {head.get('dtype', '')}; copy bandwidth "
+             f"{copy_bps / 1e9:.1f} GB/s; floor = B / (weights once + B x KV per step / copy bandwidth)", "",
+             "| context | batch | mode | S_TG tok/s | ms/step | floor tok/s | x floor | vs batch 1 "
+             "| seqs/forward | acceptance | same as batch 1 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "skipped" in r:
+            lines.append(f"| {r['context']} | {r['batch']} | {r['mode']} | skipped: {r['skipped']} | | | | | | | |")
+            continue
+        b1 = one.get((r["context"], r["mode"]))
+        acc = ", ".join(f"{k} {v:.2f}" for k, v in r.get("acceptance", {}).get("acceptance", {}).items())
+        vs = f"{r['speed_tg'] / b1:.2f}x" if b1 else ""
+        lines.append(f"| {r['context']} | {r['batch']} | {r['mode']} | {r['speed_tg']:.1f} "
+                     f"| {r['ms_per_step'] or 0:.2f} | {r['floor_tok_per_s']:.1f} | {r['floor_ratio'] or 0:.2f}x "
+                     f"| {vs} | {r['seqs_per_forward']} | {acc} | {'yes' if r['same_as_batch1'] else 'NO'} |")
+    return "\n".join(lines)
 
 
 def hf_rows(L, a, device, prompts, emit, weights, copy_bps, elem):

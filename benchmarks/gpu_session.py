@@ -6,6 +6,7 @@ carries):
     python3 benchmarks/gpu_session.py a                    # cuda tests, resident decode
     python3 benchmarks/gpu_session.py b                    # offloaded; real weights: /root/w/smol.gguf
     python3 benchmarks/gpu_session.py c                    # --compile against graphs alone
+    python3 benchmarks/gpu_session.py d                    # batches: tokens/s against batch size
     python3 benchmarks/gpu_session.py a --dry-run          # print the commands only
     python3 benchmarks/gpu_session.py a --smoke            # the same commands shrunk, on the CPU
 
@@ -22,7 +23,11 @@ issue targets' measurements (GPU decode at memory speed, offloaded decode at the
 speed). Stage `c` (third call, when time is left): graphed against compiled
 autoregressive (`--compile`, torch.compile under the captured step; compile seconds
 reported apart) on the SmolLM2 and 7B geometries, what decides whether `--compile`
-becomes the default on CUDA.
+becomes the default on CUDA. Stage `d` (a call of its own; second where batches are the
+question): the batch tests marked `cuda`, then `gpu_decode.py --batch` on the 7B geometry
+(1, 4, 8, 16 sequences at 8K; 1 and 4 at 32K), graphed autoregressive and triforce, beside
+the floor, and the single-stream 8K decode on cuBLAS (TRIFORCE_OFFLOAD_GPU_LINEAR=cublas)
+against stage a's on the row-exact Triton projections.
 
 Each command runs under a deadline (the stage's `--budget-s`, 450 s by default, shared in
 order: with env.sh's set-up the call stays under 540 s, of the 600 s a GPU command may run);
@@ -98,6 +103,29 @@ def stage_c(out: Path, smoke: bool) -> list[tuple[str, list[str], int]]:
             ("compile llama2-7b", [*gd, "--geometry", "llama2-7b", "--contexts", "16384"], 240)]
 
 
+def stage_d(out: Path, smoke: bool) -> list[tuple[str, list[str], int]]:
+    """(name, argv, timeout_s) of the batch call (issue 36's GPU target): the batch tests
+    marked `cuda` (each sequence its solo run on the row-exact Triton projections), then
+    aggregate tokens/s against batch size on the 7B geometry at 8K and 32K, graphed
+    autoregressive and triforce, beside the floor (the weights once a step, every
+    sequence's KV)."""
+    py, jl = sys.executable, str(out / "d.jsonl")
+    gd = [py, "benchmarks/gpu_decode.py", "--out", jl, "--modes", "graphed", "triforce"]
+    if smoke:
+        gd += ["--device", "cpu", "--layers", "2", "--new-tokens", "4", "--copy-mib", "16", "--threads", "1",
+               "--budget", "64"]
+        return [("batch smollm2", [*gd, "--geometry", "smollm2", "--contexts", "256", "--batch", "1,2"], 240)]
+    gd += ["--new-tokens", "64", "--geometry", "llama2-7b"]
+    single = [py, "benchmarks/gpu_decode.py", "--out", jl, "--modes", "graphed", "--new-tokens", "64",
+              "--geometry", "llama2-7b", "--contexts", "8192", "--repeats", "2"]
+    return [("cuda batch tests", [py, "-m", "pytest", "-q", "-rs", "-m", "cuda", "-p", "no:cacheprovider",
+                                  "tests/test_batch.py", "tests/test_triton_linear.py"], 90),
+            ("batch llama2-7b 8K", [*gd, "--contexts", "8192", "--batch", "1,4,8,16"], 180),
+            ("batch llama2-7b 32K", [*gd, "--contexts", "32768", "--batch", "1,4"], 110),
+            # what the row-exact projections cost a single stream: the same decode on cuBLAS
+            ("decode llama2-7b 8K cublas", ["env", "TRIFORCE_OFFLOAD_GPU_LINEAR=cublas", *single], 70)]
+
+
 def stage_b(out: Path, smoke: bool, model: str) -> list[tuple[str, list[str], int]]:
     """(name, argv, timeout_s) of the second call."""
     py, jl = sys.executable, str(out / "b.jsonl")
@@ -169,7 +197,7 @@ def run(cmds, log: Path, budget_s: float, dry: bool, skip: dict[str, str] | None
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("stage", choices=("a", "b", "c"))
+    ap.add_argument("stage", choices=("a", "b", "c", "d"))
     ap.add_argument("--model", default="/root/w/smol.gguf",
                     help="the real checkpoint of stage b (`bundled`: the installed SmolLM2)")
     ap.add_argument("--out", default=os.environ.get("OUT") or "results/gpu_session")
@@ -181,7 +209,7 @@ def main(argv=None) -> int:
     if not a.dry_run:
         out.mkdir(parents=True, exist_ok=True)
     cmds = {"a": lambda: stage_a(out, a.smoke), "b": lambda: stage_b(out, a.smoke, a.model),
-            "c": lambda: stage_c(out, a.smoke)}[a.stage]()
+            "c": lambda: stage_c(out, a.smoke), "d": lambda: stage_d(out, a.smoke)}[a.stage]()
     skip = {}
     if a.stage == "b" and a.model != "bundled" and not Path(a.model).exists():
         # the geometry commands need no checkpoint: run them, and say why the others did not

@@ -21,6 +21,7 @@ def show_info(d: dict):
     t.add_row("gpu attention", d["gpu_attention"])
     t.add_row("gpu compile", d["gpu_compile"])
     t.add_row("gpu quantized linear", d["gpu_quantized_linear"])
+    t.add_row("gpu linear", d.get("gpu_linear", ""))
     for g in d["gpus"] or [{"name": "none"}]:
         link = (f"PCIe gen {g['pcie_gen']} x{g['pcie_width']}" if "pcie_gen" in g
                 else g.get("pcie", ""))

@@ -22,6 +22,7 @@ verification widths or on the batch. Prefill chunks (more rows) stay on oneDNN.
 """
 from __future__ import annotations
 
+import functools
 import threading
 from contextlib import contextmanager
 
@@ -87,7 +88,8 @@ def by_rows(fn, *xs, dims: tuple[int, ...]):
     (exp, tanh and fused multiply-adds can differ there in the last bit)."""
     seg = getattr(_forced, "segments", None)
     x = xs[0]
-    if seg is None or len(seg) < 2 or (x.numel() < GRAIN and (x.numel() // x.shape[dims[0]]) % VECTOR == 0):
+    if (seg is None or len(seg) < 2 or x.device.type != "cpu"  # CUDA's elementwise kernels: per element
+            or (x.numel() < GRAIN and (x.numel() // x.shape[dims[0]]) % VECTOR == 0)):
         return fn(*xs)
     outs, a = [], 0
     for n in seg:
@@ -128,9 +130,30 @@ def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return out.view(*x.shape[:-1], N)
 
 
+def gpu_exact(device) -> bool:
+    """Whether projections on the CUDA `device` of up to EXACT_ROWS rows (any number inside
+    `exact_rows()`) run the row-exact Triton kernel (kernels/triton_linear.py)."""
+    return _gpu_exact(torch.device(device), env("gpu_linear"))
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_exact(device: torch.device, choice: str) -> bool:
+    from . import triton_linear
+    return triton_linear.reason(device) == ""
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear; float32 on the CPU without a gradient: the row-exact kernel for up to
-    EXACT_ROWS rows (any number inside `exact_rows()`), else oneDNN."""
+    EXACT_ROWS rows (any number inside `exact_rows()`), else oneDNN; on CUDA the same rows
+    on the row-exact Triton kernel (`gpu_exact`), else cuBLAS."""
+    if x.device.type == "cuda":
+        if ((x.numel() <= EXACT_ROWS * x.shape[-1] or getattr(_forced, "on", False)) and gpu_exact(x.device)
+                and not (torch.is_grad_enabled() and weight.requires_grad)
+                and not torch.compiler.is_compiling()):
+            from . import triton_linear
+            if triton_linear.usable(x, weight, bias):
+                return triton_linear.linear(x, weight, bias)
+        return F.linear(x, weight, bias)
     if (x.dtype == torch.float32 and x.device.type == "cpu" and weight.dtype == torch.float32
             and not (torch.is_grad_enabled() and weight.requires_grad)
             and not torch.compiler.is_compiling()):  # inductor lowers F.linear

@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .linear import Linear, exact_ok, linear
+from .linear import Linear, exact_ok, gpu_exact, linear
 
 from .native_linear import load, reason  # noqa: F401  (the library: qlinear.load() as before)
 
@@ -55,7 +55,8 @@ def activations(mode: str, device: torch.device | str = "cpu") -> str:
 def kernel(device: torch.device | str = "cpu", act: str = "fp32") -> str:
     """Which kernel a quantized linear runs on `device`, with why (for `info` and stats)."""
     if torch.device(device).type != "cpu":
-        return f"torch (dequantize per call, then the dense GEMM{'; x quantized per 32' if act == 'int8' else ''})"
+        gemm = "the row-exact Triton GEMM up to 64 rows" if gpu_exact(device) else "cuBLAS"
+        return f"torch (dequantize per call, then {gemm}{'; x quantized per 32' if act == 'int8' else ''})"
     lib = load()
     if lib is None:
         return f"torch (dequantize per call; native kernel unavailable: {reason()})"
@@ -320,7 +321,13 @@ def quantize(w: torch.Tensor, bits: int, group: int | None = None) -> QPart:
 def rows_exact(model) -> bool:
     """Whether every projection of `model` computes each row independently of the other
     rows of its call (float32 dense on the row-exact kernel, quantized on the native one):
-    rows of several sequences may then share a forward (runtime/batch)."""
+    rows of several sequences may then share a forward (runtime/batch). On CUDA: every
+    projection goes through `kernels.linear.linear` (a `Linear`, or a QLinear's dequantized
+    weights) and that runs the row-exact Triton kernel there (`gpu_exact`)."""
+    p = next(model.parameters(), None)
+    if p is not None and p.device.type == "cuda":
+        return gpu_exact(p.device) and all(isinstance(m, Linear) or not isinstance(m, nn.Linear)
+                                           for m in model.modules())
     for m in model.modules():
         if isinstance(m, QLinear):
             if load() is None or m.parts[0].q.device.type != "cpu":

@@ -62,7 +62,17 @@ def system_info(compile_status=None) -> dict:
         "gpu_attention": gpu_attention(),
         "gpu_compile": gpu_compile(compile_status),
         "gpu_quantized_linear": gpu_quantized_linear(),
+        "gpu_linear": gpu_linear(),
     }
+
+
+def gpu_linear() -> str:
+    """Which kernel projections of decode, verification and draft steps (up to 64 rows)
+    run on the first GPU, and why (kernels/triton_linear.py)."""
+    if not torch.cuda.is_available():
+        return "none (no CUDA device)"
+    from ..kernels.triton_linear import status
+    return status("cuda")
 
 
 def gpu_quantized_linear() -> str:

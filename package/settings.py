@@ -87,6 +87,9 @@ class EnvOptions(Options):
                              env="TRIFORCE_OFFLOAD_NATIVE_CFLAGS")
     linear: str = opt("auto", "CPU linear layers: auto (oneDNN where it works) or torch.",
                       check=one_of("auto", "torch"), env="TRIFORCE_OFFLOAD_LINEAR")
+    gpu_linear: str = opt("auto", "CUDA projections of up to 64 rows: auto (the row-exact Triton "
+                          "kernel where it runs) or cublas.", check=one_of("auto", "cublas"),
+                          env="TRIFORCE_OFFLOAD_GPU_LINEAR")
     attention: str = opt("auto", "Fixed-shape attention: auto, flash-attn, triton or sdpa.",
                          check=one_of("auto", "flash-attn", "triton", "sdpa"),
                          env="TRIFORCE_OFFLOAD_ATTENTION")
@@ -98,7 +101,7 @@ class EnvOptions(Options):
         return Path(self.cache_dir or Path.home() / ".cache" / "triforce-offload")
 
 
-_LOWER = {"native", "linear", "attention"}  # choices, case-insensitive
+_LOWER = {"native", "linear", "gpu_linear", "attention"}  # choices, case-insensitive
 _PARSE = {"bool": _flag, "float": float, "str": str, "str | None": lambda v: v or None}
 
 

@@ -126,6 +126,14 @@ class Step:
         return combined([self])
 
 
+    def shareable(self, T: int, last_only: bool) -> bool:
+        """Whether a ragged forward (runtime/batch/rows.py) computes this step's forward of T
+        tokens as it would alone: the same ops eager (a graph replays the ops it captured;
+        the cache's fixed-shape attention gets a device start there too), so not a compiled
+        step (inductor fuses otherwise) nor a shape whose capture failed (it runs the
+        dynamic forward alone)."""
+        return not self.compiled and (not self.graphed or self.graphs.get(((1, T), last_only), True) is not None)
+
     def __call__(self, ids: torch.Tensor, start: int, last_only: bool = False) -> torch.Tensor:
         b = member.current()  # a sequence of a batch: the forward waits for its round
         return self.alone(ids, start, last_only) if b is None else b.ask(self, ids, start, last_only)
@@ -277,6 +285,9 @@ class Direct:
     def __init__(self, model, cache):
         self.model, self.cache = model, cache
 
+    def shareable(self, T: int, last_only: bool) -> bool:
+        return True  # the ragged forward's dynamic path (an int start) is its own
+
     def alone(self, ids: torch.Tensor, start: int, last_only: bool = False) -> torch.Tensor:
         return self.model(ids, start, self.cache, last_only)
 
@@ -290,6 +301,9 @@ class Call:
 
     def __init__(self, fn):
         self.fn = fn
+
+    def shareable(self, T: int, last_only: bool) -> bool:
+        return False
 
     def alone(self, *_):
         return self.fn()

@@ -359,6 +359,24 @@ def test_fixed_shape_batch_caches_have_the_solo_runs_capacity(monkeypatch):
     assert set(made[len(n_solo):]) <= set(n_solo) and len(made) > len(n_solo)
 
 
+@pytest.mark.parametrize("model", ["fp32", "window", "int4:int8"])
+@pytest.mark.parametrize("mode,extra", [m for m in MODES if "offload" not in m[1]])
+def test_fixed_shape_steps_share_forwards_and_equal_their_solo_runs(model, mode, extra, monkeypatch):
+    """The fixed-shape path (CUDA's graphed steps; TRIFORCE_OFFLOAD_STATIC=1 runs it eager on
+    the CPU): a batch's decode, verification and draft steps join ragged forwards, each
+    cache attending with its start as a device tensor as its solo step does, so every
+    sequence still equals its solo run (on the same path) and forwards are shared."""
+    monkeypatch.setenv("TRIFORCE_OFFLOAD_STATIC", "1")
+    L = MODELS[model]()
+    ps = prompts(L.cfg.vocab_size)
+    opts = [RunOptions.of(mode=mode, max_new_tokens=n, **extra) for n in NEW]
+    solo = [generate(L, p, o)[0] for p, o in zip(ps, opts)]
+    got = generate_batch(L, ps, opts)
+    assert [t for t, _ in got] == solo
+    st = got[0][1].extra
+    assert shared(got[0][1]) > 1.5 and st["batch_forwards_shared"] > st["batch_forwards_alone"], st
+
+
 def prefilled_kv(L, prompt, chunks):
     """(logits after the prompt, every layer's K and V) of a prefill in `chunks` tokens each."""
     from triforce_offload.runtime.generate import _prefill_chunks
@@ -451,3 +469,31 @@ def test_a_ragged_forward_charges_each_sequence_its_own_attention():
     member.charge(waited=5.0, charged=0.25)
     assert member.clock() - t0 == pytest.approx(-4.75, abs=0.05)
     member.charge(waited=0.25, charged=5.0)  # this thread's clock back as it was
+
+
+def on_cuda(L: Loaded, dtype: torch.dtype) -> Loaded:
+    """A copy of L with its model on the GPU in `dtype` (KV in that dtype too)."""
+    import dataclasses
+    model = copy.deepcopy(L.model).to("cuda", dtype)
+    return dataclasses.replace(L, model=model, device=torch.device("cuda"), dtype=dtype, kv_dtype=dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("mode,extra", [("autoregressive", {}), ("retrieval", {"budget": 32, "bypass": False}),
+                                        ("triforce", {"budget": 32, "bypass": False})])
+def test_cuda_batch_shares_forwards_and_each_sequence_equals_its_solo_run(mode, extra, dtype):
+    """On a GPU: the steps' projections run the row-exact Triton kernel, so a batch's graphed
+    steps join ragged forwards (each cache's fixed-shape attention with a device start) and
+    every sequence, in bf16 as in fp32, equals its solo (graphed) run token for token."""
+    from triforce_offload.kernels.linear import gpu_exact
+    assert gpu_exact("cuda"), "the row-exact Triton projections do not run here"
+    L = on_cuda(MODELS["fp32"](), dtype)
+    ps = prompts(L.cfg.vocab_size)
+    opts = [RunOptions.of(mode=mode, max_new_tokens=n, **extra) for n in NEW]
+    solo = [generate(L, p, o)[0] for p, o in zip(ps, opts)]
+    got = generate_batch(L, ps, opts)
+    assert [t for t, _ in got] == solo
+    st = got[0][1].extra
+    assert shared(got[0][1]) > 1.5 and st["batch_forwards_shared"] > st["batch_forwards_alone"], st

@@ -84,6 +84,8 @@ def test_info_json():
     assert k["float32_linear"] in ("oneDNN", "F.linear")
     gpu = d["gpu_attention"]  # which decode/verify kernel runs on the GPU, and why
     assert gpu.startswith("decode/verify (graphs): ") if d["cuda_available"] else gpu.startswith("none (")
+    lin = d["gpu_linear"]  # which kernel a step's projections run on there
+    assert lin.startswith(("row-exact Triton", "cuBLAS (")) if d["cuda_available"] else lin.startswith("none (")
     compile_ = d["gpu_compile"]  # what --compile does there
     assert compile_.startswith(("--compile: torch.compile", "unavailable: ")) if d["cuda_available"] \
         else compile_.startswith("not applied (no CUDA device)")

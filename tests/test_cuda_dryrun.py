@@ -111,12 +111,13 @@ def test_every_mode_runs_clean(model, prompt, reference, mode, place, graphs):
 def test_a_batch_runs_clean_and_each_sequence_is_its_solo_run(model, mode, place):
     """api.generate_batch on the fake device: three prompts of different lengths, every
     mode, resident and offloaded. The checks hold in every member thread, each sequence's
-    tokens are its solo run's on the same device, and the batch really ran (on CUDA each
-    sequence's forwards run by themselves: cuBLAS picks its kernel by the call's shape,
-    docs/batching.md). Every level runs (no bypass): CUDA's rows are not row-exact, so a
-    sequence equals its solo run where the speculative path is the same, which timings would
-    otherwise choose (and its fp32 tokens need not be the CPU's at a random tiny model's
-    near ties)."""
+    tokens are its solo run's on the same device, and the batch really shared forwards: the
+    projections run the row-exact Triton kernel (kernels/triton_linear.py, faked row by
+    row), the graphed steps' rows join ragged forwards with their caches' fixed-shape
+    attention (a device start); the prompts' chunks of more than 64 rows (cuBLAS), and a
+    round's only forward of a model, run by themselves. Every level runs (no bypass): which forwards run then does not
+    depend on timings (and fp32 tokens need not be the CPU's at a random tiny model's near
+    ties)."""
     prompts = [repetitive_prompt(200, 64), repetitive_prompt(150, 64)[::-1][:130], repetitive_prompt(90, 64)]
     o = opts(mode, place, bypass=False)
     solo = [dry_run(model, p, o)[0] for p in prompts]
@@ -125,7 +126,23 @@ def test_a_batch_runs_clean_and_each_sequence_is_its_solo_run(model, mode, place
     dry.check()
     assert [toks for toks, _ in out] == solo
     st = out[0][1].extra
-    assert st["batch_size"] == 3 and st["batch_forwards_alone"] > 0 and st["batch_forwards_shared"] == 0
+    assert st["batch_size"] == 3 and st["batch_forwards_shared"] > 0
+    assert st["batch_seqs_per_forward"] > 1.5 and st["batch_forwards_shared"] > st["batch_forwards_alone"]
+
+
+def test_a_batch_on_cublas_runs_each_forward_by_itself(model, monkeypatch):
+    """TRIFORCE_OFFLOAD_GPU_LINEAR=cublas: no projection is row-exact on CUDA, so no forward
+    is shared, and each sequence still equals its solo run (on cuBLAS too)."""
+    monkeypatch.setenv("TRIFORCE_OFFLOAD_GPU_LINEAR", "cublas")
+    prompts = [repetitive_prompt(120, 64), repetitive_prompt(90, 64)]
+    o = opts("triforce", "resident", bypass=False)
+    solo = [dry_run(model, p, o)[0] for p in prompts]
+    with DryRun() as dry:
+        out = dry.generate_batch(dry.cuda(model), prompts, o)
+    dry.check()
+    assert [toks for toks, _ in out] == solo
+    st = out[0][1].extra
+    assert st["batch_forwards_shared"] == 0 and st["batch_forwards_alone"] > 0
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -371,3 +388,19 @@ def test_the_dry_run_leaves_torch_as_it_found_it(model, prompt):
     assert state() == before and not torch.cuda.is_available() and "flash_attn" not in sys.modules
     with pytest.raises(RuntimeError):
         torch.zeros(1, device="cuda")
+
+
+def test_a_dtype_conversion_inside_a_capture_replays():
+    """`aten.to` may alias its input, and reaches the fake device's mode whole under
+    inference_mode: one that made a new tensor (positions to float for RoPE) is work a
+    replay must redo. When the fake took it for a view, every replay used the positions of
+    the capture, and graphed steps drifted from eager ones by 1e-2 in their logits."""
+    with DryRun(), torch.inference_mode():
+        start = torch.zeros(1, dtype=torch.int64, device="cuda")
+        g = torch.cuda.CUDAGraph()
+        g.capture_begin()
+        out = (start + torch.arange(2, device="cuda", dtype=start.dtype)).float() * 2
+        g.capture_end()
+        start.fill_(5)
+        g.replay()
+        assert out.elem.tolist() == [10.0, 12.0]

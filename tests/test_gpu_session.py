@@ -47,7 +47,7 @@ def test_stage_b_without_the_model_runs_the_geometry_commands(tmp_path):
     assert dry.stdout.count("; skipped: model") == 2
 
 
-@pytest.mark.parametrize("stage", ["a", "b", "c"])
+@pytest.mark.parametrize("stage", ["a", "b", "c", "d"])
 def test_default_budget_leaves_room_for_the_set_up(stage):
     """A GPU command runs 600 s at most: a stage's default budget plus env.sh's set-up stays
     under 540 s, and its commands' limits fit the budget (the last is not starved)."""
@@ -82,6 +82,18 @@ def test_smoke_stages_run_every_command(tmp_path):
     assert {"autoregressive+offload", "triforce+offload"} <= {r["mode"] for r in bench}
 
 
+def test_smoke_batch_stage_decodes_batches_each_first_sequence_its_batch1_run(tmp_path):
+    """Stage d shrunk to the CPU: a row per batch size and mode, aggregate tokens/s, the
+    floor, and the first sequence's tokens equal at every batch size."""
+    d = session("d", "--smoke", "--out", tmp_path)
+    assert d.returncode == 0, (tmp_path / "d.log").read_text()[-3000:]
+    rows = [json.loads(x) for x in (tmp_path / "d.jsonl").read_text().splitlines()]
+    assert {(r["batch"], r["mode"]) for r in rows} == {(b, m) for b in (1, 2)
+                                                       for m in ("autoregressive graphed", "triforce")}
+    assert all(r["speed_tg"] > 0 and r["floor_tok_per_s"] > 0 and r["same_as_batch1"] for r in rows)
+    assert all(r["seqs_per_forward"] > 1.5 for r in rows if r["batch"] == 2)
+
+
 @pytest.mark.slow
 def test_smoke_compile_stage_compiles_the_fixed_shape_step(tmp_path, monkeypatch):
     """Stage c on the CPU with the fixed-shape forward (TRIFORCE_OFFLOAD_STATIC=1): the
@@ -103,7 +115,7 @@ def test_docs_give_each_calls_command_and_carry():
     assert not re.search(r"(?<![\w/])python (benchmarks|\.gpu|-m)", text)
     calls = re.findall(r"^\s*\| (\d)[^|]*\| `(.+?)` \| (.+?) \|$", section, re.M)
     assert [(n, cmd) for n, cmd, _ in calls] == [
-        (str(i), f". .gpu/bin/env.sh && python3 benchmarks/gpu_session.py {s}") for i, s in enumerate("abc", 1)]
+        (str(i), f". .gpu/bin/env.sh && python3 benchmarks/gpu_session.py {s}") for i, s in enumerate("adbc", 1)]
     carry = [set(re.findall(r"`(\.gpu/\w+)`", c)) for _, _, c in calls]
-    assert carry[0] == {".gpu/whl", ".gpu/bin", ".gpu/a"} and ".gpu/b" in carry[1]
+    assert carry[0] == {".gpu/whl", ".gpu/bin", ".gpu/a"} and ".gpu/b" in carry[2]
     assert "git-ignored" in section

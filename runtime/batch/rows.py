@@ -34,6 +34,7 @@ class Rows:
     start: int  # position of the first
     cache: object  # the sequence's cache (a protocols.Cache)
     last_only: bool = False  # logits of the last row only
+    fixed: bool = False  # its solo step is the fixed-shape forward (start a device tensor: graphs.Step.static)
     attention_s: float = 0.0  # seconds its attention took in the forward (Ragged fills it in)
 
     @property
@@ -47,10 +48,14 @@ class Ragged:
     row slices, each attended by its own cache at its own start, and put back in order.
     Lengths stay the sequences' own (each commits or rolls back its cache itself)."""
 
-    def __init__(self, sets: list[Rows]):
+    def __init__(self, sets: list[Rows], device=None):
         self.sets = sets
         self._threads = torch.get_num_threads()  # a call's thread-seconds over this: its wall share
-        self._fulls = [direct_cache(s.cache) for s in sets]
+        # a fixed-shape step's cache (CUDA's, graphed, or any under TRIFORCE_OFFLOAD_STATIC=1)
+        # takes its start as a device tensor, as alone: the same attention, the same bits
+        self._starts = [to_device([s.start], device or "cpu") if s.fixed else s.start for s in sets]
+        self._fulls = [None if isinstance(st, torch.Tensor) else direct_cache(s.cache)
+                       for s, st in zip(sets, self._starts)]
         self._plans: dict[tuple, list] = {}  # layer kind -> `_groups`
         self.bounds = []  # (first row, rows) per set
         a = 0
@@ -59,8 +64,8 @@ class Ragged:
             a += s.n
 
     def begin_forward(self, start, n_tokens: int):
-        for s in self.sets:
-            s.cache.begin_forward(s.start, s.n)
+        for s, st in zip(self.sets, self._starts):
+            s.cache.begin_forward(st, s.n)
 
     def attend(self, layer, q, k, v, start):
         groups = self._groups(layer, q)
@@ -72,9 +77,9 @@ class Ragged:
                     a, n = self.bounds[i]
                     full.settle(layer, out[:, :, a: a + n])
         outs = []
-        for s, (a, n) in zip(self.sets, self.bounds):
+        for s, (a, n), st in zip(self.sets, self.bounds, self._starts):
             t0 = time.perf_counter()
-            outs.append(s.cache.attend(layer, q[:, :, a: a + n], k[:, :, a: a + n], v[:, :, a: a + n], s.start))
+            outs.append(s.cache.attend(layer, q[:, :, a: a + n], k[:, :, a: a + n], v[:, :, a: a + n], st))
             s.attention_s += time.perf_counter() - t0
         for plan, members, base in groups:
             self._direct(layer, q, plan, members, base, out)
@@ -179,11 +184,13 @@ def exact(model, rows: int = 1) -> bool:
     other rows (every projection on a row-exact kernel: `kernels.qlinear.rows_exact`), so
     that it may share a forward with other sequences' rows without changing any output.
     Past EXACT_ROWS rows (a prefill chunk) a float32 dense projection runs oneDNN alone,
-    so such a forward shares only where every projection is quantized."""
+    so such a forward shares only where every projection is quantized (on the CPU: on CUDA
+    every projection of more rows runs cuBLAS alone)."""
     v = model.__dict__.get("_rows_exact")
     if v is None:
         dense = any(isinstance(m, torch.nn.Linear) for m in model.modules())
-        v = model.__dict__["_rows_exact"] = (rows_exact(model), not dense)
+        cpu = next(model.parameters()).device.type == "cpu"
+        v = model.__dict__["_rows_exact"] = (rows_exact(model), cpu and not dense)
     return v[0] and (rows <= EXACT_ROWS or v[1])
 
 
@@ -216,5 +223,5 @@ def forward(model, sets: list[Rows]) -> list[torch.Tensor]:
         ends.append(len(keep))
         a += s.n
     with exact_rows([s.n for s in sets]):
-        logits = model.forward_rows(ids, pos, Ragged(sets), to_device(keep, dev))  # [1, R, V]
+        logits = model.forward_rows(ids, pos, Ragged(sets, dev), to_device(keep, dev))  # [1, R, V]
     return list(torch.tensor_split(logits, ends[:-1], dim=1))

@@ -68,8 +68,10 @@ class Ask:
         return 0 if self.ids is None else self.ids.shape[1]
 
     def mergeable(self) -> bool:
-        """Whether it can share a ragged forward: a dynamic-shape step on a row-exact model."""
-        return (not self.step.static and self.ids is not None and self.ids.device.type == "cpu"
+        """Whether it can share a ragged forward: a step whose forward a ragged one computes
+        alike (`graphs.Step.shareable`) on a row-exact model (the native kernels on the CPU,
+        the row-exact Triton linear on CUDA)."""
+        return (self.ids is not None and self.step.shareable(self.ids.shape[1], self.last_only)
                 and exact(self.step.model, self.ids.shape[1]))
 
 
@@ -243,7 +245,7 @@ class Batcher:
                 for a in g:
                     self._alone(a)
                 continue
-            sets = [Rows(a.ids, a.start, a.step.cache, a.last_only) for a in g]
+            sets = [Rows(a.ids, a.start, a.step.cache, a.last_only, a.step.static) for a in g]
             t0 = time.perf_counter()
             try:
                 outs = forward(g[0].step.model, sets)

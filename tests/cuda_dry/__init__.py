@@ -51,9 +51,9 @@ class _Patches:
 
 
 def _clear_caches():
-    from triforce_offload.kernels import attention, triton_attention
+    from triforce_offload.kernels import attention, linear, triton_attention
     for f in (attention._flash_attn_reason, attention._static_path, attention.sm80,
-              triton_attention._capability, triton_attention._sm_count):
+              triton_attention._capability, triton_attention._sm_count, linear._gpu_exact):
         f.cache_clear()
 
 
@@ -85,9 +85,11 @@ class DryRun:
     # ---- set-up
 
     def __enter__(self) -> "DryRun":
-        from triforce_offload.kernels import triton_attention
+        from triforce_offload.kernels import triton_attention, triton_linear
         from triforce_offload.runtime import hostread
         p, g = self._patches, self.gpu
+        p.set(triton_linear, "triton", fakes.FakeTriton)  # the row-exact projections (as on a GPU)
+        p.set(triton_linear, "_KERNELS", {})
         fakes.GPU = g
         p.set(Event, "gpu", g)
         for name, fake in fakes.cuda_namespace().items():

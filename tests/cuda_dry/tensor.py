@@ -140,6 +140,12 @@ def _unwrap(x):
     return x.elem if isinstance(x, DryTensor) else x
 
 
+def _aliases(out, args) -> bool:
+    """Whether every tensor `out` holds shares storage with a DryTensor of `args`."""
+    mine = {_sptr(t.elem) for t in _leaves(args) if isinstance(t, DryTensor)}
+    return all(_sptr(t.elem) in mine for t in _leaves(out) if isinstance(t, DryTensor))
+
+
 def _is_cuda(device) -> bool:
     return device is not None and torch.device(device).type == "cuda"
 
@@ -253,8 +259,10 @@ class Checker(TorchDispatchMode):
 
     def _accesses(self, func, args, kwargs, wrapped, name):
         """Reads of the inputs, writes of mutated inputs and fresh outputs, on the current
-        stream (recorded into the graph while capturing)."""
-        if func.is_view or func in NO_ACCESS:
+        stream (recorded into the graph while capturing). An op that may alias its input
+        (`aten.to`, which reaches the mode whole under inference_mode) and made a new tensor
+        is work like any other: a dtype conversion inside a capture must replay."""
+        if func in NO_ACCESS or (func.is_view and _aliases(wrapped, args)):
             return
         acc = []
         schema = func._schema.arguments
