@@ -86,16 +86,29 @@ class Tiles:
     num_stages: int
 
 
-def tiles(N: int, K: int, dtype: torch.dtype, sms: int) -> Tiles:
-    """The launch for an N x K weight of `dtype` on a device of `sms` SMs: the widest tile
-    (128 columns down to 16) that still gives every SM a program (a decode's few rows make
-    the call a read of W: it needs every SM reading), 128 inputs a step for 16-bit weights
-    (64 for float32, whose tiles take twice the shared memory)."""
-    block_n = 128
+def smem_bytes(t: Tiles, dtype: torch.dtype) -> int:
+    """Shared memory of a launch as Triton pipelines it: each stage holds an x tile and a
+    W tile of block_k inputs (the accumulator stays in registers)."""
+    elem = torch.empty(0, dtype=dtype).element_size()
+    return t.num_stages * (BLOCK_M + t.block_n) * t.block_k * elem + 1024
+
+
+def tiles(N: int, K: int, dtype: torch.dtype, sms: int, cap: int = 80) -> Tiles:
+    """The launch for an N x K weight of `dtype` on a device of `sms` SMs of sm_`cap`: the
+    widest tile (128 columns, 64 for float32, down to 16) that still gives every SM a program
+    (a decode's few rows make the call a read of W: it needs every SM reading), 128 inputs a
+    step for 16-bit weights (64 for float32), 4 pipeline stages (3 for float32), then fewer stages
+    and shorter steps until the target's shared memory per block holds it."""
+    f32 = dtype == torch.float32
+    block_n = 64 if f32 else 128  # float32's dot runs on FMAs: 128 columns spill on sm_80
     while block_n > 16 and -(-N // block_n) < sms:
         block_n //= 2
-    block_k = 64 if dtype == torch.float32 else 128
-    return Tiles(block_n, block_k, 4, 3 if dtype == torch.float32 else 4)
+    t = Tiles(block_n, 64 if f32 else 128, 4, 3 if f32 else 4)
+    limit = _ta.smem_limit(cap)
+    while smem_bytes(t, dtype) > limit and (t.num_stages > 2 or t.block_k > 32):
+        t = (Tiles(t.block_n, t.block_k, t.num_warps, t.num_stages - 1) if t.num_stages > 2
+             else Tiles(t.block_n, t.block_k // 2, t.num_warps, t.num_stages))
+    return t
 
 
 def reason(device: torch.device | str = "cuda") -> str:
@@ -128,22 +141,32 @@ def usable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
             and (bias is None or (bias.dim() == 1 and bias.stride(0) == 1 and bias.device == x.device)))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N] in x's dtype, each row summed
-    in one order whatever the other rows (`usable` holds)."""
+def plan(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         capability: int | None = None):
+    """The launch of `linear` as (kernel, grid, args, kwargs) with the output it writes, y
+    [M, N]: what runs, and what tests/test_triton_compile.py binds and compiles for each
+    GPU target (`capability`, e.g. 89: tiles that fit its shared memory; default the
+    device's)."""
     N, K = weight.shape
     x2 = x.reshape(-1, K)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     M = x2.shape[0]
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    if M:
-        t = tiles(N, K, weight.dtype, _ta._sm_count(x.device))
-        interp = _ta._interpret()
-        _kernel()[(triton.cdiv(N, t.block_n), triton.cdiv(M, BLOCK_M))](
-            x2, weight, weight if bias is None else bias, y, M, N, K,
-            x2.stride(0), weight.stride(0), y.stride(0),
-            HAS_BIAS=bias is not None, DOT_F32=weight.dtype == torch.float32 or interp,
-            PRECISION="ieee", BLOCK_M=BLOCK_M, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-            num_warps=t.num_warps, num_stages=t.num_stages)
-    return y.view(*x.shape[:-1], N)
+    cap = capability or _ta.device_capability(x.device)
+    t = tiles(N, K, weight.dtype, _ta._sm_count(x.device), cap)
+    grid = (triton.cdiv(N, t.block_n), triton.cdiv(M, BLOCK_M))
+    args = (x2, weight, weight if bias is None else bias, y, M, N, K, x2.stride(0), weight.stride(0), y.stride(0))
+    kwargs = dict(HAS_BIAS=bias is not None, DOT_F32=weight.dtype == torch.float32 or _ta._interpret(),
+                  PRECISION="ieee", BLOCK_M=BLOCK_M, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+                  num_warps=t.num_warps, num_stages=t.num_stages)
+    return (_kernel(), grid, args, kwargs), y
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N] in x's dtype, each row summed
+    in one order whatever the other rows (`usable` holds)."""
+    (kernel, grid, args, kwargs), y = plan(x, weight, bias)
+    if y.shape[0]:
+        kernel[grid](*args, **kwargs)
+    return y.view(*x.shape[:-1], weight.shape[0])

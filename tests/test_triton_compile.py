@@ -168,3 +168,55 @@ def test_merge_kernel_compiles(D, monkeypatch, tmp_path):
         _, (kernel, _, args, kwargs) = launches(torch.bfloat16, D, 32, 8, 1, cap, monkeypatch)
         _, build = compile_launch(kernel, args, kwargs, cap)
         assert ptxas_report(build().asm["ptx"], cap, tmp_path)[1] == 0
+
+
+# ---- the row-exact projection (kernels/triton_linear.py)
+
+LINEARS = [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008), (32000, 4096),  # Llama-2-7B
+           (960, 576), (49152, 576)]  # SmolLM2's qkv and tied head
+
+
+def check_linear(dtype, N, K, cap, monkeypatch, tmp_path, seen: set, rows: int = 1):
+    """One projection's launch as the runtime makes it, compiled for sm_`cap`: within the
+    target's shared memory (and `smem_bytes`' bound), no register spill."""
+    from triforce_offload.kernels import triton_linear as tl_
+    monkeypatch.setattr(ta, "_sm_count", lambda device: CAPS[cap])
+    (kernel, _, args, kwargs), _ = tl_.plan(torch.empty(rows, K, dtype=dtype), torch.empty(N, K, dtype=dtype),
+                                            capability=cap)
+    key, build = compile_launch(kernel, args, kwargs, cap)
+    if key in seen:
+        return
+    seen.add(key)
+    k = build()
+    t = tl_.tiles(N, K, dtype, CAPS[cap], cap)
+    what = f"sm_{cap} {dtype} {N}x{K} {t}"
+    assert k.metadata.shared <= ta.smem_limit(cap), f"{what}: {k.metadata.shared} B of shared memory"
+    assert k.metadata.shared <= tl_.smem_bytes(t, dtype), f"{what}: smem_bytes under-counts"
+    regs, spills = ptxas_report(k.asm["ptx"], cap, tmp_path)
+    assert spills == 0, f"{what}: {spills} bytes spilled with {regs} registers"
+
+
+def test_linear_launch_does_not_specialize_on_rows(monkeypatch):
+    """A decode's 1 row and a verification's 7 bind to the same compiled kernel: Triton
+    would make M == 1 a constant, and another kernel could sum rows in another order."""
+    from triforce_offload.kernels import triton_linear as tl_
+    monkeypatch.setattr(ta, "_sm_count", lambda device: 128)
+    keys = set()
+    for rows in (1, 7, 16, 33):
+        (kernel, _, args, kwargs), _ = tl_.plan(torch.empty(rows, 4096, dtype=torch.bfloat16),
+                                                torch.empty(4096, 4096, dtype=torch.bfloat16), capability=89)
+        keys.add(compile_launch(kernel, args, kwargs, 89)[0])
+    assert len(keys) == 1
+
+
+def test_linear_fits_a_99_kb_card(monkeypatch, tmp_path):
+    check_linear(torch.bfloat16, 32000, 4096, 89, monkeypatch, tmp_path, set())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cap", list(CAPS))
+def test_linear_fits_every_target_without_spills(cap, monkeypatch, tmp_path):
+    seen = set()
+    for dtype in DTYPES:
+        for N, K in LINEARS:
+            check_linear(dtype, N, K, cap, monkeypatch, tmp_path, seen)
