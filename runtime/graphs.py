@@ -48,6 +48,7 @@ fixed-shape (the CPU without `TRIFORCE_OFFLOAD_STATIC=1`, offloaded or streaming
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 from dataclasses import dataclass
 
@@ -175,20 +176,33 @@ class Step:
             self.capture_s += time.perf_counter() - t0
 
     def _capture_on(self, device, static_ids, run) -> _Graph:
-        compiled = self.compiled
-        with torch.cuda.device(device):  # capture streams belong to the model's device
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            try:
-                with torch.cuda.stream(side):  # warm-up: kernels compile, workspaces allocate
-                    settle(run, compiled)  # (writes the same KV at the same positions as the replay will)
-            finally:  # a warm-up that raised still has kernels queued: the eager fallback waits
-                torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with no_recompile(compiled), torch.cuda.graph(graph, pool=self.pool):
+        graph, out, self.pool = capture(device, run, self.pool, self.compiled)
+        return _Graph(graph, static_ids, out)
+
+
+def capture(device, run, pool=None, compiled: bool = False):
+    """(graph, run()'s output as captured, the memory pool): `run()` warmed up on a side
+    stream (kernels compile, workspaces allocate; it writes the same KV at the same
+    positions as the replays will), then captured into a graph in `pool` (shared with the
+    caller's other graphs; None: a new one)."""
+    with torch.cuda.device(device):  # capture streams belong to the model's device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        try:
+            with torch.cuda.stream(side):
+                settle(run, compiled)
+        finally:  # a warm-up that raised still has kernels queued: the eager fallback waits
+            torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        collecting = gc.isenabled()
+        gc.disable()  # a finalizer run by a collection inside the capture (a finished
+        try:  # sequence's copier synchronizing its stream) would break the capture
+            with no_recompile(compiled), torch.cuda.graph(graph, pool=pool):
                 out = run()
-            self.pool = graph.pool()
-            return _Graph(graph, static_ids, out)
+        finally:
+            if collecting:
+                gc.enable()
+        return graph, out, graph.pool()
 
 
 def compile_gap(device) -> str | None:

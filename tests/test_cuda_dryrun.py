@@ -114,7 +114,8 @@ def test_a_batch_runs_clean_and_each_sequence_is_its_solo_run(model, mode, place
     tokens are its solo run's on the same device, and the batch really shared forwards: the
     projections run the row-exact Triton kernel (kernels/triton_linear.py, faked row by
     row), the graphed steps' rows join ragged forwards with their caches' fixed-shape
-    attention (a device start); the prompts' chunks of more than 64 rows (cuBLAS), and a
+    attention (a device start), captured as one graph per class of round from its second
+    time on (`rows.Graphs`); the prompts' chunks of more than 64 rows (cuBLAS), and a
     round's only forward of a model, run by themselves. Every level runs (no bypass): which forwards run then does not
     depend on timings (and fp32 tokens need not be the CPU's at a random tiny model's near
     ties)."""
@@ -128,6 +129,22 @@ def test_a_batch_runs_clean_and_each_sequence_is_its_solo_run(model, mode, place
     st = out[0][1].extra
     assert st["batch_size"] == 3 and st["batch_forwards_shared"] > 0
     assert st["batch_seqs_per_forward"] > 1.5 and st["batch_forwards_shared"] > st["batch_forwards_alone"]
+    if place == "resident" or mode in ("triforce", "retrieval"):  # graphed steps: rounds replay graphs
+        assert st["batch_graph_replays"] > 2 * st["batch_graph_captures"] > 0, st
+
+
+def test_a_batch_without_graphs_shares_eager_forwards(model):
+    """--no-graphs: the steps are not graphed, so the rounds run eager ragged forwards (no
+    batch graph), still shared, each sequence its solo run."""
+    prompts = [repetitive_prompt(120, 64), repetitive_prompt(90, 64)]
+    o = opts("triforce", "resident", bypass=False, graphs=False)
+    solo = [dry_run(model, p, o)[0] for p in prompts]
+    with DryRun() as dry:
+        out = dry.generate_batch(dry.cuda(model), prompts, o)
+    dry.check()
+    assert [toks for toks, _ in out] == solo
+    st = out[0][1].extra
+    assert st["batch_forwards_shared"] > st["batch_forwards_alone"] and "batch_graph_captures" not in st
 
 
 def test_a_batch_on_cublas_runs_each_forward_by_itself(model, monkeypatch):

@@ -48,12 +48,14 @@ class Ragged:
     row slices, each attended by its own cache at its own start, and put back in order.
     Lengths stay the sequences' own (each commits or rolls back its cache itself)."""
 
-    def __init__(self, sets: list[Rows], device=None):
+    def __init__(self, sets: list[Rows], device=None, starts: list | None = None):
         self.sets = sets
         self._threads = torch.get_num_threads()  # a call's thread-seconds over this: its wall share
         # a fixed-shape step's cache (CUDA's, graphed, or any under TRIFORCE_OFFLOAD_STATIC=1)
         # takes its start as a device tensor, as alone: the same attention, the same bits
-        self._starts = [to_device([s.start], device or "cpu") if s.fixed else s.start for s in sets]
+        # (`starts`: the steps' own start buffers, a captured ragged forward's inputs)
+        self._starts = (list(starts) if starts is not None else
+                        [to_device([s.start], device or "cpu") if s.fixed else s.start for s in sets])
         self._fulls = [None if isinstance(st, torch.Tensor) else direct_cache(s.cache)
                        for s, st in zip(sets, self._starts)]
         self._plans: dict[tuple, list] = {}  # layer kind -> `_groups`
@@ -209,19 +211,111 @@ def chunk_invariant(model, cache) -> bool:
             and exact_bands(cfg, held[0].device))
 
 
-@torch.inference_mode()
-def forward(model, sets: list[Rows]) -> list[torch.Tensor]:
-    """One forward of every set's rows; per set its logits [1, T, V] ([1, 1, V] with
-    last_only), as `model(ids, start, cache, last_only)` gives them alone."""
-    ids = torch.cat([s.ids for s in sets], 1)  # [1, N]
-    dev = ids.device
-    pos = torch.cat([torch.arange(s.start, s.start + s.n, device=dev) for s in sets])  # [N]
+def kept(sets: list[Rows]) -> tuple[list[int], list[int]]:
+    """(the rows whose logits a ragged forward returns, each set's end among them)."""
     keep, ends = [], []
     a = 0
     for s in sets:
         keep.extend(range(a + s.n - 1, a + s.n) if s.last_only else range(a, a + s.n))
         ends.append(len(keep))
         a += s.n
+    return keep, ends
+
+
+@torch.inference_mode()
+def forward(model, sets: list[Rows], ids: torch.Tensor | None = None, starts: list | None = None,
+            keep: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """One forward of every set's rows; per set its logits [1, T, V] ([1, 1, V] with
+    last_only), as `model(ids, start, cache, last_only)` gives them alone. A captured one
+    (`Graphs`) passes its static inputs: `ids` [1, N] (the sets' ids are its slices), the
+    steps' start buffers `starts` (positions computed on the device from them), `keep`."""
+    ids = torch.cat([s.ids for s in sets], 1) if ids is None else ids  # [1, N]
+    dev = ids.device
+    if starts is None:
+        pos = torch.cat([torch.arange(s.start, s.start + s.n, device=dev) for s in sets])  # [N]
+    else:
+        pos = torch.cat([st + torch.arange(s.n, device=dev, dtype=st.dtype) for st, s in zip(starts, sets)])
+    rows, ends = kept(sets)
+    if keep is None:
+        keep = to_device(rows, dev)
     with exact_rows([s.n for s in sets]):
-        logits = model.forward_rows(ids, pos, Ragged(sets, dev), to_device(keep, dev))  # [1, R, V]
+        logits = model.forward_rows(ids, pos, Ragged(sets, dev, starts), keep)  # [1, R, V]
     return list(torch.tensor_split(logits, ends[:-1], dim=1))
+
+
+class Graphs:
+    """CUDA graphs of ragged forwards (a batch's rounds on a GPU): one per class of round,
+    the same graphed steps (hence caches) with the same widths, captured at its first round
+    and replayed after, so a round launches one graph instead of every op of every layer
+    and every sequence's attention. Inputs: a static ids buffer and each step's own start
+    buffer (`graphs.Step.start`, which its fixed-shape cache reads its slots from, as in its
+    solo graph). A class is captured the `AGAIN`-th time it runs (speculating sequences
+    at different levels make many classes that may never come back: those run eager, not
+    captured once each); a class whose steps are gone (a member finished) is dropped; at
+    most `LIMIT` are kept (least recently used first out). A failed capture runs that
+    class eagerly from then on."""
+
+    LIMIT = 32
+    AGAIN = 2
+
+    def __init__(self):
+        self._g: dict[tuple, tuple] = {}  # class -> (weakrefs to its steps, graph, ids, keep, outs)
+        self._seen: dict[tuple, int] = {}  # class -> rounds run eagerly so far
+        self.pool = None
+        self.captures = self.replays = 0
+        self.failed: dict[tuple, str] = {}  # class -> why its capture failed
+
+    def run(self, model, asks) -> list[torch.Tensor] | None:
+        """The asks' logits (per ask, as `forward` gives them) from this class's graph,
+        captured now if new; None where it cannot be graphed (the caller runs it eager)."""
+        key = tuple((id(a.step), a.ids.shape[1], a.last_only) for a in asks)
+        if key in self.failed:
+            return None
+        got = self._g.pop(key, None)
+        if got is not None and any(r() is not a.step for r, a in zip(got[0], asks)):
+            got = None  # a step of that id is another object now
+        for k in [k for k, v in self._g.items() if any(r() is None for r in v[0])]:
+            del self._g[k]  # its steps are gone: nothing may replay over their freed caches
+        if got is None:
+            n = self._seen[key] = self._seen.get(key, 0) + 1
+            if n < self.AGAIN:
+                if len(self._seen) > 64 * self.LIMIT:  # bounded: forget the classes seen once
+                    self._seen = {k: v for k, v in self._seen.items() if v > 1}
+                return None
+            got = self._capture(model, asks, key)
+            if got is None:
+                return None
+        self._g[key] = got  # most recent last
+        while len(self._g) > self.LIMIT:
+            del self._g[next(iter(self._g))]
+        _, graph, ids, _, outs = got
+        for a in asks:
+            a.step.start.fill_(a.start)
+        ids.copy_(torch.cat([a.ids for a in asks], 1), non_blocking=True)
+        graph.replay()
+        self.replays += 1
+        for a in asks:
+            a.step.cache.on_replay()  # state the replay updated behind Python's back
+        return [o.clone() for o in outs]  # the next replay overwrites them
+
+    def _capture(self, model, asks, key):
+        import weakref
+        from ..graphs import capture
+        dev = asks[0].ids.device
+        ids = torch.cat([a.ids for a in asks], 1).clone()
+        sets, a0 = [], 0
+        for a in asks:
+            n = a.ids.shape[1]
+            sets.append(Rows(ids[:, a0: a0 + n], a.start, a.step.cache, a.last_only, True))
+            a0 += n
+        starts = [a.step.start for a in asks]
+        for a in asks:
+            a.step.start.fill_(a.start)
+        keep = to_device(kept(sets)[0], dev)  # before the capture: a copy inside would replay
+        try:
+            graph, outs, self.pool = capture(dev, lambda: forward(model, sets, ids, starts, keep), self.pool)
+        except Exception as e:  # noqa: BLE001 - any capture failure: that class runs eager
+            self.failed[key] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            return None
+        self.captures += 1
+        return [weakref.ref(a.step) for a in asks], graph, ids, keep, outs

@@ -35,7 +35,7 @@ from ..errors import TriforceError
 from . import member
 from ..model.distributed import world_size
 from .memory import check_batch
-from .rows import Rows, chunk_invariant, exact, forward
+from .rows import Graphs, Rows, chunk_invariant, exact, forward
 
 
 _driving = threading.local()  # the thread count a driving thread has set (Batcher._drive)
@@ -102,6 +102,7 @@ class Batcher:
         self.prefill_tokens = 0  # prompt tokens prefilled, over all rounds
         self.last_prefill = 0  # ... in the last round
         self.deferred = 0  # prefill chunks that waited a round for the budget
+        self.graphs = Graphs()  # CUDA graphs of ragged forwards of graphed steps
 
     def join(self) -> int:
         """A member joins; its order (0, 1, ...: prefill chunks of earlier ones go first)."""
@@ -235,6 +236,7 @@ class Batcher:
             else:
                 self._alone(a)
         for g in groups.values():
+            g.sort(key=lambda a: a.order)  # joining order, not arrival's: a round's class is the same each time
             if len(g) == 1:
                 self._alone(g[0])
                 continue
@@ -248,7 +250,11 @@ class Batcher:
             sets = [Rows(a.ids, a.start, a.step.cache, a.last_only, a.step.static) for a in g]
             t0 = time.perf_counter()
             try:
-                outs = forward(g[0].step.model, sets)
+                outs = None
+                if all(getattr(a.step, "graphed", False) for a in g):  # CUDA: one graph per class of round
+                    outs = self.graphs.run(g[0].step.model, g)
+                if outs is None:
+                    outs = forward(g[0].step.model, sets)
             except Exception as e:  # noqa: BLE001 - every sequence of the forward gets it
                 for a in g:
                     a.error = e
@@ -292,7 +298,10 @@ class Batcher:
                 "batch_forwards_alone": self.forwards["alone"],
                 "batch_seqs_per_round": round(self.seqs / self.rounds, 2) if self.rounds else 0.0,
                 "batch_seqs_per_forward": round(self.merged / f, 2) if f else 0.0,
-                "batch_rows_per_forward": round(self.rows / f, 2) if f else 0.0}
+                "batch_rows_per_forward": round(self.rows / f, 2) if f else 0.0,
+                **({"batch_graph_captures": self.graphs.captures, "batch_graph_replays": self.graphs.replays}
+                   if self.graphs.captures or self.graphs.failed else {}),
+                **({"batch_graph_failures": sorted(set(self.graphs.failed.values()))} if self.graphs.failed else {})}
 
 
 @dataclass
