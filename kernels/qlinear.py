@@ -325,9 +325,11 @@ def rows_exact(model) -> bool:
     projection goes through `kernels.linear.linear` (a `Linear`, or a QLinear's dequantized
     weights) and that runs the row-exact Triton kernel there (`gpu_exact`)."""
     p = next(model.parameters(), None)
-    if p is not None and p.device.type == "cuda":
-        return gpu_exact(p.device) and all(isinstance(m, Linear) or not isinstance(m, nn.Linear)
-                                           for m in model.modules())
+    if p is not None and p.device.type == "cuda":  # and each dense weight as the kernel takes it
+        return gpu_exact(p.device) and all(
+            not isinstance(m, nn.Linear) or (isinstance(m, Linear) and m.weight.dtype == p.dtype
+                                             and m.weight.dim() == 2 and m.weight.stride(1) == 1)
+            for m in model.modules())
     for m in model.modules():
         if isinstance(m, QLinear):
             if load() is None or m.parts[0].q.device.type != "cpu":

@@ -180,11 +180,12 @@ class Step:
         return _Graph(graph, static_ids, out)
 
 
-def capture(device, run, pool=None, compiled: bool = False):
+def capture(device, run, pool=None, compiled: bool = False, mode: str = "global"):
     """(graph, run()'s output as captured, the memory pool): `run()` warmed up on a side
     stream (kernels compile, workspaces allocate; it writes the same KV at the same
     positions as the replays will), then captured into a graph in `pool` (shared with the
-    caller's other graphs; None: a new one)."""
+    caller's other graphs; None: a new one). `mode`: CUDA's capture error mode
+    ("thread_local": other threads' CUDA calls do not break it)."""
     with torch.cuda.device(device):  # capture streams belong to the model's device
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
@@ -197,7 +198,7 @@ def capture(device, run, pool=None, compiled: bool = False):
         collecting = gc.isenabled()
         gc.disable()  # a finalizer run by a collection inside the capture (a finished
         try:  # sequence's copier synchronizing its stream) would break the capture
-            with no_recompile(compiled), torch.cuda.graph(graph, pool=pool):
+            with no_recompile(compiled), torch.cuda.graph(graph, pool=pool, capture_error_mode=mode):
                 out = run()
         finally:
             if collecting:

@@ -497,3 +497,47 @@ def test_cuda_batch_shares_forwards_and_each_sequence_equals_its_solo_run(mode, 
     assert [t for t, _ in got] == solo
     st = got[0][1].extra
     assert shared(got[0][1]) > 1.5 and st["batch_forwards_shared"] > st["batch_forwards_alone"], st
+
+
+def test_round_graphs_capture_a_class_the_second_time_and_drop_it_with_its_steps(monkeypatch):
+    """`rows.Graphs`' bookkeeping (the capture itself needs CUDA: tests/test_cuda_dryrun.py
+    runs it on the fake device): a class of round is captured the second time it runs and
+    replayed after; a class whose step is gone is dropped, and a new step that reuses a
+    dead one's id is a new class; where captures stop paying, no new class is captured."""
+    import gc
+    from types import SimpleNamespace
+    from triforce_offload.runtime.batch.rows import Graphs
+    made = []
+
+    class Graph:
+        def replay(self):
+            self.replays = getattr(self, "replays", 0) + 1
+
+    def fake_capture(self, model, asks, key):
+        made.append(key)
+        return ([weakref.ref(a.step) for a in asks], Graph(), torch.zeros(1, len(asks), dtype=torch.long),
+                None, [torch.zeros(1, 1, 4) for _ in asks])
+    import weakref
+    monkeypatch.setattr(Graphs, "_capture", fake_capture)
+
+    class Step:  # what a round's graph reads of a step: its start buffer, its cache
+        def __init__(self):
+            self.start = torch.zeros(1, dtype=torch.long)
+            self.cache = SimpleNamespace(on_replay=lambda: None)
+    step = Step
+
+    def asks(*steps):
+        return [SimpleNamespace(step=s, ids=torch.tensor([[3]]), start=5, last_only=False) for s in steps]
+    g = Graphs()
+    a, b = step(), step()
+    assert g.run(None, asks(a, b)) is None and not made  # the first time: eager
+    outs = g.run(None, asks(a, b))  # the second: captured, then replayed
+    assert len(made) == 1 and len(outs) == 2 and a.start.item() == 5
+    assert g.run(None, asks(a, b)) is not None and len(made) == 1 and g.replays == 2
+    assert g.run(None, asks(b, a)) is None  # another class (order is part of it)
+    del a
+    gc.collect()
+    c = step()
+    assert g.run(None, asks(c, b)) is None and not g._g  # b's class with the dead step: dropped
+    g.captures, g.replays = Graphs.TRIAL, 1  # captures that did not pay
+    assert g.run(None, asks(c, b)) is None and len(made) == 1

@@ -88,7 +88,7 @@ def test_tiles_give_every_sm_a_program_and_never_depend_on_rows():
     assert tl_.tiles(4096, 4096, torch.bfloat16, 32).block_n == 128
     assert tl_.tiles(49152, 576, torch.bfloat16, 132).block_n == 128
     assert tl_.tiles(64, 64, torch.float32, 132) == tl_.Tiles(16, 64, 4, 3)
-    assert "M" not in tl_.tiles.__code__.co_varnames
+    assert "M" not in tl_.tiles.__wrapped__.__code__.co_varnames
 
 
 def test_usable_refuses_mixed_dtypes_and_strided_weights():

@@ -14,6 +14,7 @@ gives, bit for bit.
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -253,35 +254,49 @@ class Graphs:
     at different levels make many classes that may never come back: those run eager, not
     captured once each); a class whose steps are gone (a member finished) is dropped; at
     most `LIMIT` are kept (least recently used first out). A failed capture runs that
-    class eagerly from then on."""
+    class eagerly from then on. Where captures do not pay (after `TRIAL` captures, fewer
+    than `PAYS` replays per capture: classes that keep changing), no new class is
+    captured; the graphs kept still replay. Classes are keyed by step ids and checked
+    against weak references to the steps (a step's id may be another's later)."""
 
     LIMIT = 32
     AGAIN = 2
+    TRIAL, PAYS = 8, 2
 
     def __init__(self):
         self._g: dict[tuple, tuple] = {}  # class -> (weakrefs to its steps, graph, ids, keep, outs)
-        self._seen: dict[tuple, int] = {}  # class -> rounds run eagerly so far
+        self._seen: dict[tuple, tuple] = {}  # class -> (weakrefs, rounds it ran eagerly so far)
         self.pool = None
         self.captures = self.replays = 0
-        self.failed: dict[tuple, str] = {}  # class -> why its capture failed
+        self.failed: dict[tuple, tuple] = {}  # class -> (weakrefs, why its capture failed)
+
+    @staticmethod
+    def _same(refs, asks) -> bool:
+        return all(r() is a.step for r, a in zip(refs, asks))
 
     def run(self, model, asks) -> list[torch.Tensor] | None:
         """The asks' logits (per ask, as `forward` gives them) from this class's graph,
         captured now if new; None where it cannot be graphed (the caller runs it eager)."""
         key = tuple((id(a.step), a.ids.shape[1], a.last_only) for a in asks)
-        if key in self.failed:
+        bad = self.failed.get(key)
+        if bad is not None and self._same(bad[0], asks):
             return None
         got = self._g.pop(key, None)
-        if got is not None and any(r() is not a.step for r, a in zip(got[0], asks)):
+        if got is not None and not self._same(got[0], asks):
             got = None  # a step of that id is another object now
         for k in [k for k, v in self._g.items() if any(r() is None for r in v[0])]:
             del self._g[k]  # its steps are gone: nothing may replay over their freed caches
         if got is None:
-            n = self._seen[key] = self._seen.get(key, 0) + 1
+            if self.captures >= self.TRIAL and self.replays < self.PAYS * self.captures:
+                return None  # captures do not pay here: eager
+            seen = self._seen.get(key)
+            n = 1 + (seen[1] if seen is not None and self._same(seen[0], asks) else 0)
             if n < self.AGAIN:
-                if len(self._seen) > 64 * self.LIMIT:  # bounded: forget the classes seen once
-                    self._seen = {k: v for k, v in self._seen.items() if v > 1}
+                if len(self._seen) >= 64 * self.LIMIT:  # bounded: start over
+                    self._seen = {}
+                self._seen[key] = ([weakref.ref(a.step) for a in asks], n)
                 return None
+            self._seen.pop(key, None)
             got = self._capture(model, asks, key)
             if got is None:
                 return None
@@ -299,7 +314,6 @@ class Graphs:
         return [o.clone() for o in outs]  # the next replay overwrites them
 
     def _capture(self, model, asks, key):
-        import weakref
         from ..graphs import capture
         dev = asks[0].ids.device
         ids = torch.cat([a.ids for a in asks], 1).clone()
@@ -312,10 +326,12 @@ class Graphs:
         for a in asks:
             a.step.start.fill_(a.start)
         keep = to_device(kept(sets)[0], dev)  # before the capture: a copy inside would replay
-        try:
-            graph, outs, self.pool = capture(dev, lambda: forward(model, sets, ids, starts, keep), self.pool)
+        try:  # other members' threads may touch the device meanwhile (a finished one's clean-up)
+            graph, outs, self.pool = capture(dev, lambda: forward(model, sets, ids, starts, keep), self.pool,
+                                             mode="thread_local")
         except Exception as e:  # noqa: BLE001 - any capture failure: that class runs eager
-            self.failed[key] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            self.failed[key] = ([weakref.ref(a.step) for a in asks],
+                                f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
             return None
         self.captures += 1
         return [weakref.ref(a.step) for a in asks], graph, ids, keep, outs

@@ -301,7 +301,8 @@ class Batcher:
                 "batch_rows_per_forward": round(self.rows / f, 2) if f else 0.0,
                 **({"batch_graph_captures": self.graphs.captures, "batch_graph_replays": self.graphs.replays}
                    if self.graphs.captures or self.graphs.failed else {}),
-                **({"batch_graph_failures": sorted(set(self.graphs.failed.values()))} if self.graphs.failed else {})}
+                **({"batch_graph_failures": sorted({why for _, why in self.graphs.failed.values()})}
+                   if self.graphs.failed else {})}
 
 
 @dataclass
