@@ -83,16 +83,22 @@ def shared(stats) -> float:
     return stats.extra["batch_seqs_per_forward"]
 
 
-@pytest.mark.parametrize("model", list(MODELS))
-@pytest.mark.parametrize("mode,extra", MODES)
-def test_each_sequence_equals_its_solo_run(model, mode, extra):
-    L = MODELS[model]()
+def batch_equals_solo(L: Loaded, mode: str, extra: dict) -> list:
+    """The mixed prompts (LENGTHS, each its own NEW tokens) in one batch under `mode`: each
+    sequence equal to its solo run and run to its own length; the batch's results."""
     ps = prompts(L.cfg.vocab_size)
     opts = [RunOptions.of(mode=mode, max_new_tokens=n, **extra) for n in NEW]
     solo = [generate(L, p, o)[0] for p, o in zip(ps, opts)]
     got = generate_batch(L, ps, opts)
     assert [t for t, _ in got] == solo
     assert [len(t) for t in solo] == NEW  # every sequence ran to its own length
+    return got
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+@pytest.mark.parametrize("mode,extra", MODES)
+def test_each_sequence_equals_its_solo_run(model, mode, extra):
+    got = batch_equals_solo(MODELS[model](), mode, extra)
     if "offload" not in extra:  # an offloaded cache's rows share forwards as well, but not always
         assert shared(got[0][1]) > 1.5, got[0][1].extra  # rows of several sequences in one forward
 
@@ -367,12 +373,7 @@ def test_fixed_shape_steps_share_forwards_and_equal_their_solo_runs(model, mode,
     cache attending with its start as a device tensor as its solo step does, so every
     sequence still equals its solo run (on the same path) and forwards are shared."""
     monkeypatch.setenv("TRIFORCE_OFFLOAD_STATIC", "1")
-    L = MODELS[model]()
-    ps = prompts(L.cfg.vocab_size)
-    opts = [RunOptions.of(mode=mode, max_new_tokens=n, **extra) for n in NEW]
-    solo = [generate(L, p, o)[0] for p, o in zip(ps, opts)]
-    got = generate_batch(L, ps, opts)
-    assert [t for t, _ in got] == solo
+    got = batch_equals_solo(MODELS[model](), mode, extra)
     st = got[0][1].extra
     assert shared(got[0][1]) > 1.5 and st["batch_forwards_shared"] > st["batch_forwards_alone"], st
 
@@ -489,12 +490,7 @@ def test_cuda_batch_shares_forwards_and_each_sequence_equals_its_solo_run(mode, 
     every sequence, in bf16 as in fp32, equals its solo (graphed) run token for token."""
     from triforce_offload.kernels.linear import gpu_exact
     assert gpu_exact("cuda"), "the row-exact Triton projections do not run here"
-    L = on_cuda(MODELS["fp32"](), dtype)
-    ps = prompts(L.cfg.vocab_size)
-    opts = [RunOptions.of(mode=mode, max_new_tokens=n, **extra) for n in NEW]
-    solo = [generate(L, p, o)[0] for p, o in zip(ps, opts)]
-    got = generate_batch(L, ps, opts)
-    assert [t for t, _ in got] == solo
+    got = batch_equals_solo(on_cuda(MODELS["fp32"](), dtype), mode, {**extra, "ignore_eos": True})
     st = got[0][1].extra
     assert shared(got[0][1]) > 1.5 and st["batch_forwards_shared"] > st["batch_forwards_alone"], st
 

@@ -106,6 +106,17 @@ def test_every_mode_runs_clean(model, prompt, reference, mode, place, graphs):
     assert dry.gpu.reads["uncounted"] == 0 and dry.gpu.reads["counted"] > 0
 
 
+def batch_equals_solo(model, prompts, o) -> dict:
+    """api.generate_batch of `prompts` on the fake device: clean, each sequence's tokens its
+    solo run's there; the first sequence's stats."""
+    solo = [dry_run(model, p, o)[0] for p in prompts]
+    with DryRun() as dry:
+        out = dry.generate_batch(dry.cuda(model), prompts, o)
+    dry.check()
+    assert [toks for toks, _ in out] == solo
+    return out[0][1].extra
+
+
 @pytest.mark.parametrize("place", PLACES)
 @pytest.mark.parametrize("mode", MODES)
 def test_a_batch_runs_clean_and_each_sequence_is_its_solo_run(model, mode, place):
@@ -121,12 +132,7 @@ def test_a_batch_runs_clean_and_each_sequence_is_its_solo_run(model, mode, place
     ties)."""
     prompts = [repetitive_prompt(200, 64), repetitive_prompt(150, 64)[::-1][:130], repetitive_prompt(90, 64)]
     o = opts(mode, place, bypass=False)
-    solo = [dry_run(model, p, o)[0] for p in prompts]
-    with DryRun() as dry:
-        out = dry.generate_batch(dry.cuda(model), prompts, o)
-    dry.check()
-    assert [toks for toks, _ in out] == solo
-    st = out[0][1].extra
+    st = batch_equals_solo(model, prompts, o)
     assert st["batch_size"] == 3 and st["batch_forwards_shared"] > 0
     assert st["batch_seqs_per_forward"] > 1.5 and st["batch_forwards_shared"] > st["batch_forwards_alone"]
     if place == "resident" or mode in ("triforce", "retrieval"):  # graphed steps: rounds replay graphs
@@ -138,12 +144,7 @@ def test_a_batch_without_graphs_shares_eager_forwards(model):
     batch graph), still shared, each sequence its solo run."""
     prompts = [repetitive_prompt(120, 64), repetitive_prompt(90, 64)]
     o = opts("triforce", "resident", bypass=False, graphs=False)
-    solo = [dry_run(model, p, o)[0] for p in prompts]
-    with DryRun() as dry:
-        out = dry.generate_batch(dry.cuda(model), prompts, o)
-    dry.check()
-    assert [toks for toks, _ in out] == solo
-    st = out[0][1].extra
+    st = batch_equals_solo(model, prompts, o)
     assert st["batch_forwards_shared"] > st["batch_forwards_alone"] and "batch_graph_captures" not in st
 
 
@@ -153,12 +154,7 @@ def test_a_batch_on_cublas_runs_each_forward_by_itself(model, monkeypatch):
     monkeypatch.setenv("TRIFORCE_OFFLOAD_GPU_LINEAR", "cublas")
     prompts = [repetitive_prompt(120, 64), repetitive_prompt(90, 64)]
     o = opts("triforce", "resident", bypass=False)
-    solo = [dry_run(model, p, o)[0] for p in prompts]
-    with DryRun() as dry:
-        out = dry.generate_batch(dry.cuda(model), prompts, o)
-    dry.check()
-    assert [toks for toks, _ in out] == solo
-    st = out[0][1].extra
+    st = batch_equals_solo(model, prompts, o)
     assert st["batch_forwards_shared"] == 0 and st["batch_forwards_alone"] > 0
 
 

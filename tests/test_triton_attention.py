@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from helpers_triton import interpreted as interpreted_run
 
 from triforce_offload.kernels import triton_attention as ta
 
@@ -130,11 +131,7 @@ def _interpreted_main(path):
 def interpreted(tmp_path_factory):
     if ta.triton is None:
         pytest.skip(ta.reason())
-    path = tmp_path_factory.mktemp("triton") / "out.pt"
-    r = subprocess.run([sys.executable, __file__, str(path)], capture_output=True, text=True,
-                       env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return torch.load(path)
+    return interpreted_run(__file__, tmp_path_factory.mktemp("triton"))
 
 
 @pytest.mark.parametrize("name", list(CASES))

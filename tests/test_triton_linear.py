@@ -7,12 +7,11 @@ Without a GPU the kernel runs on CPU tensors under TRITON_INTERPRET=1, in a chil
 tests/test_triton_attention.py does. With a GPU the same cases also run on CUDA (marked
 `cuda`), where the invariance is the point: cuBLAS does not give it.
 """
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
+from helpers_triton import interpreted as interpreted_run
 
 from triforce_offload.kernels import triton_linear as tl_
 
@@ -68,11 +67,7 @@ def _interpreted_main(path):
 def interpreted(tmp_path_factory):
     if tl_.triton is None:
         pytest.skip("triton is not importable")
-    path = tmp_path_factory.mktemp("triton_linear") / "out.pt"
-    r = subprocess.run([sys.executable, __file__, str(path)], capture_output=True, text=True,
-                       env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return torch.load(path)
+    return interpreted_run(__file__, tmp_path_factory.mktemp("triton_linear"))
 
 
 @pytest.mark.parametrize("name", list(CASES))
