@@ -537,3 +537,33 @@ def test_round_graphs_capture_a_class_the_second_time_and_drop_it_with_its_steps
     assert g.run(None, asks(c, b)) is None and not g._g  # b's class with the dead step: dropped
     g.captures, g.replays = Graphs.TRIAL, 1  # captures that did not pay
     assert g.run(None, asks(c, b)) is None and len(made) == 1
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cuda_row_ops_do_not_depend_on_the_call(dtype):
+    """What a ragged forward on CUDA assumes besides the projections: a row's norm, SwiGLU,
+    RoPE rotation, softcap and row-exact projection are the same bits alone (1 row) as at
+    any offset of a 40-row call (when the batch identity fails on a GPU, this names the op)."""
+    import torch.nn.functional as F
+    from triforce_offload.kernels.linear import exact_rows, linear
+    from triforce_offload.runtime.model.transformer import rotate
+    g = torch.Generator(device="cuda").manual_seed(0)
+    H = 576
+    x = torch.randn(40, 1, H, device="cuda", generator=g).to(dtype)
+    w = torch.randn(H, device="cuda", generator=g).to(dtype)
+    W = torch.randn(1536, H, device="cuda", generator=g).to(dtype)
+    cos, sin = (torch.randn(40, 1, 64, device="cuda", generator=g).to(dtype) for _ in range(2))
+    heads = x.view(40, 9, 64)
+    ops = {"rms_norm": (lambda a: F.rms_norm(a, (H,), w, 1e-5), (x,)),
+           "swiglu": (lambda a: F.silu(a[..., : H // 2]) * a[..., H // 2:], (x,)),
+           "rotate": (lambda a, c, s: rotate(a.unsqueeze(0), c, s)[0], (heads, cos, sin)),  # [1, T, H, D]
+           "softcap": (lambda a: torch.tanh(a / 30.0) * 30.0, (x,)),
+           "linear": (lambda a: linear(a, W), (x,))}
+    with torch.inference_mode(), exact_rows([1] * 40):
+        for name, (op, args) in ops.items():
+            whole = op(*args)
+            for i in (0, 1, 7, 16, 39):
+                alone = op(*(t[i: i + 1] for t in args))
+                assert torch.equal(alone, whole[i: i + 1]), (name, i)
