@@ -401,7 +401,10 @@ class Batch:
         for m in self.members:
             m.done.wait()
             if m.stats is not None:
-                m.stats.extra.update(self.batcher.figures(), batch_size=len(self.members))
+                f = self.batcher.figures()
+                m.stats.extra.update(f, batch_size=len(self.members))
+                if f.get("batch_graph_replays"):  # its steps ran in the rounds' graphs
+                    m.stats.extra["graphs"] = True
 
 
 def generate_batch(loaded, prompts: list[list[int]], opts, on_token=None, memory: int | None = None,
