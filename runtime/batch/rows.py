@@ -246,7 +246,7 @@ def forward(model, sets: list[Rows], ids: torch.Tensor | None = None, starts: li
 
 class Graphs:
     """CUDA graphs of ragged forwards (a batch's rounds on a GPU): one per class of round,
-    the same graphed steps (hence caches) with the same widths, captured at its first round
+    the same graphed steps (hence caches) with the same widths in joining order, captured
     and replayed after, so a round launches one graph instead of every op of every layer
     and every sequence's attention. Inputs: a static ids buffer and each step's own start
     buffer (`graphs.Step.start`, which its fixed-shape cache reads its slots from, as in its
