@@ -161,7 +161,8 @@ def plan(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     args = (x2, weight, weight if bias is None else bias, y, M, N, K, x2.stride(0), weight.stride(0), y.stride(0))
     kwargs = dict(HAS_BIAS=bias is not None, DOT_F32=weight.dtype == torch.float32 or _ta._interpret(),
                   PRECISION="ieee", BLOCK_M=BLOCK_M, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-                  num_warps=t.num_warps, num_stages=t.num_stages)
+                  num_warps=t.num_warps, num_stages=t.num_stages,
+                  enable_fp_fusion=True)  # said, not Triton's default (3.10 turns it off)
     return (_kernel(), grid, args, kwargs), y
 
 

@@ -241,7 +241,7 @@ class _Kernel:
     """A jitted kernel: `kernel[grid](*args, **kwargs)` checks the launch and computes what
     the kernel writes (`_split_body`: one split holds every key; `_merge_body`: the merge)."""
 
-    SKIP = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+    SKIP = ("num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion")
 
     def __init__(self, fn):
         self.fn, self.sig = fn, inspect.signature(fn)
