@@ -509,7 +509,7 @@ def test_round_graphs_capture_a_class_the_second_time_and_drop_it_with_its_steps
         def replay(self):
             self.replays = getattr(self, "replays", 0) + 1
 
-    def fake_capture(self, model, asks, key):
+    def fake_capture(self, model, asks, key, fresh):
         made.append(key)
         return ([weakref.ref(a.step) for a in asks], Graph(), torch.zeros(1, len(asks), dtype=torch.long),
                 None, [torch.zeros(1, 1, 4) for _ in asks])

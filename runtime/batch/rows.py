@@ -294,44 +294,50 @@ class Graphs:
             if n < self.AGAIN:
                 if len(self._seen) >= 64 * self.LIMIT:  # bounded: start over
                     self._seen = {}
-                self._seen[key] = ([weakref.ref(a.step) for a in asks], n)
+                self._seen[key] = (_refs(asks), n)
                 return None
             self._seen.pop(key, None)
-            got = self._capture(model, asks, key)
+        fresh = torch.cat([a.ids for a in asks], 1)
+        for a in asks:  # the graph's inputs (a capture's warm-up reads them too)
+            a.step.start.fill_(a.start)
+        if got is None:
+            got = self._capture(model, asks, key, fresh)
             if got is None:
                 return None
         self._g[key] = got  # most recent last
         while len(self._g) > self.LIMIT:
             del self._g[next(iter(self._g))]
         _, graph, ids, _, outs = got
-        for a in asks:
-            a.step.start.fill_(a.start)
-        ids.copy_(torch.cat([a.ids for a in asks], 1), non_blocking=True)
+        ids.copy_(fresh, non_blocking=True)
         graph.replay()
         self.replays += 1
         for a in asks:
             a.step.cache.on_replay()  # state the replay updated behind Python's back
         return [o.clone() for o in outs]  # the next replay overwrites them
 
-    def _capture(self, model, asks, key):
+    def _capture(self, model, asks, key, fresh: torch.Tensor):
+        """The class's graph over a static copy of `fresh` (the round's ids) and the steps'
+        start buffers (filled by the caller), or None (the failure noted)."""
         from ..graphs import capture
-        dev = asks[0].ids.device
-        ids = torch.cat([a.ids for a in asks], 1).clone()
+        dev = fresh.device
+        ids = fresh.clone()
         sets, a0 = [], 0
         for a in asks:
             n = a.ids.shape[1]
             sets.append(Rows(ids[:, a0: a0 + n], a.start, a.step.cache, a.last_only, True))
             a0 += n
         starts = [a.step.start for a in asks]
-        for a in asks:
-            a.step.start.fill_(a.start)
         keep = to_device(kept(sets)[0], dev)  # before the capture: a copy inside would replay
         try:  # other members' threads may touch the device meanwhile (a finished one's clean-up)
             graph, outs, self.pool = capture(dev, lambda: forward(model, sets, ids, starts, keep), self.pool,
                                              mode="thread_local")
         except Exception as e:  # noqa: BLE001 - any capture failure: that class runs eager
-            self.failed[key] = ([weakref.ref(a.step) for a in asks],
-                                f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
+            self.failed[key] = (_refs(asks), f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
             return None
         self.captures += 1
-        return [weakref.ref(a.step) for a in asks], graph, ids, keep, outs
+        return _refs(asks), graph, ids, keep, outs
+
+
+def _refs(asks) -> list:
+    """Weak references to the asks' steps (what a class's entries are checked against)."""
+    return [weakref.ref(a.step) for a in asks]

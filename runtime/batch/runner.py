@@ -400,8 +400,9 @@ class Batch:
             pass
         for m in self.members:
             m.done.wait()
+        f = self.batcher.figures()  # the batch's, the same for every member
+        for m in self.members:
             if m.stats is not None:
-                f = self.batcher.figures()
                 m.stats.extra.update(f, batch_size=len(self.members))
                 if f.get("batch_graph_replays"):  # its steps ran in the rounds' graphs
                     m.stats.extra["graphs"] = True
