@@ -522,15 +522,33 @@ static void wl_columns(const uint8_t *q, int bits, int64_t K, const int64_t *n, 
     }
 }
 
+/* Column vector t of unit u in a tile's columns: as wl_columns writes them, or (PK, int4 packed
+ * by triforce_qpack) two units' vectors in one, the first unit's in the low nibbles */
+static inline __attribute__((always_inline)) __m512i wl_col(const uint8_t *wt, int64_t u, int t, const int U,
+                                                            const int PK) {
+    if (!PK) return _mm512_loadu_si512(wt + (u * (U / 4) + t) * 64);
+    const __m512i v = _mm512_loadu_si512(wt + ((u >> 1) * 8 + t) * 64);
+    return _mm512_and_si512(u & 1 ? _mm512_srli_epi16(v, 4) : v, _mm512_set1_epi8(0xf));
+}
+
+/* Unit u's 16 weight rows' scales (offsets) from columns [Uc][16]: float32, or float16 (H16)
+ * widened exactly */
+static inline __attribute__((always_inline)) __m512 wl_par(const void *p, int64_t u, const int H16) {
+    if (H16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + u * 16)));
+    return _mm512_loadu_ps((const float *)p + u * 16);
+}
+
 /* RB rows of x from xrec (natural records: qx [K], dxu [Uc], xs [Uc], cx [Uc] = -128 * sq)
  * against a tile of 16 weight columns wt, sw and mu [Uc][16] -> res [RB][16]. Each row keeps
  * its own two integer chains and float accumulator, in the same order whatever RB is: rows
  * side by side share the column loads and give the core independent chains (one row alone
- * waits on its accumulator's FMAs), never each other's values. */
-static inline __attribute__((always_inline)) void wl_block(const uint8_t *wt, const float *sw, const float *mu,
+ * waits on its accumulator's FMAs), never each other's values. The columns and scales come
+ * from wl_columns and wl_params (this call's transposition) or from triforce_qpack (PK for
+ * packed int4, H16 for float16 scales): the same integers and floats either way. */
+static inline __attribute__((always_inline)) void wl_block(const uint8_t *wt, const void *sw, const void *mu,
                                                            const uint8_t *xrec, size_t rec_bytes, const int RB,
                                                            int64_t K, int64_t Uc, const int bits, const int U,
-                                                           const int MINV, float *res) {
+                                                           const int MINV, const int PK, const int H16, float *res) {
     const uint8_t *rec[4];
     const float *dxu[4], *xs[4];
     const int32_t *cx[4];
@@ -549,8 +567,8 @@ static inline __attribute__((always_inline)) void wl_block(const uint8_t *wt, co
             b[i] = _mm512_setzero_si512();
         }
         for (int t = 0; t < U / 4; t += 2) {
-            const __m512i w0 = _mm512_loadu_si512(wt + (u * (U / 4) + t) * 64);
-            const __m512i w1 = _mm512_loadu_si512(wt + (u * (U / 4) + t + 1) * 64);
+            const __m512i w0 = wl_col(wt, u, t, U, PK);
+            const __m512i w1 = wl_col(wt, u, t + 1, U, PK);
             for (int i = 0; i < RB; i++) {
                 int32_t x0, x1;
                 memcpy(&x0, rec[i] + u * U + 4 * t, sizeof x0);
@@ -559,35 +577,92 @@ static inline __attribute__((always_inline)) void wl_block(const uint8_t *wt, co
                 b[i] = _mm512_dpbusd_epi32(b[i], w1, _mm512_set1_epi32(x1));
             }
         }
-        const __m512 s = _mm512_loadu_ps(sw + u * 16);
+        const __m512 s = wl_par(sw, u, H16);
         for (int i = 0; i < RB; i++) {
             const __m512 comb = _mm512_mul_ps(_mm512_set1_ps(dxu[i][u]), s);
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a[i], b[i])), comb, acc[i]);
-            if (MINV) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(xs[i][u]), _mm512_loadu_ps(mu + u * 16), acc[i]);
+            if (MINV) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(xs[i][u]), wl_par(mu, u, H16), acc[i]);
         }
     }
     for (int i = 0; i < RB; i++) _mm512_storeu_ps(res + i * 16, acc[i]);
 }
 
 /* Rows r < M of x against a tile (wl_block): four at a time, then what is left. */
-static inline __attribute__((always_inline)) void wl_rows(const uint8_t *wt, const float *sw, const float *mu,
+static inline __attribute__((always_inline)) void wl_rows(const uint8_t *wt, const void *sw, const void *mu,
                                                           const uint8_t *xrec, size_t rec_bytes, int64_t M,
                                                           int64_t K, int64_t Uc, const int bits, const int U,
-                                                          const int MINV, float *res) {
+                                                          const int MINV, const int PK, const int H16, float *res) {
     int64_t r = 0;
-    for (; r + 4 <= M; r += 4) wl_block(wt, sw, mu, xrec + r * rec_bytes, rec_bytes, 4, K, Uc, bits, U, MINV, res + r * 16);
+    for (; r + 4 <= M; r += 4)
+        wl_block(wt, sw, mu, xrec + r * rec_bytes, rec_bytes, 4, K, Uc, bits, U, MINV, PK, H16, res + r * 16);
     if (M - r >= 2) {
-        wl_block(wt, sw, mu, xrec + r * rec_bytes, rec_bytes, 2, K, Uc, bits, U, MINV, res + r * 16);
+        wl_block(wt, sw, mu, xrec + r * rec_bytes, rec_bytes, 2, K, Uc, bits, U, MINV, PK, H16, res + r * 16);
         r += 2;
     }
-    if (r < M) wl_block(wt, sw, mu, xrec + r * rec_bytes, rec_bytes, 1, K, Uc, bits, U, MINV, res + r * 16);
+    if (r < M) wl_block(wt, sw, mu, xrec + r * rec_bytes, rec_bytes, 1, K, Uc, bits, U, MINV, PK, H16, res + r * 16);
 }
 
-static void wl_rows_any(const uint8_t *wt, const float *sw, const float *mu, const uint8_t *xrec, size_t rec_bytes,
-                        int64_t M, int64_t K, int64_t Uc, int bits, int U, int minv, float *res) {
-#define WL_CASE(B, UU, MV) \
-    if (bits == B && U == UU && !!minv == MV) return wl_rows(wt, sw, mu, xrec, rec_bytes, M, K, Uc, B, UU, MV, res);
-    WL_CASE(8, 32, 0) WL_CASE(8, 32, 1) WL_CASE(8, 16, 0) WL_CASE(8, 16, 1) WL_CASE(4, 32, 0) WL_CASE(4, 32, 1)
+/* One row of x against TB packed tiles side by side (wl_block's arithmetic for each tile, in
+ * its order): a row alone against one tile waits on its chains; tiles side by side give
+ * the core independent ones. */
+static inline __attribute__((always_inline)) void wl_one(const uint8_t *const *wt, const void *const *sw,
+                                                         const void *const *mu, const uint8_t *rec, const int TB,
+                                                         int64_t K, int64_t Uc, const int bits, const int U,
+                                                         const int MINV, const int PK, const int H16, float *res) {
+    const float *dxu = (const float *)(rec + K), *xs = dxu + Uc;
+    const int32_t *cx = (const int32_t *)(xs + Uc);
+    __m512 acc[2];
+    for (int i = 0; i < TB; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t u = 0; u < Uc; u++) {
+        __m512i a[2], b[2];
+        for (int i = 0; i < TB; i++) {
+            a[i] = bits == 8 ? _mm512_set1_epi32(cx[u]) : _mm512_setzero_si512();
+            b[i] = _mm512_setzero_si512();
+        }
+        for (int t = 0; t < U / 4; t += 2) {
+            int32_t x0, x1;
+            memcpy(&x0, rec + u * U + 4 * t, sizeof x0);
+            memcpy(&x1, rec + u * U + 4 * t + 4, sizeof x1);
+            for (int i = 0; i < TB; i++) {
+                a[i] = _mm512_dpbusd_epi32(a[i], wl_col(wt[i], u, t, U, PK), _mm512_set1_epi32(x0));
+                b[i] = _mm512_dpbusd_epi32(b[i], wl_col(wt[i], u, t + 1, U, PK), _mm512_set1_epi32(x1));
+            }
+        }
+        for (int i = 0; i < TB; i++) {
+            const __m512 comb = _mm512_mul_ps(_mm512_set1_ps(dxu[u]), wl_par(sw[i], u, H16));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a[i], b[i])), comb, acc[i]);
+            if (MINV) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(xs[u]), wl_par(mu[i], u, H16), acc[i]);
+        }
+    }
+    for (int i = 0; i < TB; i++) _mm512_storeu_ps(res + i * 16, acc[i]);
+}
+
+static void wl_one_any(const uint8_t *const *wt, const void *const *sw, const void *const *mu, const uint8_t *rec,
+                       int tb, int64_t K, int64_t Uc, int bits, int U, int minv, int h16, float *res) {
+#define W1_CASE(B, UU, MV, H)                                                                 \
+    if (bits == B && U == UU && !!minv == MV && h16 == H) {                                    \
+        if (tb == 2) return wl_one(wt, sw, mu, rec, 2, K, Uc, B, UU, MV, B == 4, H, res);      \
+        return wl_one(wt, sw, mu, rec, 1, K, Uc, B, UU, MV, B == 4, H, res);                   \
+    }
+    W1_CASE(8, 32, 0, 0) W1_CASE(8, 32, 1, 0) W1_CASE(8, 16, 0, 0) W1_CASE(8, 16, 1, 0) W1_CASE(4, 32, 0, 0)
+    W1_CASE(4, 32, 1, 0) W1_CASE(8, 32, 0, 1) W1_CASE(8, 32, 1, 1) W1_CASE(8, 16, 0, 1) W1_CASE(8, 16, 1, 1)
+    W1_CASE(4, 32, 0, 1) W1_CASE(4, 32, 1, 1)
+#undef W1_CASE
+}
+
+/* wl_rows for this call's columns (pk = 0: wl_columns, float32 scales) or packed ones
+ * (pk = 1: triforce_qpack's, scales as stored, h16 for float16) */
+static void wl_rows_any(const uint8_t *wt, const void *sw, const void *mu, const uint8_t *xrec, size_t rec_bytes,
+                        int64_t M, int64_t K, int64_t Uc, int bits, int U, int minv, int pk, int h16, float *res) {
+#define WL_CASE(B, UU, MV, P, H)                                                      \
+    if (bits == B && U == UU && !!minv == MV && pk == P && h16 == H)                  \
+        return wl_rows(wt, sw, mu, xrec, rec_bytes, M, K, Uc, B, UU, MV, B == 4 && P, H, res);
+    WL_CASE(8, 32, 0, 0, 0) WL_CASE(8, 32, 1, 0, 0) WL_CASE(8, 16, 0, 0, 0) WL_CASE(8, 16, 1, 0, 0)
+    WL_CASE(4, 32, 0, 0, 0) WL_CASE(4, 32, 1, 0, 0)
+    WL_CASE(8, 32, 0, 1, 0) WL_CASE(8, 32, 1, 1, 0) WL_CASE(8, 16, 0, 1, 0) WL_CASE(8, 16, 1, 1, 0)
+    WL_CASE(4, 32, 0, 1, 0) WL_CASE(4, 32, 1, 1, 0)
+    WL_CASE(8, 32, 0, 1, 1) WL_CASE(8, 32, 1, 1, 1) WL_CASE(8, 16, 0, 1, 1) WL_CASE(8, 16, 1, 1, 1)
+    WL_CASE(4, 32, 0, 1, 1) WL_CASE(4, 32, 1, 1, 1)
 #undef WL_CASE
 }
 #endif
@@ -687,7 +762,7 @@ static inline void store(float *out, int64_t ldo, const float *bias, const float
 static int qlinear_q8(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *q, int bits,
                       int64_t G, const void *scale, const void *minv, int f16, const float *bias,
                       int64_t N, float *out, int64_t ldo, const float *nw, float eps, int glu,
-                      const float *radd, int64_t ldr) {
+                      const float *radd, int64_t ldr, const uint8_t *packed) {
     if (K <= 0 || N <= 0 || M < 0 || G <= 0 || K % QC || K % G || (bits != 8 && bits != 4) ||
         !(G == 16 || G == 32 || G % 64 == 0) || (bits == 4 && G % 32) || ldx < (glu ? 2 * K : K) ||
         ldo < N || (nw && glu) || (radd && ldr < N))
@@ -737,9 +812,40 @@ static int qlinear_q8(const float *x, int64_t M, int64_t K, int64_t ldx, const u
         }
     }
     const int64_t nt_w = xl ? NJ : WL, tiles = (N + nt_w - 1) / nt_w;
+#if TRIFORCE_VNNI /* triforce_qpack's tiles: columns, scales, offsets */
+    const int64_t pk_cols = bits == 8 ? 16 * K : 8 * K, pk_par = Uc * 16 * (f16 ? 2 : 4),
+                  pk_tile = pk_cols + (minv ? 2 : 1) * pk_par;
+#else
+    (void)packed;
+#endif
     /* per thread: xl: NJ unpacked int4 rows, cw [NJ][Uc], sw, mu [NJ][Uc]; else: columns
      * [K/4][64], sw, mu [Uc][16] (and the portable path's unpacked row) */
     const size_t tile_bytes = xl ? (size_t)NJ * K + 12 * (size_t)NJ * Uc : (size_t)16 * K + 128 * (size_t)Uc + K;
+#if TRIFORCE_VNNI
+    if (packed && M == 1 && !xl) { /* one row: two packed tiles at a time (wl_one) */
+#pragma omp parallel for schedule(static)
+        for (int64_t tp = 0; tp < (tiles + 1) / 2; tp++) {
+            const int64_t t0 = 2 * tp, tb2 = t0 + 1 < tiles ? 2 : 1;
+            const uint8_t *wt[2];
+            const void *sw[2], *mu[2];
+            for (int i = 0; i < tb2; i++) {
+                wt[i] = packed + (t0 + i) * pk_tile;
+                sw[i] = wt[i] + pk_cols;
+                mu[i] = (const uint8_t *)sw[i] + pk_par;
+            }
+            if (tp + 1 < (tiles + 1) / 2)
+                for (int64_t b = 0; b < 2 * pk_tile && (t0 + 2) * pk_tile + b < tiles * pk_tile; b += 64)
+                    __builtin_prefetch(packed + (t0 + 2) * pk_tile + b, 0, 0);
+            float res[2][16];
+            wl_one_any(wt, sw, mu, xbuf, (int)tb2, K, Uc, bits, (int)U, minv != NULL, f16, &res[0][0]);
+            for (int i = 0; i < tb2; i++) {
+                const int64_t n0 = (t0 + i) * WL, nt = N - n0 < WL ? N - n0 : WL;
+                for (int64_t j = 0; j < nt; j++) store(out, ldo, bias, radd, ldr, 0, n0 + j, res[i][j]);
+            }
+        }
+        return 0;
+    }
+#endif
     int failed = 0;
 #pragma omp parallel
     {
@@ -767,6 +873,21 @@ static int qlinear_q8(const float *x, int64_t M, int64_t K, int64_t ldx, const u
                     xl_tile_any(xbuf + g * grp_bytes, K, Uc, wb, cw, sw, mu, (int)U, minv != NULL, res);
                     for (int64_t l = 0; l < 16 && g * 16 + l < M; l++)
                         for (int64_t j = 0; j < nt; j++) store(out, ldo, bias, radd, ldr, g * 16 + l, n0 + j, res[j][l]);
+                }
+                continue;
+            }
+            if (packed) { /* columns and scales as triforce_qpack stored them: no transposition */
+                const uint8_t *wt = packed + ti * pk_tile;
+                const void *sw = wt + pk_cols, *mu = (const uint8_t *)sw + pk_par;
+                if (ti + 1 < tiles)
+                    for (int64_t b = 0; b < pk_tile; b += 64) __builtin_prefetch(wt + pk_tile + b, 0, 0);
+                for (int64_t r0 = 0; r0 < M; r0 += 16) {
+                    const int64_t rb = M - r0 < 16 ? M - r0 : 16;
+                    float res[16][16];
+                    wl_rows_any(wt, sw, mu, xbuf + r0 * rec_bytes, rec_bytes, rb, K, Uc, bits, (int)U, minv != NULL, 1,
+                                f16, &res[0][0]);
+                    for (int64_t r = 0; r < rb; r++)
+                        for (int64_t j = 0; j < nt; j++) store(out, ldo, bias, radd, ldr, r0 + r, n0 + j, res[r][j]);
                 }
                 continue;
             }
@@ -798,7 +919,8 @@ static int qlinear_q8(const float *x, int64_t M, int64_t K, int64_t ldx, const u
                 for (int64_t r0 = 0; r0 < M; r0 += 16) {
                     const int64_t rb = M - r0 < 16 ? M - r0 : 16;
                     float res[16][16];
-                    wl_rows_any(wt, sw, mu, xbuf + r0 * rec_bytes, rec_bytes, rb, K, Uc, bits, (int)U, minv != NULL, &res[0][0]);
+                    wl_rows_any(wt, sw, mu, xbuf + r0 * rec_bytes, rec_bytes, rb, K, Uc, bits, (int)U, minv != NULL, 0, 0,
+                                &res[0][0]);
                     for (int64_t r = 0; r < rb; r++)
                         for (int64_t j = 0; j < nt; j++) store(out, ldo, bias, radd, ldr, r0 + r, n0 + j, res[r][j]);
                 }
@@ -834,7 +956,7 @@ static int qlinear_q8(const float *x, int64_t M, int64_t K, int64_t ldx, const u
 int triforce_qlinear_q8(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *q, int bits,
                         int64_t G, const void *scale, const void *minv, int f16, const float *bias,
                         int64_t N, float *out, int64_t ldo) {
-    return qlinear_q8(x, M, K, ldx, q, bits, G, scale, minv, f16, bias, N, out, ldo, NULL, 0.0f, 0, NULL, 0);
+    return qlinear_q8(x, M, K, ldx, q, bits, G, scale, minv, f16, bias, N, out, ldo, NULL, 0.0f, 0, NULL, 0, NULL);
 }
 
 /* triforce_qlinear_q8 with the ops around a projection in the same pass (what a decoder
@@ -845,5 +967,75 @@ int triforce_qlinear_q8x(const float *x, int64_t M, int64_t K, int64_t ldx, cons
                          int64_t G, const void *scale, const void *minv, int f16, const float *bias,
                          int64_t N, float *out, int64_t ldo, const float *nw, float eps, int glu,
                          const float *res, int64_t ldr) {
-    return qlinear_q8(x, M, K, ldx, q, bits, G, scale, minv, f16, bias, N, out, ldo, nw, eps, glu, res, ldr);
+    return qlinear_q8(x, M, K, ldx, q, bits, G, scale, minv, f16, bias, N, out, ldo, nw, eps, glu, res, ldr, NULL);
+}
+
+/* triforce_qlinear_q8x with the weight's columns packed by triforce_qpack (NULL: none): calls
+ * of fewer than XL_MIN rows read them instead of transposing each tile of W (the same
+ * integers, scales and order: the same bits); the others read q as before. */
+int triforce_qlinear_q8p(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *q, int bits,
+                         int64_t G, const void *scale, const void *minv, int f16, const float *bias,
+                         int64_t N, float *out, int64_t ldo, const float *nw, float eps, int glu,
+                         const float *res, int64_t ldr, const uint8_t *packed) {
+    return qlinear_q8(x, M, K, ldx, q, bits, G, scale, minv, f16, bias, N, out, ldo, nw, eps, glu, res, ldr, packed);
+}
+
+/* W's columns as the int8 kernel's few-rows path reads them, made once (at load) instead of
+ * by every call: per tile of 16 weight rows (rows past N repeat the tile's first, as the
+ * kernel's last tile does), the tile's columns [K/4][16 rows x 4 bytes] (int8: q + 128;
+ * int4: nibbles, unit 2c's vector t in the low nibbles and unit 2c + 1's in the high ones of
+ * one byte, the bytes q takes), then the scales (then offsets) per unit [Uc][16] as stored
+ * (float16 or float32). triforce_qpack_bytes gives the size, or -1 where the layout or the
+ * build (no VNNI) has no packed path; triforce_qpack writes it: 0, -1, -2 (memory). */
+int64_t triforce_qpack_bytes(int64_t K, int bits, int64_t G, int f16, int minv, int64_t N) {
+    if (!TRIFORCE_VNNI || K <= 0 || N <= 0 || G <= 0 || K % QC || K % G || (bits != 8 && bits != 4) ||
+        !(G == 16 || G == 32 || G % 64 == 0) || (bits == 4 && G % 32))
+        return -1;
+    const int64_t Uc = K / (G == 16 ? 16 : 32);
+    return (N + WL - 1) / WL * ((bits == 8 ? 16 * K : 8 * K) + (minv ? 2 : 1) * Uc * 16 * (f16 ? 2 : 4));
+}
+
+int triforce_qpack(int64_t K, const uint8_t *q, int bits, int64_t G, const void *scale, const void *minv, int f16,
+                   int64_t N, uint8_t *out) {
+    const int64_t bytes = triforce_qpack_bytes(K, bits, G, f16, minv != NULL, N);
+    if (bytes < 0) return -1;
+#if TRIFORCE_VNNI
+    const int64_t U = G == 16 ? 16 : 32, Uc = K / U, groups = K / G, tiles = (N + WL - 1) / WL, tile = bytes / tiles;
+    const int64_t cols = bits == 8 ? 16 * K : 8 * K, es = f16 ? 2 : 4;
+    int failed = 0;
+#pragma omp parallel
+    {
+        uint8_t *tmp = bits == 4 ? scratch(TILE, 16 * (size_t)K) : NULL;
+        if (bits == 4 && !tmp) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t ti = 0; ti < tiles; ti++) {
+            if (bits == 4 && !tmp) continue;
+            uint8_t *dst = out + ti * tile;
+            int64_t n[WL];
+            for (int j = 0; j < WL; j++) n[j] = ti * WL + j < N ? ti * WL + j : ti * WL;
+            wl_columns(q, bits, K, n, bits == 8 ? dst : tmp);
+            if (bits == 4)
+                for (int64_t c = 0; c < K / QC; c++)
+                    for (int t = 0; t < 8; t++) {
+                        const __m512i lo = _mm512_loadu_si512(tmp + (c * 16 + t) * 64);
+                        const __m512i hi = _mm512_loadu_si512(tmp + (c * 16 + t + 8) * 64);
+                        _mm512_storeu_si512(dst + (c * 8 + t) * 64, _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4)));
+                    }
+            for (int which = 0; which < (minv ? 2 : 1); which++) {
+                const uint8_t *src = which ? minv : scale;
+                uint8_t *pd = dst + cols + which * Uc * 16 * es;
+                for (int64_t u = 0; u < Uc; u++)
+                    for (int j = 0; j < WL; j++)
+                        memcpy(pd + (u * 16 + j) * es, src + (n[j] * groups + u * U / G) * es, es);
+            }
+        }
+    }
+    return failed ? -2 : 0;
+#else
+    (void)q, (void)scale, (void)out;
+    return -1;
+#endif
 }

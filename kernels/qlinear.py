@@ -112,6 +112,11 @@ class QPart(nn.Module):
             w = w + m.float()[..., None]
         return w.reshape(n, K).to(dtype)
 
+    def __getstate__(self):  # a copy packs its own columns (and counts them)
+        state = super().__getstate__()
+        state.pop("_columns", None)
+        return state
+
     def q8_ok(self) -> bool:
         """Whether the int8-activation kernel takes this layout (else x stays float)."""
         K, G = self.in_features, self.group
@@ -120,6 +125,55 @@ class QPart(nn.Module):
     def _args(self):
         return (self.q.data_ptr(), self.bits, self.group, self.scale.data_ptr(),
                 None if self.minv is None else self.minv.data_ptr(), int(self.scale.dtype == torch.float16))
+
+    def columns(self) -> int | None:
+        """The address of this part's weight columns as the int8 kernel's calls of 2-63 rows
+        read them (`triforce_qpack`: each tile of 16 weight rows transposed once, here,
+        instead of by every call; the same bits), packed on first use; None where they are
+        not kept (`TRIFORCE_OFFLOAD_CPU_COLUMNS`, the memory budget, the layout)."""
+        cols = self.__dict__.get("_columns", False)
+        if cols is False:
+            cols = self.__dict__["_columns"] = _pack(self)
+        return None if cols is None else cols.data_ptr()
+
+
+_packed = [0]  # bytes of columns kept by live parts (the auto budget's use)
+
+
+def _budget() -> int:
+    """Bytes of packed columns `auto` keeps: an eighth of the memory available now."""
+    import os
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        avail = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    return avail // 8
+
+
+def _pack(part: QPart):
+    """`part`'s packed columns (a uint8 tensor), or None (see QPart.columns)."""
+    import weakref
+    from ..settings import env
+    lib, mode = load(), env("cpu_columns")
+    if lib is None or mode == "0" or part.q.device.type != "cpu" or not part.q8_ok():
+        return None
+    args = (part.in_features, part.bits, part.group, int(part.scale.dtype == torch.float16),
+            int(part.minv is not None), part.out_features)
+    n = lib.triforce_qpack_bytes(*args)
+    if n < 0 or (mode == "auto" and _packed[0] + n > _budget()):
+        return None
+    cols = torch.empty(n, dtype=torch.uint8)
+    q, bits, G, scale, minv, f16 = part._args()
+    if lib.triforce_qpack(part.in_features, q, bits, G, scale, minv, f16, part.out_features, cols.data_ptr()):
+        return None
+    _packed[0] += n
+    weakref.finalize(cols, _release, n)
+    return cols
+
+
+def _release(n: int):
+    _packed[0] -= n
 
 
 class QLinear(nn.Module):
@@ -155,6 +209,8 @@ class QLinear(nn.Module):
 
     def _apply(self, fn, *args, **kwargs):  # .to(), .cuda(), ...: buffers move
         self._calls = None
+        for p in self.parts:  # packed columns follow q: made again from where it lands
+            p.__dict__.pop("_columns", None)
         return super()._apply(fn, *args, **kwargs)
 
     def __getstate__(self):  # native pointers and kernels stay with the original
@@ -171,9 +227,12 @@ class QLinear(nn.Module):
         if self._calls is None and self.parts[0].q.device.type == "cpu" and load() is not None:
             lib, col, calls = load(), 0, []
             for p in self.parts:
-                fn = lib.triforce_qlinear_q8 if self.act == "int8" and p.q8_ok() else lib.triforce_qlinear
+                q8 = self.act == "int8" and p.q8_ok()
+                fn = lib.triforce_qlinear_q8p if q8 else lib.triforce_qlinear
                 bias = None if self.bias is None else self.bias.data_ptr() + 4 * col
-                calls.append((fn, p._args(), bias, p.out_features, col))
+                # q8p's tail: no norm, SwiGLU or residual; the packed columns or None
+                tail = (None, 0.0, 0, None, 0, p.columns()) if q8 else ()
+                calls.append((fn, p._args(), bias, p.out_features, col, tail))
                 col += p.out_features
             self._calls = calls
             self._plans = {}
@@ -189,8 +248,8 @@ class QLinear(nn.Module):
         if (calls is not None and self.act == "int8" and all(p.q8_ok() for p in self.parts)
                 and (norm is None or (not getattr(norm, "plus_one", True) and norm.weight.dtype == torch.float32))):
             nw, eps = (norm.weight.data_ptr(), norm.eps) if norm is not None else (None, 0.0)
-            plan = (load().triforce_qlinear_q8x, self.in_features, self.out_features, nw, eps,
-                    tuple((args, bias, rows, col) for _, args, bias, rows, col in calls))
+            plan = (load().triforce_qlinear_q8p, self.in_features, self.out_features, nw, eps,
+                    tuple((args, bias, rows, col, tail[-1]) for _, args, bias, rows, col, tail in calls))
         if self._calls is not None:
             self._plans[(norm, glu)] = plan
         return plan
@@ -207,8 +266,8 @@ class QLinear(nn.Module):
         M = x2.shape[0]
         out = torch.empty(M, N, dtype=torch.float32)
         xp, ld, op = x2.data_ptr(), x2.stride(0), out.data_ptr()
-        for fn, args, bias, rows, col in calls:
-            rc = fn(xp, M, K, ld, *args, bias, rows, op + 4 * col, N)
+        for fn, args, bias, rows, col, tail in calls:
+            rc = fn(xp, M, K, ld, *args, bias, rows, op + 4 * col, N, *tail)
             if rc:
                 raise (MemoryError if rc == -2 else RuntimeError)(f"native quantized linear failed ({rc}) on {self}")
         return out.view(*shape[:-1], N)
@@ -233,9 +292,9 @@ class QLinear(nn.Module):
         out = torch.empty((*shape[:-1], N), dtype=torch.float32)
         xp, op, ldx, g = x.data_ptr(), out.data_ptr(), shape[-1], int(glu)
         res = None if residual is None else residual.data_ptr()
-        for args, bias, rows, col in parts:
+        for args, bias, rows, col, cols in parts:
             rc = fn(xp, M, K, ldx, *args, bias, rows, op + 4 * col, N, nw, eps, g,
-                    None if res is None else res + 4 * col, N)
+                    None if res is None else res + 4 * col, N, cols)
             if rc:
                 raise (MemoryError if rc == -2 else RuntimeError)(f"native quantized linear failed ({rc}) on {self}")
         return out

@@ -90,6 +90,10 @@ class EnvOptions(Options):
     gpu_linear: str = opt("auto", "CUDA projections of up to 64 rows: auto (the row-exact Triton "
                           "kernel where it runs) or cublas.", check=one_of("auto", "cublas"),
                           env="TRIFORCE_OFFLOAD_GPU_LINEAR")
+    cpu_columns: str = opt("auto", "The int8 CPU kernel's weight columns packed once at load for "
+                           "calls of 2-63 rows (a second copy of the weights): auto (while they "
+                           "fit in an eighth of the available memory), 1 (always), 0 (never).",
+                           check=one_of("auto", "0", "1"), env="TRIFORCE_OFFLOAD_CPU_COLUMNS")
     attention: str = opt("auto", "Fixed-shape attention: auto, flash-attn, triton or sdpa.",
                          check=one_of("auto", "flash-attn", "triton", "sdpa"),
                          env="TRIFORCE_OFFLOAD_ATTENTION")
@@ -101,7 +105,7 @@ class EnvOptions(Options):
         return Path(self.cache_dir or Path.home() / ".cache" / "triforce-offload")
 
 
-_LOWER = {"native", "linear", "gpu_linear", "attention"}  # choices, case-insensitive
+_LOWER = {"native", "linear", "gpu_linear", "cpu_columns", "attention"}  # choices, case-insensitive
 _PARSE = {"bool": _flag, "float": float, "str": str, "str | None": lambda v: v or None}
 
 

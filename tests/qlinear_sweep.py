@@ -1,7 +1,8 @@
 """Sweep of the native quantized linear kernel, run as a script by test_native_checked.py
 inside a build with a sanitizer or _FORTIFY_SOURCE: an out-of-bounds access aborts.
 
-Covers int8 and int4, float16 and float32 scales, with and without offsets, groups of 16 to
+Covers int8 and int4 (int8 activations with the packed columns, each compared with the
+calls that transpose W themselves), float16 and float32 scales, with and without offsets, groups of 16 to
 K, output counts around the 8-row tile (the zero-padded last tile), one row and many, strided
 rows, several parts writing side by side into one output, the embedding lookup, and seeded
 random shapes (issue 39's fuzzed shapes: bits, K, group, N, M, scales, offsets, strides); each
@@ -9,6 +10,7 @@ case with float activations and with int8 ones (x quantized per row and 32 input
 with the float64 product of the quantized x, and every row with that row alone).
 Exits 1 naming the first case that differs from the float64 reference.
 """
+import os
 import random
 import sys
 
@@ -27,7 +29,17 @@ def part(bits, N, K, G, f16, with_min, g):
     return QPart(q, s, m, bits, G, K)
 
 
+def unpacked(p, b, x):
+    """x through a copy of part p without packed columns (each call transposes its tiles)."""
+    os.environ["TRIFORCE_OFFLOAD_CPU_COLUMNS"] = "0"
+    try:
+        return QLinear([QPart(p.q, p.scale, p.minv, p.bits, p.group, p.in_features)], b, act="int8")(x)
+    finally:
+        os.environ["TRIFORCE_OFFLOAD_CPU_COLUMNS"] = "1"
+
+
 def main() -> int:
+    os.environ["TRIFORCE_OFFLOAD_CPU_COLUMNS"] = "1"  # the packed columns wherever they run
     if qlinear.load() is None:
         print(f"native kernel unavailable: {qlinear.reason()}")
         return 1
@@ -45,6 +57,9 @@ def main() -> int:
                             for act in ("fp32", "int8"):
                                 lin = QLinear([p], b, act=act)
                                 y = lin(x)
+                                if act == "int8" and not torch.equal(unpacked(p, b, x), y):
+                                    print(f"packed columns differ: bits {bits} N {N} K {K} G {G} M {M} f16 {f16}")
+                                    return 1
                                 xr = quantize_x(x) if act == "int8" else x
                                 ref = torch.nn.functional.linear(xr.double(), p.dequantize().double(), b.double())
                                 rows = torch.cat([lin(x[i:i + 1]) for i in range(M)])
@@ -81,6 +96,9 @@ def main() -> int:
             rows = torch.cat([lin(x[j:j + 1]) for j in range(M)])
             if not torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-4) or not torch.equal(rows, y):
                 print(f"differs: fuzzed {i}: bits {bits} N {N} K {K} G {G} M {M} stride {step} {act}")
+                return 1
+            if act == "int8" and p.q8_ok() and not torch.equal(unpacked(p, lin.bias, x), y):
+                print(f"packed columns differ: fuzzed {i}: bits {bits} N {N} K {K} G {G} M {M}")
                 return 1
             n += 1
     for K, M, N in ((64, 1, 9), (192, 5, 17)):  # the fused pass: norm, SwiGLU, residual

@@ -59,6 +59,61 @@ def test_int8_activations_match_their_reference_and_rows_do_not_depend_on_the_ba
     assert torch.equal(lin(x[:, :5]), y[:, :5])  # a few rows together
 
 
+@pytest.mark.parametrize("bits,N,K,G,f16,with_min", [c for c in CASES if c[2] % 64 == 0]
+                         + [(8, 70, 128, 128, False, False), (4, 33, 256, 128, True, False)])
+def test_packed_columns_give_the_bits_of_the_transposing_calls(monkeypatch, bits, N, K, G, f16, with_min):
+    """The columns packed once at load (`TRIFORCE_OFFLOAD_CPU_COLUMNS`) give every call of
+    1-70 rows the bits of the kernel that transposes W per call: plain, fused (norm, SwiGLU,
+    residual), one tile and several, an odd number of tiles for one row's pairs."""
+    if qlinear.load() is None or not qlinear.vnni():
+        pytest.skip("the packed columns are the AVX-512 VNNI kernel's")
+    p = _part(bits, N, K, G, f16, with_min)
+    assert p.q8_ok()
+    bias = torch.randn(N)
+
+    def lin(mode):
+        monkeypatch.setenv("TRIFORCE_OFFLOAD_CPU_COLUMNS", mode)
+        fresh = QLinear([QPart(p.q, p.scale, p.minv, bits, G, K)], bias, act="int8")
+        fresh.native_calls()
+        assert (fresh.parts[0].columns() is not None) == (mode == "1")
+        return fresh
+
+    plain, packed = lin("0"), lin("1")
+    norm = torch.nn.RMSNorm(K, eps=1e-5)
+    norm.plus_one = False
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    for M in (1, 2, 3, 4, 5, 7, 16, 29, 63, 64, 70):
+        x = torch.randn(M, K) * torch.logspace(-2, 1, K)
+        assert torch.equal(plain(x), packed(x)), M
+        res = torch.randn(M, N)
+        assert torch.equal(plain.fused(x, norm, residual=res), packed.fused(x, norm, residual=res)), M
+        xg = torch.randn(M, 2 * K)
+        assert torch.equal(plain.fused(xg, glu=True), packed.fused(xg, glu=True)), M
+
+
+def test_packed_columns_follow_the_budget_and_the_weights(monkeypatch):
+    """auto packs while the columns fit the budget; a part moved or copied packs its own."""
+    if qlinear.load() is None or not qlinear.vnni():
+        pytest.skip("the packed columns are the AVX-512 VNNI kernel's")
+    import copy
+    monkeypatch.setenv("TRIFORCE_OFFLOAD_CPU_COLUMNS", "auto")
+    monkeypatch.setattr(qlinear, "_budget", lambda: qlinear._packed[0])  # no room left
+    lin = QLinear([_part(8, 37, 64, 16, True, False)], act="int8")
+    x = torch.randn(3, 64)
+    y = lin(x)
+    assert lin.parts[0].columns() is None
+    monkeypatch.setattr(qlinear, "_budget", lambda: 1 << 40)
+    lin2 = QLinear([lin.parts[0]], act="int8")
+    assert lin2.parts[0].columns() is None  # decided once per part
+    before = qlinear._packed[0]
+    dup = copy.deepcopy(lin)
+    assert dup.parts[0].columns() is not None and qlinear._packed[0] > before
+    assert torch.equal(dup(x), y)
+    dup.to(torch.float32)  # buffers may move: columns made again from where q is
+    assert "_columns" not in dup.parts[0].__dict__ and torch.equal(dup(x), y)
+
+
 @pytest.mark.parametrize("glu", [False, True])
 def test_fused_norm_swiglu_and_residual_are_the_ops_around_the_projection(glu):
     """QLinear.fused: the RMSNorm (or SwiGLU) and the residual add in the int8 kernel's pass
