@@ -3,6 +3,7 @@
 Usage:
     python benchmarks/model_linears.py                     # the bundled model, rows 1, 2, 4, 8
     python benchmarks/model_linears.py --model gemma-3-270m-q4_k_m.gguf --rows 1 7 --threads 2
+    python benchmarks/model_linears.py --rows 1 2 4 7 16 28 --columns   # packed columns against none
 
 One pass is every `QLinear` of the model (each layer's q/k/v, o, gate/up and down, and the
 LM head) called once with M rows, with the activations the model was loaded with (int8 per
@@ -36,6 +37,10 @@ def main():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--passes", type=int, default=50)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--columns", action="store_true",
+                   help="also time each M without the packed weight columns (each call transposing "
+                        "its tiles), the two alternating block by block: medians and the median "
+                        "of the paired ratios")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     loaded = api.load(a.model)
@@ -52,6 +57,25 @@ def main():
             xs = [torch.randn(1, M, m.in_features, generator=g) for m in lins]
             one = lambda: [m(x) for m, x in zip(lins, xs)]  # noqa: E731
             one()
+            if a.columns:
+                packed = [m._calls for m in lins]
+                bare = [[c[:5] + ((c[5][:-1] + (None,)) if c[5] else (),) for c in calls] for calls in packed]
+                pairs = []
+                for _ in range(a.repeats):
+                    ts = []
+                    for calls in (packed, bare):
+                        for m, c in zip(lins, calls):
+                            m._calls = c
+                        one()
+                        ts.append(_timed(lambda: [one() for _ in range(a.passes)]) / a.passes)
+                    pairs.append(ts)
+                for m, c in zip(lins, packed):
+                    m._calls = c
+                med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+                print(f"rows {M}: packed columns {med([p for p, _ in pairs]) * 1e3:.2f} ms per pass, "
+                      f"transposing {med([b for _, b in pairs]) * 1e3:.2f}; paired ratio "
+                      f"{med([b / p for p, b in pairs]):.2f}x")
+                continue
             best = min(_timed(lambda: [one() for _ in range(a.passes)]) for _ in range(a.repeats)) / a.passes
             print(f"rows {M}: {best * 1e3:.2f} ms per pass, {nbytes / best / 1e9:.1f} GB/s of weights")
 

@@ -61,8 +61,13 @@ def kernel(device: torch.device | str = "cpu", act: str = "fp32") -> str:
     if lib is None:
         return f"torch (dequantize per call; native kernel unavailable: {reason()})"
     if act == "int8":
-        how = "AVX-512 VNNI" if lib.triforce_linear_vnni() else "portable C, no VNNI: slow"
-        return f"native (int8 activations per row and 32 inputs, integer dots, {how})"
+        if not lib.triforce_linear_vnni():
+            return "native (int8 activations per row and 32 inputs, integer dots, portable C, no VNNI: slow)"
+        from ..settings import env
+        cols = {"0": "each call transposes W's tiles (TRIFORCE_OFFLOAD_CPU_COLUMNS=0)",
+                "1": "W's columns packed at load for calls under 64 rows",
+                "auto": "W's columns packed at load for calls under 64 rows, within an eighth of the free memory"}
+        return f"native (int8 activations per row and 32 inputs, integer dots, AVX-512 VNNI; {cols[env('cpu_columns')]})"
     return f"native ({lib.triforce_linear_vector_bits()}-bit vectors, float32 activations)"
 
 

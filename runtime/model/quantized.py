@@ -111,6 +111,8 @@ def set_activations(model: torch.nn.Module, mode: str, device) -> str:
     act = activations(mode, device)
     for m in lins:
         m.act = act
+        if act == "int8":
+            m.native_calls()  # the int8 kernel's packed columns made now, not in a first request
     return act
 
 
