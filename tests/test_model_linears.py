@@ -20,3 +20,15 @@ def test_model_linears_prints_each_row_count_and_the_floor():
     assert head and int(head.group(1)) > 0 and float(head.group(2)) > 0 and float(head.group(3)) > 0, r.stdout
     rows = re.findall(r"rows (\d+): ([\d.]+) ms per pass, ([\d.]+) GB/s", r.stdout)
     assert [m for m, _, _ in rows] == ["1", "3"] and all(float(ms) > 0 for _, ms, _ in rows), r.stdout
+
+
+@pytest.mark.slow
+def test_model_linears_columns_times_packed_against_transposing():
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "model_linears.py"), "--rows", "1", "4",
+                        "--passes", "1", "--repeats", "3", "--threads", "1", "--columns"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = re.findall(r"rows (\d+): packed columns ([\d.]+) ms per pass, transposing ([\d.]+); paired ratio ([\d.]+)x",
+                      r.stdout)
+    assert [m for m, *_ in rows] == ["1", "4"], r.stdout
+    assert all(float(p) > 0 and float(t) > 0 and float(x) > 0 for _, p, t, x in rows), r.stdout
