@@ -133,7 +133,12 @@ class Step:
         the cache's fixed-shape attention gets a device start there too), so not a compiled
         step (inductor fuses otherwise) nor a shape whose capture failed (it runs the
         dynamic forward alone)."""
-        return not self.compiled and (not self.graphed or self.graphs.get(((1, T), last_only), True) is not None)
+        return not self.compiled and (not self.graphed or self.graphs.get(self.key(T, last_only), True) is not None)
+
+    @staticmethod
+    def key(T: int, last_only: bool) -> tuple:
+        """A step's graph: one per (T, last_only), its ids [1, T]."""
+        return (1, T), last_only
 
     def __call__(self, ids: torch.Tensor, start: int, last_only: bool = False) -> torch.Tensor:
         b = member.current()  # a sequence of a batch: the forward waits for its round
@@ -145,7 +150,7 @@ class Step:
             return self.model(ids, start, self.cache, last_only)
         self.cache.check_end(start + ids.shape[1])  # on the host: the graph cannot check
         self.start.fill_(start)
-        key = (tuple(ids.shape), last_only)
+        key = self.key(ids.shape[1], last_only)
         if self.graphed and key not in self.graphs:
             self.graphs[key] = self._capture(ids, last_only)
             self.captures += self.graphs[key] is not None
