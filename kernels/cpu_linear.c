@@ -155,7 +155,7 @@ static void dequant_row(float *restrict dst, const uint8_t *restrict q, int bits
  * would page-fault on every projection of every token). Two slots: TILE for work inside a
  * parallel region (a dequantized tile, a tile's scales), ROWS for the calling thread's
  * quantized rows of x, which the region's threads read, PREP for the calling thread's
- * row of x before it is quantized (triforce_qlinear_q8x). */
+ * row of x before it is quantized (triforce_qlinear_q8's nw or glu). */
 enum { TILE, ROWS, PREP };
 static void *scratch(int slot, size_t bytes) {
     static __thread void *buf[3];
@@ -759,13 +759,35 @@ static inline void store(float *out, int64_t ldo, const float *bias, const float
     out[r * ldo + n] = radd ? radd[r * ldr + n] + o : o;
 }
 
-static int qlinear_q8(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *q, int bits,
-                      int64_t G, const void *scale, const void *minv, int f16, const float *bias,
-                      int64_t N, float *out, int64_t ldo, const float *nw, float eps, int glu,
-                      const float *radd, int64_t ldr, const uint8_t *packed) {
-    if (K <= 0 || N <= 0 || M < 0 || G <= 0 || K % QC || K % G || (bits != 8 && bits != 4) ||
-        !(G == 16 || G == 32 || G % 64 == 0) || (bits == 4 && G % 32) || ldx < (glu ? 2 * K : K) ||
-        ldo < N || (nw && glu) || (radd && ldr < N))
+/* W as the int8 kernel takes it: K a multiple of QC, groups of 16, 32 or a multiple of 64
+ * (int4: of 32) */
+static int q8_layout_ok(int64_t K, int64_t N, int64_t G, int bits) {
+    return K > 0 && N > 0 && G > 0 && K % QC == 0 && K % G == 0 && (bits == 8 || bits == 4) &&
+           (G == 16 || G == 32 || G % 64 == 0) && !(bits == 4 && G % 32);
+}
+
+/* triforce_qpack's tile of 16 weight rows: its columns (int8 16K bytes, int4 8K), then the
+ * scales per unit [Uc][16] (pk_par bytes), then the offsets */
+static int64_t pk_cols(int bits, int64_t K) { return bits == 8 ? 16 * K : 8 * K; }
+static int64_t pk_par(int64_t Uc, int f16) { return Uc * 16 * (f16 ? 2 : 4); }
+static int64_t pk_tile(int bits, int64_t K, int64_t Uc, int f16, int minv) {
+    return pk_cols(bits, K) + (minv ? 2 : 1) * pk_par(Uc, f16);
+}
+
+/* As triforce_qlinear, with x quantized per row to int8 (above), and the ops around a
+ * projection in the same pass (what a decoder layer's Python would run as several small
+ * ops): x RMS-normalised first (nw: the norm's weight, eps) or x a row [gate | up] of 2K
+ * whose SwiGLU is the input (glu), and the output added to radd [M, N] (ldr; radd may be
+ * out: out = radd + x W^T + bias); NULL, 0 for none. packed: the weight's columns from
+ * triforce_qpack, or NULL: calls of fewer than XL_MIN rows read them instead of transposing
+ * each tile of W (the same integers, scales and order: the same bits); the others read q.
+ * Returns 0, -1 for a layout it does not take, -2 when scratch memory is short. */
+int triforce_qlinear_q8(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *q, int bits,
+                        int64_t G, const void *scale, const void *minv, int f16, const float *bias,
+                        int64_t N, float *out, int64_t ldo, const float *nw, float eps, int glu,
+                        const float *radd, int64_t ldr, const uint8_t *packed) {
+    if (!q8_layout_ok(K, N, G, bits) || M < 0 || ldx < (glu ? 2 * K : K) || ldo < N || (nw && glu) ||
+        (radd && ldr < N))
         return -1;
     if (M == 0) return 0;
     const int64_t U = G == 16 ? 16 : 32, Uc = K / U, groups = K / G;
@@ -813,8 +835,7 @@ static int qlinear_q8(const float *x, int64_t M, int64_t K, int64_t ldx, const u
     }
     const int64_t nt_w = xl ? NJ : WL, tiles = (N + nt_w - 1) / nt_w;
 #if TRIFORCE_VNNI /* triforce_qpack's tiles: columns, scales, offsets */
-    const int64_t pk_cols = bits == 8 ? 16 * K : 8 * K, pk_par = Uc * 16 * (f16 ? 2 : 4),
-                  pk_tile = pk_cols + (minv ? 2 : 1) * pk_par;
+    const int64_t p_cols = pk_cols(bits, K), p_par = pk_par(Uc, f16), p_tile = pk_tile(bits, K, Uc, f16, minv != NULL);
 #else
     (void)packed;
 #endif
@@ -829,13 +850,13 @@ static int qlinear_q8(const float *x, int64_t M, int64_t K, int64_t ldx, const u
             const uint8_t *wt[2];
             const void *sw[2], *mu[2];
             for (int i = 0; i < tb2; i++) {
-                wt[i] = packed + (t0 + i) * pk_tile;
-                sw[i] = wt[i] + pk_cols;
-                mu[i] = (const uint8_t *)sw[i] + pk_par;
+                wt[i] = packed + (t0 + i) * p_tile;
+                sw[i] = wt[i] + p_cols;
+                mu[i] = (const uint8_t *)sw[i] + p_par;
             }
             if (tp + 1 < (tiles + 1) / 2)
-                for (int64_t b = 0; b < 2 * pk_tile && (t0 + 2) * pk_tile + b < tiles * pk_tile; b += 64)
-                    __builtin_prefetch(packed + (t0 + 2) * pk_tile + b, 0, 0);
+                for (int64_t b = 0; b < 2 * p_tile && (t0 + 2) * p_tile + b < tiles * p_tile; b += 64)
+                    __builtin_prefetch(packed + (t0 + 2) * p_tile + b, 0, 0);
             float res[2][16];
             wl_one_any(wt, sw, mu, xbuf, (int)tb2, K, Uc, bits, (int)U, minv != NULL, f16, &res[0][0]);
             for (int i = 0; i < tb2; i++) {
@@ -877,10 +898,10 @@ static int qlinear_q8(const float *x, int64_t M, int64_t K, int64_t ldx, const u
                 continue;
             }
             if (packed) { /* columns and scales as triforce_qpack stored them: no transposition */
-                const uint8_t *wt = packed + ti * pk_tile;
-                const void *sw = wt + pk_cols, *mu = (const uint8_t *)sw + pk_par;
+                const uint8_t *wt = packed + ti * p_tile;
+                const void *sw = wt + p_cols, *mu = (const uint8_t *)sw + p_par;
                 if (ti + 1 < tiles)
-                    for (int64_t b = 0; b < pk_tile; b += 64) __builtin_prefetch(wt + pk_tile + b, 0, 0);
+                    for (int64_t b = 0; b < p_tile; b += 64) __builtin_prefetch(wt + p_tile + b, 0, 0);
                 for (int64_t r0 = 0; r0 < M; r0 += 16) {
                     const int64_t rb = M - r0 < 16 ? M - r0 : 16;
                     float res[16][16];
@@ -951,35 +972,6 @@ static int qlinear_q8(const float *x, int64_t M, int64_t K, int64_t ldx, const u
     return failed ? -2 : 0;
 }
 
-/* As triforce_qlinear, with x quantized per row to int8 (above). Returns 0, -1 for a layout
- * it does not take, -2 when scratch memory is short. */
-int triforce_qlinear_q8(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *q, int bits,
-                        int64_t G, const void *scale, const void *minv, int f16, const float *bias,
-                        int64_t N, float *out, int64_t ldo) {
-    return qlinear_q8(x, M, K, ldx, q, bits, G, scale, minv, f16, bias, N, out, ldo, NULL, 0.0f, 0, NULL, 0, NULL);
-}
-
-/* triforce_qlinear_q8 with the ops around a projection in the same pass (what a decoder
- * layer's Python would run as several small ops): x RMS-normalised first (nw: the norm's
- * weight, eps) or x a row [gate | up] of 2K whose SwiGLU is the input (glu), and the
- * output added to res [M, N] (ldr; res may be out: out = res + x W^T + bias). */
-int triforce_qlinear_q8x(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *q, int bits,
-                         int64_t G, const void *scale, const void *minv, int f16, const float *bias,
-                         int64_t N, float *out, int64_t ldo, const float *nw, float eps, int glu,
-                         const float *res, int64_t ldr) {
-    return qlinear_q8(x, M, K, ldx, q, bits, G, scale, minv, f16, bias, N, out, ldo, nw, eps, glu, res, ldr, NULL);
-}
-
-/* triforce_qlinear_q8x with the weight's columns packed by triforce_qpack (NULL: none): calls
- * of fewer than XL_MIN rows read them instead of transposing each tile of W (the same
- * integers, scales and order: the same bits); the others read q as before. */
-int triforce_qlinear_q8p(const float *x, int64_t M, int64_t K, int64_t ldx, const uint8_t *q, int bits,
-                         int64_t G, const void *scale, const void *minv, int f16, const float *bias,
-                         int64_t N, float *out, int64_t ldo, const float *nw, float eps, int glu,
-                         const float *res, int64_t ldr, const uint8_t *packed) {
-    return qlinear_q8(x, M, K, ldx, q, bits, G, scale, minv, f16, bias, N, out, ldo, nw, eps, glu, res, ldr, packed);
-}
-
 /* W's columns as the int8 kernel's few-rows path reads them, made once (at load) instead of
  * by every call: per tile of 16 weight rows (rows past N repeat the tile's first, as the
  * kernel's last tile does), the tile's columns [K/4][16 rows x 4 bytes] (int8: q + 128;
@@ -988,11 +980,8 @@ int triforce_qlinear_q8p(const float *x, int64_t M, int64_t K, int64_t ldx, cons
  * (float16 or float32). triforce_qpack_bytes gives the size, or -1 where the layout or the
  * build (no VNNI) has no packed path; triforce_qpack writes it: 0, -1, -2 (memory). */
 int64_t triforce_qpack_bytes(int64_t K, int bits, int64_t G, int f16, int minv, int64_t N) {
-    if (!TRIFORCE_VNNI || K <= 0 || N <= 0 || G <= 0 || K % QC || K % G || (bits != 8 && bits != 4) ||
-        !(G == 16 || G == 32 || G % 64 == 0) || (bits == 4 && G % 32))
-        return -1;
-    const int64_t Uc = K / (G == 16 ? 16 : 32);
-    return (N + WL - 1) / WL * ((bits == 8 ? 16 * K : 8 * K) + (minv ? 2 : 1) * Uc * 16 * (f16 ? 2 : 4));
+    if (!TRIFORCE_VNNI || !q8_layout_ok(K, N, G, bits)) return -1;
+    return (N + WL - 1) / WL * pk_tile(bits, K, K / (G == 16 ? 16 : 32), f16, minv);
 }
 
 int triforce_qpack(int64_t K, const uint8_t *q, int bits, int64_t G, const void *scale, const void *minv, int f16,
@@ -1001,7 +990,7 @@ int triforce_qpack(int64_t K, const uint8_t *q, int bits, int64_t G, const void 
     if (bytes < 0) return -1;
 #if TRIFORCE_VNNI
     const int64_t U = G == 16 ? 16 : 32, Uc = K / U, groups = K / G, tiles = (N + WL - 1) / WL, tile = bytes / tiles;
-    const int64_t cols = bits == 8 ? 16 * K : 8 * K, es = f16 ? 2 : 4;
+    const int64_t cols = pk_cols(bits, K), es = f16 ? 2 : 4;
     int failed = 0;
 #pragma omp parallel
     {
@@ -1026,7 +1015,7 @@ int triforce_qpack(int64_t K, const uint8_t *q, int bits, int64_t G, const void 
                     }
             for (int which = 0; which < (minv ? 2 : 1); which++) {
                 const uint8_t *src = which ? minv : scale;
-                uint8_t *pd = dst + cols + which * Uc * 16 * es;
+                uint8_t *pd = dst + cols + which * pk_par(Uc, f16);
                 for (int64_t u = 0; u < Uc; u++)
                     for (int j = 0; j < WL; j++)
                         memcpy(pd + (u * 16 + j) * es, src + (n[j] * groups + u * U / G) * es, es);

@@ -29,12 +29,8 @@ def load():
                 lib.triforce_qrows.restype = I
                 lib.triforce_qrows.argtypes = [P, I64, I64, P, I, I64, P, P, I, I64, P]
                 lib.triforce_linear_vector_bits.restype = I
-                lib.triforce_qlinear_q8.restype = I
-                lib.triforce_qlinear_q8.argtypes = lib.triforce_qlinear.argtypes
-                lib.triforce_qlinear_q8x.restype = I
-                lib.triforce_qlinear_q8x.argtypes = lib.triforce_qlinear.argtypes + [P, ctypes.c_float, I, P, I64]
-                lib.triforce_qlinear_q8p.restype = I
-                lib.triforce_qlinear_q8p.argtypes = lib.triforce_qlinear_q8x.argtypes + [P]
+                lib.triforce_qlinear_q8.restype = I  # + norm weight, eps, glu, residual, ldr, packed columns
+                lib.triforce_qlinear_q8.argtypes = lib.triforce_qlinear.argtypes + [P, ctypes.c_float, I, P, I64, P]
                 lib.triforce_qpack_bytes.restype = I64
                 lib.triforce_qpack_bytes.argtypes = [I64, I, I64, I, I, I64]
                 lib.triforce_qpack.restype = I

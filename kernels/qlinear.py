@@ -132,7 +132,7 @@ class QPart(nn.Module):
                 None if self.minv is None else self.minv.data_ptr(), int(self.scale.dtype == torch.float16))
 
     def columns(self) -> int | None:
-        """The address of this part's weight columns as the int8 kernel's calls of 2-63 rows
+        """The address of this part's weight columns as the int8 kernel's calls of 1-63 rows
         read them (`triforce_qpack`: each tile of 16 weight rows transposed once, here,
         instead of by every call; the same bits), packed on first use; None where they are
         not kept (`TRIFORCE_OFFLOAD_CPU_COLUMNS`, the memory budget, the layout)."""
@@ -233,9 +233,9 @@ class QLinear(nn.Module):
             lib, col, calls = load(), 0, []
             for p in self.parts:
                 q8 = self.act == "int8" and p.q8_ok()
-                fn = lib.triforce_qlinear_q8p if q8 else lib.triforce_qlinear
+                fn = lib.triforce_qlinear_q8 if q8 else lib.triforce_qlinear
                 bias = None if self.bias is None else self.bias.data_ptr() + 4 * col
-                # q8p's tail: no norm, SwiGLU or residual; the packed columns or None
+                # the int8 kernel's tail: no norm, SwiGLU or residual; the packed columns or None
                 tail = (None, 0.0, 0, None, 0, p.columns()) if q8 else ()
                 calls.append((fn, p._args(), bias, p.out_features, col, tail))
                 col += p.out_features
@@ -253,7 +253,7 @@ class QLinear(nn.Module):
         if (calls is not None and self.act == "int8" and all(p.q8_ok() for p in self.parts)
                 and (norm is None or (not getattr(norm, "plus_one", True) and norm.weight.dtype == torch.float32))):
             nw, eps = (norm.weight.data_ptr(), norm.eps) if norm is not None else (None, 0.0)
-            plan = (load().triforce_qlinear_q8p, self.in_features, self.out_features, nw, eps,
+            plan = (load().triforce_qlinear_q8, self.in_features, self.out_features, nw, eps,
                     tuple((args, bias, rows, col, tail[-1]) for _, args, bias, rows, col, tail in calls))
         if self._calls is not None:
             self._plans[(norm, glu)] = plan
@@ -280,7 +280,7 @@ class QLinear(nn.Module):
     def fused(self, x: torch.Tensor, norm=None, glu: bool = False, residual: torch.Tensor | None = None):
         """residual + self(norm(x)), or residual + self(silu(gate) * up) of x = [gate | up]
         (`glu`), in one native call per part: the norm, the SwiGLU and the residual add go
-        into the int8 kernel's pass over each row (`triforce_qlinear_q8x`) instead of
+        into the int8 kernel's pass over each row (`triforce_qlinear_q8`) instead of
         separate small ops. None where that kernel does not run (float activations, a part
         it does not take, a norm other than a plain RMSNorm): the caller composes the ops."""
         plan = self._plans.get((norm, glu)) if self._calls is not None else None

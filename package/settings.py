@@ -91,7 +91,7 @@ class EnvOptions(Options):
                           "kernel where it runs) or cublas.", check=one_of("auto", "cublas"),
                           env="TRIFORCE_OFFLOAD_GPU_LINEAR")
     cpu_columns: str = opt("auto", "The int8 CPU kernel's weight columns packed once at load for "
-                           "calls of 2-63 rows (a second copy of the weights): auto (while they "
+                           "calls of 1-63 rows (a second copy of the weights): auto (while they "
                            "fit in an eighth of the available memory), 1 (always), 0 (never).",
                            check=one_of("auto", "0", "1"), env="TRIFORCE_OFFLOAD_CPU_COLUMNS")
     attention: str = opt("auto", "Fixed-shape attention: auto, flash-attn, triton or sdpa.",
