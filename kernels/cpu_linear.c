@@ -286,10 +286,11 @@ int triforce_qrows(const int64_t *ids, int64_t n_ids, int64_t K, const uint8_t *
  *   unit's weights). Per unit and 8 weight rows: 8 or 4 vpdpbusd per weight row against one
  *   conversion, scale product and FMA per 16 pairs, where a layout of lanes along k would
  *   convert and scale every lane of every pair each 64 inputs.
- * - few rows: lanes are 16 weight rows. A tile of 16 weight rows is transposed once per call
- *   into 4-byte columns (int8 weights + 128 unsigned, int4 nibbles), and 4 bytes of a row of x
- *   are broadcast as the signed operand; int8 weights' lanes start from -128 * (sum of the
- *   unit's x).
+ * - few rows: lanes are 16 weight rows. A tile of 16 weight rows is transposed into 4-byte
+ *   columns (int8 weights + 128 unsigned, int4 nibbles; once at load, triforce_qpack, or per
+ *   call), and 4 bytes of a row of x are broadcast as the signed operand; int8 weights' lanes
+ *   start from -128 * (sum of the unit's x). Packed tiles go two at a time against up to four
+ *   rows (wl_grid): each column load meets four rows, each broadcast two tiles.
  * - one row (M <= WR_MAX): the same lanes along weight rows without the transposed columns
  *   (wr_rows): each weight row against the row of x with lanes along k, the 16 rows' lanes
  *   then summed into each unit's integer sums.
@@ -312,6 +313,12 @@ int triforce_qrows(const int64_t *ids, int64_t n_ids, int64_t K, const uint8_t *
 #define NJ 8      /* weight rows per tile, lanes along x rows */
 #endif
 #define WL 16     /* weight rows per tile, lanes along weight rows */
+#ifndef PF_DIST
+#define PF_DIST 2 /* packed tile pairs ahead that a pair's first rows ask for (measured: 1-4 alike) */
+#endif
+#ifndef PF_LOC
+#define PF_LOC 2
+#endif
 #ifndef WR_MAX
 #define WR_MAX 1  /* rows of x up to which a tile's weight rows are not transposed (wr_rows) */
 #endif
@@ -539,124 +546,107 @@ static inline __attribute__((always_inline)) __m512 wl_par(const void *p, int64_
 }
 
 /* RB rows of x from xrec (natural records: qx [K], dxu [Uc], xs [Uc], cx [Uc] = -128 * sq)
- * against a tile of 16 weight columns wt, sw and mu [Uc][16] -> res [RB][16]. Each row keeps
- * its own two integer chains and float accumulator, in the same order whatever RB is: rows
- * side by side share the column loads and give the core independent chains (one row alone
- * waits on its accumulator's FMAs), never each other's values. The columns and scales come
- * from wl_columns and wl_params (this call's transposition) or from triforce_qpack (PK for
- * packed int4, H16 for float16 scales): the same integers and floats either way. */
-static inline __attribute__((always_inline)) void wl_block(const uint8_t *wt, const void *sw, const void *mu,
-                                                           const uint8_t *xrec, size_t rec_bytes, const int RB,
-                                                           int64_t K, int64_t Uc, const int bits, const int U,
-                                                           const int MINV, const int PK, const int H16, float *res) {
+ * against TB tiles of 16 weight columns wt[i], sw[i] and mu[i] [Uc][16] -> res [TB][RB][16].
+ * Each (tile, row) keeps its own integer sum and float accumulator, in the same order
+ * whatever TB and RB are: tiles and rows side by side share the column loads and the x
+ * broadcasts (each column vector meets RB rows, each broadcast TB tiles) and give the core
+ * independent chains, never each other's values. Where fewer than four (tile, row) pairs run,
+ * each sum is split in two chains (one chain alone waits on its own latency); the integer
+ * sums are exact, so the split does not change them. The columns and scales come from
+ * wl_columns and wl_params (this call's transposition) or from triforce_qpack (PK for packed
+ * int4, H16 for float16 scales): the same integers and floats either way. */
+static inline __attribute__((always_inline)) void wl_grid(const uint8_t *const *wt, const void *const *sw,
+                                                          const void *const *mu, const uint8_t *xrec,
+                                                          size_t rec_bytes, const int TB, const int RB, int64_t K,
+                                                          int64_t Uc, const int bits, const int U, const int MINV,
+                                                          const int PK, const int H16, const uint8_t *pf,
+                                                          int64_t pf_bytes, float *res) {
+    const int two = TB * RB < 4; /* two chains per sum */
+    const int64_t pf_u = pf ? (pf_bytes + 64 * Uc - 1) / (64 * Uc) : 0; /* lines asked for per unit */
     const uint8_t *rec[4];
     const float *dxu[4], *xs[4];
     const int32_t *cx[4];
-    __m512 acc[4];
+    __m512 acc[2][4];
     for (int i = 0; i < RB; i++) {
         rec[i] = xrec + i * rec_bytes;
         dxu[i] = (const float *)(rec[i] + K);
         xs[i] = dxu[i] + Uc;
         cx[i] = (const int32_t *)(xs[i] + Uc);
-        acc[i] = _mm512_setzero_ps();
+        for (int j = 0; j < TB; j++) acc[j][i] = _mm512_setzero_ps();
     }
     for (int64_t u = 0; u < Uc; u++) {
-        __m512i a[4], b[4];
-        for (int i = 0; i < RB; i++) {
-            a[i] = bits == 8 ? _mm512_set1_epi32(cx[i][u]) : _mm512_setzero_si512();
-            b[i] = _mm512_setzero_si512();
-        }
+        __m512i a[2][4], b[2][4];
+        for (int64_t l = u * pf_u; l < (u + 1) * pf_u && 64 * l < pf_bytes; l++) __builtin_prefetch(pf + 64 * l, 0, PF_LOC);
+        for (int j = 0; j < TB; j++)
+            for (int i = 0; i < RB; i++) {
+                a[j][i] = bits == 8 ? _mm512_set1_epi32(cx[i][u]) : _mm512_setzero_si512();
+                b[j][i] = _mm512_setzero_si512();
+            }
         for (int t = 0; t < U / 4; t += 2) {
-            const __m512i w0 = wl_col(wt, u, t, U, PK);
-            const __m512i w1 = wl_col(wt, u, t + 1, U, PK);
+            __m512i w0[2], w1[2];
+            for (int j = 0; j < TB; j++) {
+                w0[j] = wl_col(wt[j], u, t, U, PK);
+                w1[j] = wl_col(wt[j], u, t + 1, U, PK);
+            }
             for (int i = 0; i < RB; i++) {
                 int32_t x0, x1;
                 memcpy(&x0, rec[i] + u * U + 4 * t, sizeof x0);
                 memcpy(&x1, rec[i] + u * U + 4 * t + 4, sizeof x1);
-                a[i] = _mm512_dpbusd_epi32(a[i], w0, _mm512_set1_epi32(x0));
-                b[i] = _mm512_dpbusd_epi32(b[i], w1, _mm512_set1_epi32(x1));
+                const __m512i v0 = _mm512_set1_epi32(x0), v1 = _mm512_set1_epi32(x1);
+                for (int j = 0; j < TB; j++) {
+                    a[j][i] = _mm512_dpbusd_epi32(a[j][i], w0[j], v0);
+                    if (two) b[j][i] = _mm512_dpbusd_epi32(b[j][i], w1[j], v1);
+                    else a[j][i] = _mm512_dpbusd_epi32(a[j][i], w1[j], v1);
+                }
             }
         }
-        const __m512 s = wl_par(sw, u, H16);
-        for (int i = 0; i < RB; i++) {
-            const __m512 comb = _mm512_mul_ps(_mm512_set1_ps(dxu[i][u]), s);
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a[i], b[i])), comb, acc[i]);
-            if (MINV) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(xs[i][u]), wl_par(mu, u, H16), acc[i]);
-        }
-    }
-    for (int i = 0; i < RB; i++) _mm512_storeu_ps(res + i * 16, acc[i]);
-}
-
-/* Rows r < M of x against a tile (wl_block): four at a time, then what is left. */
-static inline __attribute__((always_inline)) void wl_rows(const uint8_t *wt, const void *sw, const void *mu,
-                                                          const uint8_t *xrec, size_t rec_bytes, int64_t M,
-                                                          int64_t K, int64_t Uc, const int bits, const int U,
-                                                          const int MINV, const int PK, const int H16, float *res) {
-    int64_t r = 0;
-    for (; r + 4 <= M; r += 4)
-        wl_block(wt, sw, mu, xrec + r * rec_bytes, rec_bytes, 4, K, Uc, bits, U, MINV, PK, H16, res + r * 16);
-    if (M - r >= 2) {
-        wl_block(wt, sw, mu, xrec + r * rec_bytes, rec_bytes, 2, K, Uc, bits, U, MINV, PK, H16, res + r * 16);
-        r += 2;
-    }
-    if (r < M) wl_block(wt, sw, mu, xrec + r * rec_bytes, rec_bytes, 1, K, Uc, bits, U, MINV, PK, H16, res + r * 16);
-}
-
-/* One row of x against TB packed tiles side by side (wl_block's arithmetic for each tile, in
- * its order): a row alone against one tile waits on its chains; tiles side by side give
- * the core independent ones. */
-static inline __attribute__((always_inline)) void wl_one(const uint8_t *const *wt, const void *const *sw,
-                                                         const void *const *mu, const uint8_t *rec, const int TB,
-                                                         int64_t K, int64_t Uc, const int bits, const int U,
-                                                         const int MINV, const int PK, const int H16, float *res) {
-    const float *dxu = (const float *)(rec + K), *xs = dxu + Uc;
-    const int32_t *cx = (const int32_t *)(xs + Uc);
-    __m512 acc[2];
-    for (int i = 0; i < TB; i++) acc[i] = _mm512_setzero_ps();
-    for (int64_t u = 0; u < Uc; u++) {
-        __m512i a[2], b[2];
-        for (int i = 0; i < TB; i++) {
-            a[i] = bits == 8 ? _mm512_set1_epi32(cx[u]) : _mm512_setzero_si512();
-            b[i] = _mm512_setzero_si512();
-        }
-        for (int t = 0; t < U / 4; t += 2) {
-            int32_t x0, x1;
-            memcpy(&x0, rec + u * U + 4 * t, sizeof x0);
-            memcpy(&x1, rec + u * U + 4 * t + 4, sizeof x1);
-            for (int i = 0; i < TB; i++) {
-                a[i] = _mm512_dpbusd_epi32(a[i], wl_col(wt[i], u, t, U, PK), _mm512_set1_epi32(x0));
-                b[i] = _mm512_dpbusd_epi32(b[i], wl_col(wt[i], u, t + 1, U, PK), _mm512_set1_epi32(x1));
+        for (int j = 0; j < TB; j++) {
+            const __m512 s = wl_par(sw[j], u, H16);
+            for (int i = 0; i < RB; i++) {
+                const __m512 comb = _mm512_mul_ps(_mm512_set1_ps(dxu[i][u]), s);
+                const __m512i is = two ? _mm512_add_epi32(a[j][i], b[j][i]) : a[j][i];
+                acc[j][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), comb, acc[j][i]);
+                if (MINV) acc[j][i] = _mm512_fmadd_ps(_mm512_set1_ps(xs[i][u]), wl_par(mu[j], u, H16), acc[j][i]);
             }
         }
-        for (int i = 0; i < TB; i++) {
-            const __m512 comb = _mm512_mul_ps(_mm512_set1_ps(dxu[u]), wl_par(sw[i], u, H16));
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(a[i], b[i])), comb, acc[i]);
-            if (MINV) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(xs[u]), wl_par(mu[i], u, H16), acc[i]);
-        }
     }
-    for (int i = 0; i < TB; i++) _mm512_storeu_ps(res + i * 16, acc[i]);
+    for (int j = 0; j < TB; j++)
+        for (int i = 0; i < RB; i++) _mm512_storeu_ps(res + (j * RB + i) * 16, acc[j][i]);
 }
 
-static void wl_one_any(const uint8_t *const *wt, const void *const *sw, const void *const *mu, const uint8_t *rec,
-                       int tb, int64_t K, int64_t Uc, int bits, int U, int minv, int h16, float *res) {
-#define W1_CASE(B, UU, MV, H)                                                                 \
-    if (bits == B && U == UU && !!minv == MV && h16 == H) {                                    \
-        if (tb == 2) return wl_one(wt, sw, mu, rec, 2, K, Uc, B, UU, MV, B == 4, H, res);      \
-        return wl_one(wt, sw, mu, rec, 1, K, Uc, B, UU, MV, B == 4, H, res);                   \
+/* Rows r < M of x against TB tiles (wl_grid): four at a time, then what is left; res
+ * [TB][M][16] */
+static inline __attribute__((always_inline)) void wl_rows(const uint8_t *const *wt, const void *const *sw,
+                                                          const void *const *mu, const uint8_t *xrec,
+                                                          size_t rec_bytes, int64_t M, const int TB, int64_t K,
+                                                          int64_t Uc, const int bits, const int U, const int MINV,
+                                                          const int PK, const int H16, const uint8_t *pf,
+                                                          int64_t pf_bytes, float *res) {
+    float blk[2][4][16];
+    for (int64_t r = 0; r < M;) {
+        const int rb = M - r >= 4 ? 4 : M - r >= 2 ? 2 : 1;
+        const uint8_t *x = xrec + r * rec_bytes;
+        const uint8_t *p = r ? NULL : pf; /* the next tiles asked for while the first rows run */
+        if (rb == 4) wl_grid(wt, sw, mu, x, rec_bytes, TB, 4, K, Uc, bits, U, MINV, PK, H16, p, pf_bytes, &blk[0][0][0]);
+        else if (rb == 2) wl_grid(wt, sw, mu, x, rec_bytes, TB, 2, K, Uc, bits, U, MINV, PK, H16, p, pf_bytes, &blk[0][0][0]);
+        else wl_grid(wt, sw, mu, x, rec_bytes, TB, 1, K, Uc, bits, U, MINV, PK, H16, p, pf_bytes, &blk[0][0][0]);
+        for (int j = 0; j < TB; j++)
+            memcpy(res + (j * M + r) * 16, &blk[0][0][0] + j * rb * 16, (size_t)rb * 16 * sizeof(float));
+        r += rb;
     }
-    W1_CASE(8, 32, 0, 0) W1_CASE(8, 32, 1, 0) W1_CASE(8, 16, 0, 0) W1_CASE(8, 16, 1, 0) W1_CASE(4, 32, 0, 0)
-    W1_CASE(4, 32, 1, 0) W1_CASE(8, 32, 0, 1) W1_CASE(8, 32, 1, 1) W1_CASE(8, 16, 0, 1) W1_CASE(8, 16, 1, 1)
-    W1_CASE(4, 32, 0, 1) W1_CASE(4, 32, 1, 1)
-#undef W1_CASE
 }
 
-/* wl_rows for this call's columns (pk = 0: wl_columns, float32 scales) or packed ones
- * (pk = 1: triforce_qpack's, scales as stored, h16 for float16) */
-static void wl_rows_any(const uint8_t *wt, const void *sw, const void *mu, const uint8_t *xrec, size_t rec_bytes,
-                        int64_t M, int64_t K, int64_t Uc, int bits, int U, int minv, int pk, int h16, float *res) {
-#define WL_CASE(B, UU, MV, P, H)                                                      \
-    if (bits == B && U == UU && !!minv == MV && pk == P && h16 == H)                  \
-        return wl_rows(wt, sw, mu, xrec, rec_bytes, M, K, Uc, B, UU, MV, B == 4 && P, H, res);
+/* wl_rows for tb (1 or 2) tiles of this call's columns (pk = 0: wl_columns, float32 scales)
+ * or packed ones (pk = 1: triforce_qpack's, scales as stored, h16 for float16) */
+static void wl_rows_any(const uint8_t *const *wt, const void *const *sw, const void *const *mu, const uint8_t *xrec,
+                        size_t rec_bytes, int64_t M, int tb, int64_t K, int64_t Uc, int bits, int U, int minv, int pk,
+                        int h16, const uint8_t *pf, int64_t pf_bytes, float *res) {
+#define WL_CASE(B, UU, MV, P, H)                                                                          \
+    if (bits == B && U == UU && !!minv == MV && pk == P && h16 == H) {                                    \
+        if (tb == 2)                                                                                      \
+            return wl_rows(wt, sw, mu, xrec, rec_bytes, M, 2, K, Uc, B, UU, MV, B == 4 && P, H, pf, pf_bytes, res); \
+        return wl_rows(wt, sw, mu, xrec, rec_bytes, M, 1, K, Uc, B, UU, MV, B == 4 && P, H, pf, pf_bytes, res);   \
+    }
     WL_CASE(8, 32, 0, 0, 0) WL_CASE(8, 32, 1, 0, 0) WL_CASE(8, 16, 0, 0, 0) WL_CASE(8, 16, 1, 0, 0)
     WL_CASE(4, 32, 0, 0, 0) WL_CASE(4, 32, 1, 0, 0)
     WL_CASE(8, 32, 0, 1, 0) WL_CASE(8, 32, 1, 1, 0) WL_CASE(8, 16, 0, 1, 0) WL_CASE(8, 16, 1, 1, 0)
@@ -843,7 +833,8 @@ int triforce_qlinear_q8(const float *x, int64_t M, int64_t K, int64_t ldx, const
      * [K/4][64], sw, mu [Uc][16] (and the portable path's unpacked row) */
     const size_t tile_bytes = xl ? (size_t)NJ * K + 12 * (size_t)NJ * Uc : (size_t)16 * K + 128 * (size_t)Uc + K;
 #if TRIFORCE_VNNI
-    if (packed && M == 1 && !xl) { /* one row: two packed tiles at a time (wl_one) */
+    if (packed && !xl) { /* packed tiles two at a time (wl_rows): each column load meets up to
+                            * four rows, each x broadcast two tiles */
 #pragma omp parallel for schedule(static)
         for (int64_t tp = 0; tp < (tiles + 1) / 2; tp++) {
             const int64_t t0 = 2 * tp, tb2 = t0 + 1 < tiles ? 2 : 1;
@@ -854,14 +845,21 @@ int triforce_qlinear_q8(const float *x, int64_t M, int64_t K, int64_t ldx, const
                 sw[i] = wt[i] + p_cols;
                 mu[i] = (const uint8_t *)sw[i] + p_par;
             }
-            if (tp + 1 < (tiles + 1) / 2)
-                for (int64_t b = 0; b < 2 * p_tile && (t0 + 2) * p_tile + b < tiles * p_tile; b += 64)
-                    __builtin_prefetch(packed + (t0 + 2) * p_tile + b, 0, 0);
-            float res[2][16];
-            wl_one_any(wt, sw, mu, xbuf, (int)tb2, K, Uc, bits, (int)U, minv != NULL, f16, &res[0][0]);
-            for (int i = 0; i < tb2; i++) {
-                const int64_t n0 = (t0 + i) * WL, nt = N - n0 < WL ? N - n0 : WL;
-                for (int64_t j = 0; j < nt; j++) store(out, ldo, bias, radd, ldr, 0, n0 + j, res[i][j]);
+            /* a later pair's bytes, asked for a few lines per unit while this pair's first rows
+             * run: asked for all at once they stall the core until they arrive */
+            const int64_t pf0 = (t0 + 2 * PF_DIST) * p_tile, left = tiles * p_tile - pf0;
+            const int64_t pf_bytes = left <= 0 ? 0 : left < 2 * p_tile ? left : 2 * p_tile;
+            for (int64_t r0 = 0; r0 < M; r0 += 16) {
+                const int64_t rb = M - r0 < 16 ? M - r0 : 16;
+                float res[2 * 16 * 16];
+                wl_rows_any(wt, sw, mu, xbuf + r0 * rec_bytes, rec_bytes, rb, (int)tb2, K, Uc, bits, (int)U,
+                            minv != NULL, 1, f16, r0 == 0 && pf_bytes ? packed + pf0 : NULL, pf_bytes, res);
+                for (int i = 0; i < tb2; i++) {
+                    const int64_t n0 = (t0 + i) * WL, nt = N - n0 < WL ? N - n0 : WL;
+                    for (int64_t r = 0; r < rb; r++)
+                        for (int64_t j = 0; j < nt; j++)
+                            store(out, ldo, bias, radd, ldr, r0 + r, n0 + j, res[(i * rb + r) * 16 + j]);
+                }
             }
         }
         return 0;
@@ -897,21 +895,6 @@ int triforce_qlinear_q8(const float *x, int64_t M, int64_t K, int64_t ldx, const
                 }
                 continue;
             }
-            if (packed) { /* columns and scales as triforce_qpack stored them: no transposition */
-                const uint8_t *wt = packed + ti * p_tile;
-                const void *sw = wt + p_cols, *mu = (const uint8_t *)sw + p_par;
-                if (ti + 1 < tiles)
-                    for (int64_t b = 0; b < p_tile; b += 64) __builtin_prefetch(wt + p_tile + b, 0, 0);
-                for (int64_t r0 = 0; r0 < M; r0 += 16) {
-                    const int64_t rb = M - r0 < 16 ? M - r0 : 16;
-                    float res[16][16];
-                    wl_rows_any(wt, sw, mu, xbuf + r0 * rec_bytes, rec_bytes, rb, K, Uc, bits, (int)U, minv != NULL, 1,
-                                f16, &res[0][0]);
-                    for (int64_t r = 0; r < rb; r++)
-                        for (int64_t j = 0; j < nt; j++) store(out, ldo, bias, radd, ldr, r0 + r, n0 + j, res[r][j]);
-                }
-                continue;
-            }
             {
                 uint8_t *wt = tb;
                 float *sw = (float *)(tb + 16 * (size_t)K), *mu = sw + 16 * Uc;
@@ -940,8 +923,10 @@ int triforce_qlinear_q8(const float *x, int64_t M, int64_t K, int64_t ldx, const
                 for (int64_t r0 = 0; r0 < M; r0 += 16) {
                     const int64_t rb = M - r0 < 16 ? M - r0 : 16;
                     float res[16][16];
-                    wl_rows_any(wt, sw, mu, xbuf + r0 * rec_bytes, rec_bytes, rb, K, Uc, bits, (int)U, minv != NULL, 0, 0,
-                                &res[0][0]);
+                    const uint8_t *wts[1] = {wt};
+                    const void *sws[1] = {sw}, *mus[1] = {mu};
+                    wl_rows_any(wts, sws, mus, xbuf + r0 * rec_bytes, rec_bytes, rb, 1, K, Uc, bits, (int)U,
+                                minv != NULL, 0, 0, NULL, 0, &res[0][0]);
                     for (int64_t r = 0; r < rb; r++)
                         for (int64_t j = 0; j < nt; j++) store(out, ldo, bias, radd, ldr, r0 + r, n0 + j, res[r][j]);
                 }
