@@ -114,13 +114,13 @@ int main(int argc, char **argv) {
     }
     double t = now();
     for (long it = 0; it < N; it++) {
-        scores_by_tile_bf(scores, qp, kb, 0, D, 0, block, R, block, kt, DV);
+        scores_by_tile_bf(scores, qp, kb, 0, D, 0, block, R, block, kt, DV, NULL);
         __asm__ volatile("" ::"r"(scores) : "memory");
     }
     printf("scores %.2f\n", (now() - t) / N * ghz * 1e9 / row_keys);
     t = now();
     for (long it = 0; it < N; it++) {
-        transpose_keys(kt, kb, 2, 0, D, (it * TK) % block, block, D / 2);
+        transpose_keys(kt, kb, 2, 0, D, (it * TK) % block, block, D / 2, NULL);
         __asm__ volatile("" ::"r"(kt) : "memory");
     }
     printf("transposes %.2f\n", (now() - t) / N * (block / TK) * ghz * 1e9 / row_keys);

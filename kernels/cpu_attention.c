@@ -240,6 +240,9 @@ static inline __attribute__((always_inline)) void scores_by_key(
 
 #define FEW_ROWS 8 /* below: rows one by one (decode); from here: keys in vector lanes */
 #define TK 32 /* keys per transposed tile: two vectors */
+#ifndef K_AHEAD
+#define K_AHEAD 128 /* keys on that a key read asks for into L2 (measured: 96-384 alike) */
+#endif
 #define MR 8 /* query rows per register tile (the packed rows are padded to a multiple) */
 
 /* a tile of n rows (1..MR) runs ROWS_CASE(n): code unrolled for each row count */
@@ -268,10 +271,13 @@ static inline void transpose16(u32x16 *x) {
 
 /* kt[e * TK + u] = element e of key j0 + u as float32 bits, for P elements per key (bf16 1:
  * a bfloat16 key widened; 2: element e is the pair (2e, 2e+1) of a bfloat16 key, its bits
- * untouched, the bf16 path's). Keys past jend repeat the last one (their scores are never used). */
+ * untouched, the bf16 path's). Keys past jend repeat the last one (their scores are never used).
+ * vpf (the bf16 path: the values, or NULL): each key read asks for its values and a key
+ * K_AHEAD on into L2, so the value rows and the next block's keys arrive while this block's
+ * scores are computed (the hint only: no bits change). */
 static inline __attribute__((always_inline)) void transpose_keys(
         uint32_t *restrict kt, const void *k, int bf16, int64_t base, int64_t ss,
-        int64_t j0, int64_t jend, const int P) {
+        int64_t j0, int64_t jend, const int P, const uint16_t *vpf) {
     for (int h = 0; h < TK / 16; h++)
         for (int c = 0; c < P / 16; c++) {
             u32x16 x[16];
@@ -282,6 +288,12 @@ static inline __attribute__((always_inline)) void transpose_keys(
                     memcpy(x + u, (const uint16_t *)k + base + j * ss + 32 * c, sizeof x[u]);
                     /* the key 2 tiles on (a hint: reading K streams from memory) */
                     __builtin_prefetch((const uint16_t *)k + base + (j + 2 * TK) * ss + 32 * c);
+                    if (vpf) { /* into L2: this key's values (read after the block's scores), and
+                                * the key K_AHEAD on (past the block: the next item's, as a
+                                * thread's items run through a head's blocks in order) */
+                        __builtin_prefetch(vpf + base + j * ss + 32 * c, 0, 2);
+                        __builtin_prefetch((const uint16_t *)k + base + (j + K_AHEAD) * ss + 32 * c, 0, 2);
+                    }
                 }
                 else if (bf16) {
 #if defined(__AVX512F__)
@@ -349,7 +361,7 @@ static inline __attribute__((always_inline)) void scores_by_tile(
         uint32_t *restrict kt, const int DV) {
     const int P = 16 * DV; /* elements per key */
     for (int64_t jt = j0; jt < jend; jt += TK) {
-        transpose_keys(kt, k, bf16, base, ss, jt, jend, P);
+        transpose_keys(kt, k, bf16, base, ss, jt, jend, P, NULL);
         for (int64_t r0 = 0; r0 < R; r0 += MR) {
             const uint32_t *qr = qp + r0 * P;
 #define ROWS_CASE(N) case N: score_rows(scores, qr, kt, r0, jt - j0, block, DV, N); break;
@@ -432,10 +444,11 @@ static inline __attribute__((always_inline)) void score_rows_bf(
 
 static inline __attribute__((always_inline)) void scores_by_tile_bf(
         float *restrict scores, const uint32_t *qb, const uint16_t *k, int64_t base, int64_t ss,
-        int64_t j0, int64_t jend, int64_t R, int64_t block, uint32_t *restrict kt, const int DV) {
+        int64_t j0, int64_t jend, int64_t R, int64_t block, uint32_t *restrict kt, const int DV,
+        const uint16_t *vpf) {
     const int P2 = 8 * DV; /* pairs per key */
     for (int64_t jt = j0; jt < jend; jt += TK) {
-        transpose_keys(kt, k, 2, base, ss, jt, jend, P2);
+        transpose_keys(kt, k, 2, base, ss, jt, jend, P2, vpf);
         for (int64_t r0 = 0; r0 < R; r0 += MR) {
             const uint32_t *qr = qb + r0 * P2;
 #define ROWS_CASE(N) case N: score_rows_bf(scores, qr, kt, r0, jt - j0, block, P2, N); break;
@@ -688,7 +701,7 @@ static inline __attribute__((always_inline)) void block_item(
     }
 #if BF_PATH
     if (bfp)
-        scores_by_tile_bf(scores, qp, (const uint16_t *)k, base, ss, j0, jend, R, block, kt, DV);
+        scores_by_tile_bf(scores, qp, (const uint16_t *)k, base, ss, j0, jend, R, block, kt, DV, (const uint16_t *)v);
     else
 #endif
     if (R < FEW_ROWS) /* decode: one key at a time, each row's dot product and a sum */
