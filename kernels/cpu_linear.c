@@ -904,15 +904,18 @@ int triforce_qlinear_q8(const float *x, int64_t M, int64_t K, int64_t ldx, const
                 /* the next tile's weights and scales asked for now: this tile's work leaves
                  * the loads far apart */
                 const int64_t wbytes = bits == 4 ? K / 2 : K, pbytes = groups * (f16 ? 2 : 4);
-                if (ti + 1 < tiles) {
-                    const int64_t next = N - n0 - nt < WL ? N - n0 - nt : WL;
-                    for (int64_t b = 0; b < next * wbytes; b += 64) __builtin_prefetch(q + (n0 + nt) * wbytes + b, 0, 0);
+                const int one = M <= WR_MAX && U == 32; /* wr_rows: no transposed columns */
+                const int64_t next = ti + 1 < tiles ? (N - n0 - nt < WL ? N - n0 - nt : WL) : 0;
+                if (next) {
+                    /* several rows: the next tile's weights asked for a few lines per unit
+                     * while the first rows run (wl_grid), not all at once */
+                    for (int64_t b = 0; one && b < next * wbytes; b += 64) __builtin_prefetch(q + (n0 + nt) * wbytes + b, 0, 0);
                     for (int64_t b = 0; b < next * pbytes; b += 64) {
                         __builtin_prefetch((const uint8_t *)scale + (n0 + nt) * pbytes + b, 0, 0);
                         if (minv) __builtin_prefetch((const uint8_t *)minv + (n0 + nt) * pbytes + b, 0, 0);
                     }
                 }
-                if (M <= WR_MAX && U == 32) { /* a single row of x: no transposed columns */
+                if (one) { /* a single row of x: no transposed columns */
                     float res[WR_MAX][16];
                     wr_rows_any(q, bits, K, n, sw, mu, xbuf, rec_bytes, M, Uc, minv != NULL, &res[0][0]);
                     for (int64_t r = 0; r < M; r++)
@@ -926,7 +929,8 @@ int triforce_qlinear_q8(const float *x, int64_t M, int64_t K, int64_t ldx, const
                     const uint8_t *wts[1] = {wt};
                     const void *sws[1] = {sw}, *mus[1] = {mu};
                     wl_rows_any(wts, sws, mus, xbuf + r0 * rec_bytes, rec_bytes, rb, 1, K, Uc, bits, (int)U,
-                                minv != NULL, 0, 0, NULL, 0, &res[0][0]);
+                                minv != NULL, 0, 0, r0 == 0 && next ? q + (n0 + nt) * wbytes : NULL, next * wbytes,
+                                &res[0][0]);
                     for (int64_t r = 0; r < rb; r++)
                         for (int64_t j = 0; j < nt; j++) store(out, ldo, bias, radd, ldr, r0 + r, n0 + j, res[r][j]);
                 }
