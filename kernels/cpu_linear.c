@@ -546,7 +546,8 @@ static inline __attribute__((always_inline)) __m512 wl_par(const void *p, int64_
 }
 
 /* RB rows of x from xrec (natural records: qx [K], dxu [Uc], xs [Uc], cx [Uc] = -128 * sq)
- * against TB tiles of 16 weight columns wt[i], sw[i] and mu[i] [Uc][16] -> res [TB][RB][16].
+ * against TB tiles of 16 weight columns wt[i], sw[i] and mu[i] [Uc][16] -> tile j's row i at
+ * res + (j * ldm + i) * 16.
  * Each (tile, row) keeps its own integer sum and float accumulator, in the same order
  * whatever TB and RB are: tiles and rows side by side share the column loads and the x
  * broadcasts (each column vector meets RB rows, each broadcast TB tiles) and give the core
@@ -560,7 +561,7 @@ static inline __attribute__((always_inline)) void wl_grid(const uint8_t *const *
                                                           size_t rec_bytes, const int TB, const int RB, int64_t K,
                                                           int64_t Uc, const int bits, const int U, const int MINV,
                                                           const int PK, const int H16, const uint8_t *pf,
-                                                          int64_t pf_bytes, float *res) {
+                                                          int64_t pf_bytes, float *res, int64_t ldm) {
     const int two = TB * RB < 4; /* two chains per sum */
     const int64_t pf_u = pf ? (pf_bytes + 64 * Uc - 1) / (64 * Uc) : 0; /* lines asked for per unit */
     const uint8_t *rec[4];
@@ -611,7 +612,7 @@ static inline __attribute__((always_inline)) void wl_grid(const uint8_t *const *
         }
     }
     for (int j = 0; j < TB; j++)
-        for (int i = 0; i < RB; i++) _mm512_storeu_ps(res + (j * RB + i) * 16, acc[j][i]);
+        for (int i = 0; i < RB; i++) _mm512_storeu_ps(res + (j * ldm + i) * 16, acc[j][i]);
 }
 
 /* Rows r < M of x against TB tiles (wl_grid): four at a time, then what is left; res
@@ -622,16 +623,13 @@ static inline __attribute__((always_inline)) void wl_rows(const uint8_t *const *
                                                           int64_t Uc, const int bits, const int U, const int MINV,
                                                           const int PK, const int H16, const uint8_t *pf,
                                                           int64_t pf_bytes, float *res) {
-    float blk[2][4][16];
     for (int64_t r = 0; r < M;) {
         const int rb = M - r >= 4 ? 4 : M - r >= 2 ? 2 : 1;
         const uint8_t *x = xrec + r * rec_bytes;
         const uint8_t *p = r ? NULL : pf; /* the next tiles asked for while the first rows run */
-        if (rb == 4) wl_grid(wt, sw, mu, x, rec_bytes, TB, 4, K, Uc, bits, U, MINV, PK, H16, p, pf_bytes, &blk[0][0][0]);
-        else if (rb == 2) wl_grid(wt, sw, mu, x, rec_bytes, TB, 2, K, Uc, bits, U, MINV, PK, H16, p, pf_bytes, &blk[0][0][0]);
-        else wl_grid(wt, sw, mu, x, rec_bytes, TB, 1, K, Uc, bits, U, MINV, PK, H16, p, pf_bytes, &blk[0][0][0]);
-        for (int j = 0; j < TB; j++)
-            memcpy(res + (j * M + r) * 16, &blk[0][0][0] + j * rb * 16, (size_t)rb * 16 * sizeof(float));
+        if (rb == 4) wl_grid(wt, sw, mu, x, rec_bytes, TB, 4, K, Uc, bits, U, MINV, PK, H16, p, pf_bytes, res + r * 16, M);
+        else if (rb == 2) wl_grid(wt, sw, mu, x, rec_bytes, TB, 2, K, Uc, bits, U, MINV, PK, H16, p, pf_bytes, res + r * 16, M);
+        else wl_grid(wt, sw, mu, x, rec_bytes, TB, 1, K, Uc, bits, U, MINV, PK, H16, p, pf_bytes, res + r * 16, M);
         r += rb;
     }
 }
@@ -901,15 +899,15 @@ int triforce_qlinear_q8(const float *x, int64_t M, int64_t K, int64_t ldx, const
                 int64_t n[WL];
                 for (int j = 0; j < WL; j++) n[j] = n0 + (j < nt ? j : 0);
                 wl_params(scale, minv, f16, n, groups, G, U, Uc, sw, mu);
-                /* the next tile's weights and scales asked for now: this tile's work leaves
-                 * the loads far apart */
+                /* the next tile's scales asked for now (this tile's work leaves the loads far
+                 * apart), and its weights: now for one row (wr_rows), a few lines per unit
+                 * while the first rows run for several (wl_grid: all at once they stall the core) */
                 const int64_t wbytes = bits == 4 ? K / 2 : K, pbytes = groups * (f16 ? 2 : 4);
                 const int one = M <= WR_MAX && U == 32; /* wr_rows: no transposed columns */
                 const int64_t next = ti + 1 < tiles ? (N - n0 - nt < WL ? N - n0 - nt : WL) : 0;
                 if (next) {
-                    /* several rows: the next tile's weights asked for a few lines per unit
-                     * while the first rows run (wl_grid), not all at once */
-                    for (int64_t b = 0; one && b < next * wbytes; b += 64) __builtin_prefetch(q + (n0 + nt) * wbytes + b, 0, 0);
+                    if (one)
+                        for (int64_t b = 0; b < next * wbytes; b += 64) __builtin_prefetch(q + (n0 + nt) * wbytes + b, 0, 0);
                     for (int64_t b = 0; b < next * pbytes; b += 64) {
                         __builtin_prefetch((const uint8_t *)scale + (n0 + nt) * pbytes + b, 0, 0);
                         if (minv) __builtin_prefetch((const uint8_t *)minv + (n0 + nt) * pbytes + b, 0, 0);
