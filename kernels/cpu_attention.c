@@ -1069,6 +1069,69 @@ int triforce_attend_band(const float *q, const void *k, const void *v, int bf16,
     return attend_blocks(q, k, v, bf16, scale, softcap, H, R, D, S, hs, ss, nvis, nlo, block, 0, 1, part, out, lse);
 }
 
+/* RoPE of one head's D values (rotate-half; sin's first half negated by the caller, so
+ * x * cos + swap(x) * sin): the product x * cos rounded, then swap(x) * sin added to it in
+ * one fused multiply-add, as torch computes `torch.addcmul(x * cos, swapped, sin)`
+ * (runtime/model/transformer.py rotate; kernels/native.py checks the bits against it once
+ * per process before it uses this). */
+static inline void rope_head(float *restrict y, const float *restrict x, const float *restrict c,
+                             const float *restrict s, int64_t D) {
+    const int64_t h = D / 2;
+    for (int64_t d = 0; d < D; d++) {
+        const float p = x[d] * c[d];
+        y[d] = fmaf(d < h ? x[d + h] : x[d - h], s[d], p);
+    }
+}
+
+static inline void store_row(void *base, int bf16, int64_t off, const float *x, int64_t D) {
+    if (bf16) { /* round to nearest even, as torch's float32 -> bfloat16 copy */
+        uint16_t *p = (uint16_t *)base + off;
+        for (int64_t d = 0; d < D; d++) {
+            uint32_t u;
+            memcpy(&u, &x[d], 4);
+            p[d] = (x[d] != x[d]) ? (uint16_t)0x7fc0u : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+        }
+    } else {
+        memcpy((float *)base + off, x, sizeof(float) * D);
+    }
+}
+
+/* One attention layer's step for T new tokens in one call (kernels/native.py rope_attend):
+ * RoPE of their q and k heads, straight out of the qkv projection's rows, k and v written
+ * into the cache at key slots s0 .. s0+T-1, then triforce_attend over keys 0 .. s0+T-1, and
+ * the output laid out as the o projection reads it. The same numbers as the separate steps
+ * (transformer.py rotate, the cache's write, native.attend): bit for bit.
+ * qkv  [T] rows ldq floats apart: Hq*D q values, H*D k values, H*D v values (float32)
+ * cos, sin [T, D] float32;  k, v: the cache, as triforce_attend reads it
+ * qf   [H, G*T, D] float32 out: the rotated queries, row g*T + t of KV head h for query
+ *      head h*G + g (triforce_attend's q)
+ * o    [T, Hq*D] float32 out; part, out, lse: triforce_attend's scratch and results */
+int triforce_rope_attend(const float *qkv, int64_t T, int64_t ldq, int64_t Hq, const float *cos, const float *sin,
+                         void *k, void *v, int bf16, float scale, float softcap, int64_t H, int64_t D, int64_t s0,
+                         int64_t hs, int64_t ss, const int64_t *nvis, int64_t block, float *qf, float *part,
+                         float *out, float *lse, float *o) {
+    if (D % 16 || D / 16 > MAXV || H <= 0 || Hq % H) return -1;
+    const int64_t G = Hq / H, R = G * T;
+    float kr[16 * MAXV];
+    for (int64_t t = 0; t < T; t++) {
+        const float *x = qkv + t * ldq, *c = cos + t * D, *sn = sin + t * D;
+        for (int64_t hq = 0; hq < Hq; hq++)
+            rope_head(qf + ((hq / G) * R + (hq % G) * T + t) * D, x + hq * D, c, sn, D);
+        for (int64_t h = 0; h < H; h++) {
+            rope_head(kr, x + (Hq + h) * D, c, sn, D);
+            store_row(k, bf16, h * hs + (s0 + t) * ss, kr, D);
+            store_row(v, bf16, h * hs + (s0 + t) * ss, x + (Hq + H + h) * D, D);
+        }
+    }
+    const int rc = attend_blocks(qf, k, v, bf16, scale, softcap, H, R, D, s0 + T, hs, ss, nvis, NULL, block, 0, 1,
+                                 part, out, lse);
+    if (rc) return rc;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t hq = 0; hq < Hq; hq++)
+            memcpy(o + (t * Hq + hq) * D, out + ((hq / G) * R + (hq % G) * T + t) * D, sizeof(float) * D);
+    return 0;
+}
+
 /* 1 when this build has the bf16 path (bfloat16 K and V, head sizes a multiple of 32) */
 int triforce_bf16_path(void) { return BF_PATH; }
 

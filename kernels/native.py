@@ -125,6 +125,11 @@ def load():
                                                      + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 8
                                                      + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2
                                                      + [ctypes.c_int64] + [ctypes.c_void_p] * 2)
+                lib.triforce_rope_attend.restype = ctypes.c_int
+                lib.triforce_rope_attend.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 4
+                                                     + [ctypes.c_int, ctypes.c_float, ctypes.c_float]
+                                                     + [ctypes.c_int64] * 5 + [ctypes.c_void_p, ctypes.c_int64]
+                                                     + [ctypes.c_void_p] * 5)
                 lib.triforce_vector_bits.restype = ctypes.c_int
                 lib.triforce_bf16_path.restype = ctypes.c_int
                 _bits = lib.triforce_vector_bits()
@@ -291,6 +296,50 @@ def attend_seqs(plan: Seqs, qf: torch.Tensor, kv: list[tuple], out: torch.Tensor
                                        ptrs[0].data_ptr(), ptrs[1].data_ptr(), *plan._ptrs, plan.nvis.data_ptr(),
                                        BLOCK, npre, None if pre is None else pre.data_ptr(), plan.perm.data_ptr(),
                                        plan.out_rows, out.data_ptr(), None if secs is None else secs.data_ptr()), D)
+
+
+def rope_attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                slot: int, q_pos0: int, k_pos0: int, heads: int, softcap: float | None = None):
+    """One attention layer's step for T new tokens in one call (`triforce_rope_attend`):
+    RoPE of their q and k heads, their k and v written into the cache, attention over the
+    cache, the output laid out for the o projection. The separate steps' numbers bit for bit:
+    rotate's RoPE (runtime/model/transformer.py checks it against its own once per process,
+    `rope_attend_ok`), the cache's write, `attend` with the same arguments.
+
+    qkv [1, T, heads + 2 H, D] float32 with contiguous rows (the qkv projection's output:
+    q heads, k heads, v heads); cos, sin [T, 1, D] float32 (`Rotary`'s); k, v [1, H, slots, D]
+    the cache (float32 or bfloat16, unit stride on D, the same strides). The new tokens go
+    to slots slot .. slot+T-1, at positions q_pos0 ..; attention reads slots 0 .. slot+T-1,
+    slot 0 at position k_pos0, each query the keys at or before its position.
+    -> (o [1, T, heads * D] float32, qf [H, G*T, D]: the rotated queries, row g*T + t of KV
+    head h for query head h*G + g), or None where the call does not take these tensors (the
+    caller takes the separate steps): other dtypes or layouts, more rows than one call's
+    scratch holds, the kernel disabled."""
+    _, T, nh, D = qkv.shape
+    H = k.shape[1]
+    if (qkv.dtype != torch.float32 or qkv.stride(-1) != 1 or qkv.stride(-2) != D
+            or cos.dtype != torch.float32 or not cos.is_contiguous() or not sin.is_contiguous()
+            or cos.shape[0] != T or cos.shape[-1] != D or nh != heads + 2 * H or heads % H
+            or v.dtype != k.dtype or k.stride() != v.stride() or slot + T > k.shape[2]
+            or not supports(qkv, k)):  # what attend takes (and where attention dispatches to it)
+        return None
+    R, S = heads // H * T, slot + T
+    nb = max(1, -(-S // BLOCK))
+    if R > max(16, SCRATCH_BYTES // (H * nb * (D + 2) * 4)):
+        return None
+    qf = torch.empty(H, R, D, dtype=torch.float32)
+    part = torch.empty(H, nb, R, D + 2, dtype=torch.float32)
+    out = torch.empty(H, R, D, dtype=torch.float32)
+    lse = torch.empty(H, R, dtype=torch.float32)
+    o = torch.empty(1, T, heads * D, dtype=torch.float32)
+    ks = k.stride()
+    rc = load().triforce_rope_attend(qkv.data_ptr(), T, qkv.stride(1), heads, cos.data_ptr(), sin.data_ptr(),
+                                     k.data_ptr(), v.data_ptr(), int(k.dtype == torch.bfloat16), D ** -0.5,
+                                     float(softcap or 0.0), H, D, slot, ks[1], ks[2],
+                                     visible_keys(q_pos0, T, heads // H, k_pos0, S).data_ptr(), BLOCK,
+                                     qf.data_ptr(), part.data_ptr(), out.data_ptr(), lse.data_ptr(), o.data_ptr())
+    _check(rc, D)
+    return o, qf
 
 
 def attend(q, k, v, q_pos0: int, k_pos0: int = 0, scale: float | None = None, out_dtype=None,

@@ -98,6 +98,7 @@ def main():
         n += 1
     n += fuzzed(g)
     n += many(g)
+    n += one_call(g)
     print(f"{n} native attention cases match float64 attention (and one call per sequence)")
 
 
@@ -159,6 +160,42 @@ def many(g, cases: int = 24, seed: int = 7) -> int:
                 print(f"FAIL attend_seqs {i}: {dtype} D={D} G={G} Hkv={Hkv} prefix={prefix} {shape}",
                       file=sys.stderr)
                 sys.exit(1)
+    return cases
+
+
+def one_call(g, cases: int = 24, seed: int = 11) -> int:
+    """native.rope_attend (RoPE, the cache's write and attention in one call) over random
+    shapes: the separate steps' bits (transformer.rotate, the write, native.attend) at every
+    head size the model calls it for (`one_call_ok`: every size on an x86-64 CPU with FMA)."""
+    from triforce_offload.runtime.model.transformer import one_call_ok, rotate
+    rng = random.Random(seed)
+    for i in range(cases):
+        native.BLOCK = rng.choice((32, 64, 256))
+        native.SCRATCH_BYTES = 32 << 20
+        dtype = rng.choice((torch.float32, torch.bfloat16))
+        D, G, H = 16 * rng.randint(1, 16), rng.randint(1, 4), rng.randint(1, 3)
+        T, slot, k_pos0 = rng.choice((1, rng.randint(2, 7), rng.randint(8, 24))), rng.randint(0, 900), rng.randint(0, 99)
+        softcap = rng.choice((None, 5.0))
+        Hq = G * H
+        qkv = torch.randn(1, T, Hq + 2 * H, D, generator=g)
+        f = torch.randn(T, 1, D // 2, generator=g) * 3
+        cos, sin = torch.cat([f.cos(), f.cos()], -1), torch.cat([-f.sin(), f.sin()], -1)
+        cap = slot + T + rng.randint(0, 40)  # K and V of one buffer shape (a cache's)
+        K, V = (torch.randn(1, H, cap, D, generator=g).to(dtype) for _ in range(2))
+        K1, V1 = K.clone(), V.clone()
+        got = native.rope_attend(qkv, cos, sin, K1, V1, slot, k_pos0 + slot, k_pos0, Hq, softcap=softcap)
+        if not one_call_ok(D):  # torch's RoPE rounds otherwise here: the model does not call it
+            continue
+        qk = rotate(qkv[:, :, : Hq + H], cos, sin)
+        q = qk[:, :, :Hq].transpose(1, 2)
+        K[:, :, slot: slot + T] = qk[:, :, Hq:].transpose(1, 2)
+        V[:, :, slot: slot + T] = qkv[:, :, Hq + H:].transpose(1, 2)
+        ref = native.attend(q, K[:, :, : slot + T], V[:, :, : slot + T], k_pos0 + slot, k_pos0, softcap=softcap)[0]
+        if got is None or not (torch.equal(got[0], ref.transpose(1, 2).reshape(1, T, Hq * D))
+                               and torch.equal(K1, K) and torch.equal(V1, V)):
+            print(f"FAIL rope_attend {i}: {dtype} D={D} G={G} H={H} T={T} slot={slot} k_pos0={k_pos0} "
+                  f"softcap={softcap}", file=sys.stderr)
+            sys.exit(1)
     return cases
 
 

@@ -249,10 +249,11 @@ def test_greedy_modes_on_the_native_kernel(monkeypatch):
     L = tiny(scale=3.0, seed=1, dim=64, heads=4, kv=2)
     prompt = repetitive_prompt(300, L.cfg.vocab_size, seed=3)
     calls = []
-    real = native.attend
-    monkeypatch.setattr(native, "attend", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for name in ("attend", "rope_attend"):  # the separate steps, or RoPE, write and attention in one call
+        real = getattr(native, name)
+        monkeypatch.setattr(native, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
     ref, _ = run(L, prompt, "autoregressive", 24)
-    assert calls
+    assert "rope_attend" in calls and "attend" in calls  # decode steps in one call, the prefill's chunks not
     for mode, extra in [("triforce", {"budget": 64}), ("draft", {"draft": "self", "draft_window": 16}),
                         ("triforce", {"budget": 64, "offload": "on", "transfer_chunk": 48})]:
         out, _ = run(L, prompt, mode, 24, **extra)
@@ -260,6 +261,51 @@ def test_greedy_modes_on_the_native_kernel(monkeypatch):
     monkeypatch.setattr(A.native, "supports", lambda q, k: False)
     torch_ref, _ = run(L, prompt, "autoregressive", 24)
     assert torch_ref == ref
+
+
+def test_rope_attend_is_the_separate_steps(monkeypatch):
+    """native.rope_attend (RoPE, the K/V write and the attention in one call) against the
+    separate steps the model takes without it (transformer.rotate, the cache's write,
+    native.attend): the output, the cache's written rows, the rotated queries, bit for bit;
+    float32 and bfloat16 caches, 1-40 tokens, keys from the first slot or after others, a
+    first key at a later position (a retrieval cache), soft-capped scores. And the model's
+    once-per-process check agrees on this machine."""
+    if not native.available():
+        pytest.skip(f"native kernel unavailable: {native.reason()}")  # covered by test_native_kernel_builds_here
+    from triforce_offload.runtime.model import transformer as tr
+    monkeypatch.setenv("TRIFORCE_OFFLOAD_NATIVE", "1")
+    # torch's addcmul is a fused multiply-add on this CPU (x86-64 with FMA), at every head size
+    assert all(tr.one_call_ok(d) for d in (32, 64, 80, 128, 240, 256))
+    g = torch.Generator().manual_seed(7)
+    Hq, H, D = 6, 2, 64
+    for dtype in (torch.float32, torch.bfloat16):
+        for T, slot, k_pos0, cap in [(1, 0, 0, None), (1, 300, 0, None), (2, 5, 0, 30.0), (7, 513, 0, None),
+                                     (7, 40, 1000, None), (16, 255, 0, 5.0), (40, 17, 64, None)]:
+            qkv = torch.randn(1, T, Hq + 2 * H, D, generator=g) * 2
+            f = torch.randn(T, 1, D // 2, generator=g) * 5
+            cos, sin = torch.cat([f.cos(), f.cos()], -1), torch.cat([-f.sin(), f.sin()], -1)
+            K, V = (torch.randn(1, H, slot + T + 9, D, generator=g).to(dtype) for _ in range(2))
+            K1, V1 = K.clone(), V.clone()
+            got = native.rope_attend(qkv, cos, sin, K1, V1, slot, k_pos0 + slot, k_pos0, Hq, softcap=cap)
+            assert got is not None
+            qk = tr.rotate(qkv[:, :, : Hq + H], cos, sin)
+            q = qk[:, :, :Hq].transpose(1, 2)
+            K[:, :, slot: slot + T] = qk[:, :, Hq:].transpose(1, 2)
+            V[:, :, slot: slot + T] = qkv[:, :, Hq + H:].transpose(1, 2)
+            o = native.attend(q, K[:, :, : slot + T], V[:, :, : slot + T], k_pos0 + slot, k_pos0, softcap=cap)[0]
+            case = (dtype, T, slot, k_pos0, cap)
+            assert torch.equal(got[0], o.transpose(1, 2).reshape(1, T, Hq * D)), case
+            assert torch.equal(K1, K) and torch.equal(V1, V), case  # the rows written, nothing else
+            assert torch.equal(got[1], q.reshape(H, Hq // H * T, D)), case
+    # what it declines, the caller computes with the separate steps
+    qkv = torch.randn(1, 2, Hq + 2 * H, D)
+    cos = sin = torch.ones(2, 1, D)
+    K = torch.zeros(1, H, 8, D)
+    assert native.rope_attend(qkv, cos, sin, K, K.clone(), 7, 7, 0, Hq) is None  # past the cache's end
+    assert native.rope_attend(qkv.double(), cos, sin, K, K.clone(), 0, 0, 0, Hq) is None
+    assert native.rope_attend(qkv, cos, sin, K.half(), K.half(), 0, 0, 0, Hq) is None
+    monkeypatch.setattr(native, "supports", lambda q, k: False)  # attention on torch's kernels: so this
+    assert native.rope_attend(qkv, cos, sin, K, K.clone(), 0, 0, 0, Hq) is None
 
 
 # ---- attention logit soft-capping (Gemma 2): every path against the float64 reference ----

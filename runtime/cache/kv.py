@@ -503,6 +503,18 @@ class FullCache(Settles, KVCache):
             K, V = self.keys(layer, end)  # the prefix's and this cache's, in one buffer
         return window_attention(q, K[:, :, :end], V[:, :, :end], start, 0, self.windows[layer], self.softcap)
 
+    def rope_attend(self, layer, qkv, cos, sin, start, heads: int):
+        """`attend` of the T tokens whose qkv projection (before RoPE) is qkv [1, T, heads +
+        2 Hkv, D], in one native call (`native.rope_attend`: RoPE, the K/V write and the
+        attention, the same bits as the separate steps): (o [1, T, heads * D], the rotated
+        queries), or None where that call does not apply (a device-tensor start, a window or
+        ring layer, a shared prefix, a ragged forward's settled outputs, what the kernel does
+        not take): the caller then rotates and calls `attend`."""
+        if not isinstance(start, int) or self.base is not None or self._done or not self.plain(layer):
+            return None
+        self.check_end(start + qkv.shape[1])
+        return native.rope_attend(qkv, cos, sin, self.k[layer], self.v[layer], start, start, 0, heads, self.softcap)
+
     def _attend_static(self, layer, q, k, v, start: torch.Tensor):
         """The same with `start` on the device (the caller checked the capacity on the host)."""
         if self.ring is not None and layer in self.ring:

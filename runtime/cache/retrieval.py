@@ -64,6 +64,17 @@ class Recorder:
             self._q[layer] = q if q.shape[2] == 1 else q[:, :, -1]
         return self.inner.attend(layer, q, k, v, start)
 
+    def rope_attend(self, layer, qkv, cos, sin, start, heads: int):
+        """The inner cache's `rope_attend` (None where it has none or it does not apply),
+        recording the last token's rotated queries as `attend` does."""
+        step = getattr(self.inner, "rope_attend", None)
+        r = step(layer, qkv, cos, sin, start, heads) if step is not None else None
+        if r is not None:
+            H, R, D = r[1].shape
+            T = qkv.shape[1]
+            self._q[layer] = r[1].view(H, R // T, T, D)[:, :, -1].reshape(1, heads, D)
+        return r
+
     def on_replay(self):
         """A graph replay wrote the queries (no Python ran): they are the latest again,
         even if an eager forward pointed `q` elsewhere since the capture."""
@@ -261,6 +272,17 @@ class RetrievalCache(Settles, KVCache):
         # slots as consecutive positions (exact for a sliding layer)
         return window_attention(q, K[:, :, : s + T], V[:, :, : s + T], start, self.first_position,
                                 self.windows[layer], self.softcap)
+
+    def rope_attend(self, layer, qkv, cos, sin, start, heads: int):
+        """`attend` in one native call, as FullCache.rope_attend; None where it does not
+        apply (attend then raises what is wrong)."""
+        if not isinstance(start, int) or self._done or not self.plain(layer):
+            return None
+        s, T = self._slot(start), qkv.shape[1]
+        if start < self.base or s + T > self.slots:
+            return None
+        return native.rope_attend(qkv, cos, sin, self.k[layer], self.v[layer], s, start, self.first_position,
+                                  heads, self.softcap)
 
     @torch.inference_mode()
     def absorb(self, full, lo: int, hi: int):

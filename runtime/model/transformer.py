@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.modules import module as _torch_module
 
+from ...kernels import native
 from ...kernels.linear import Linear, by_rows
 from ...kernels.qlinear import QLinear
 from .config import ModelConfig, rope_frequencies
@@ -100,6 +101,50 @@ def rotate(x, cos, sin):
     return torch.addcmul(x * cos, swapped, sin)
 
 
+_ONE_CALL: dict = {}  # head_dim -> the check's verdict, once made
+
+
+def one_call_ok(head_dim: int) -> bool:
+    """Whether attention layers of this head size take `native.rope_attend` (RoPE, the K/V
+    write and the attention in one call): the kernel enabled, and its numbers the separate
+    steps' (`rotate`, a cache's write, `native.attend`) bit for bit on this machine. rotate's
+    bits are torch's (its `addcmul` a fused multiply-add, as the kernel's), which the kernel
+    cannot know: so this is checked once per process and head size, on random numbers with a
+    float32 and a bfloat16 cache. False: the separate steps."""
+    if not native.enabled():
+        return False
+    if head_dim not in _ONE_CALL:
+        verdict = _one_call_exact(head_dim)
+        if verdict is None:  # the call declined these inputs: no verdict yet
+            return False
+        _ONE_CALL[head_dim] = verdict
+    return _ONE_CALL[head_dim]
+
+
+def _one_call_exact(D: int) -> bool | None:
+    g = torch.Generator().manual_seed(0)
+    T, Hq, H, s = 3, 4, 2, 5
+    with torch.inference_mode():
+        qkv = torch.randn(1, T, Hq + 2 * H, D, generator=g)
+        f = torch.randn(T, 1, D // 2, generator=g)
+        cos, sin = torch.cat([f.cos(), f.cos()], -1), torch.cat([-f.sin(), f.sin()], -1)
+        for dtype in (torch.float32, torch.bfloat16):
+            k, v = (torch.randn(1, H, 2 * s, D, generator=g).to(dtype) for _ in range(2))
+            k1, v1 = k.clone(), v.clone()
+            got = native.rope_attend(qkv, cos, sin, k1, v1, s, s, 0, Hq)
+            if got is None:
+                return None
+            qk = rotate(qkv[:, :, : Hq + H], cos, sin)
+            q = qk[:, :, :Hq].transpose(1, 2)
+            k[:, :, s: s + T] = qk[:, :, Hq:].transpose(1, 2)
+            v[:, :, s: s + T] = qkv[:, :, Hq + H:].transpose(1, 2)
+            o = native.attend(q, k[:, :, : s + T], v[:, :, : s + T], s)[0].transpose(1, 2).reshape(1, T, Hq * D)
+            if not (torch.equal(got[0], o) and torch.equal(k1, k) and torch.equal(v1, v)
+                    and torch.equal(got[1], q.reshape(H, Hq // H * T, D))):
+                return False
+    return True
+
+
 # torch's global module hooks (nn.modules.module.register_module_forward_hook and the like)
 _HOOKS = (_torch_module._global_forward_hooks, _torch_module._global_forward_pre_hooks,
           _torch_module._global_forward_hooks_always_called)
@@ -145,6 +190,9 @@ class Attention(nn.Module):
         # q carries the ratio (1 where they agree, as in Gemma 3 270M)
         qpas = cfg.query_pre_attn_scalar
         self.q_scale = 1.0 if qpas is None or qpas == cfg.head_dim else (cfg.head_dim / qpas) ** 0.5
+        # RoPE, the cache's write and the attention in one native call where the cache offers
+        # it (`rope_attend`): nothing between the projection and RoPE, no q scale
+        self.one_call = not cfg.qk_norm and self.q_scale == 1.0
         _loads_hf(self, "qkv_proj")
 
     def forward(self, x, cos, sin, start, cache, norm=None, residual=None):
@@ -153,6 +201,11 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         Hq, Hkv = self.n_heads, self.n_kv_heads
         qkv = project(self.qkv_proj, x, norm).view(B, T, Hq + 2 * Hkv, self.head_dim)  # [B, T, Hq+2Hkv, D]
+        if self.one_call and B == 1 and one_call_ok(self.head_dim):
+            step = getattr(cache, "rope_attend", None)
+            done = step(self.layer, qkv, cos, sin, start, Hq) if step is not None else None
+            if done is not None:  # a CPU decode, verification or draft step: ~60 us of ops less per layer
+                return project(self.o_proj, done[0], residual=residual)
         if self.qk_norm:
             qk = torch.cat([self.q_norm(qkv[:, :, :Hq]), self.k_norm(qkv[:, :, Hq: Hq + Hkv])], 2)
         else:
