@@ -175,7 +175,8 @@ def status() -> str:
         return f"torch ({reason()}){capped}"
     if enabled():
         bf = "; bf16 KV by vdpbf16ps" if load().triforce_bf16_path() else ""
-        return f"native ({vector_bits()}-bit vectors{bf}; soft-capping in the kernel)"
+        return (f"native ({vector_bits()}-bit vectors{bf}; soft-capping in the kernel; a decode, "
+                f"verification or draft step's RoPE, KV write and attention in one call per layer)")
     return (f"torch (native kernel built for {vector_bits()}-bit vectors, slower than torch "
             f"there; TRIFORCE_OFFLOAD_NATIVE=1 forces it){capped}")
 

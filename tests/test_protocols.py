@@ -128,6 +128,12 @@ class Spy(FullCache):
         self.log.append(("attend", layer))
         return super().attend(layer, q, k, v, start)
 
+    def rope_attend(self, layer, qkv, cos, sin, start, heads):
+        done = super().rope_attend(layer, qkv, cos, sin, start, heads)
+        if done is not None:  # the layer's attend, in one native call
+            self.log.append(("attend", layer))
+        return done
+
     def end_forward(self):
         self.log.append(("end",))
 

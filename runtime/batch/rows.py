@@ -70,6 +70,9 @@ class Ragged:
         for s, st in zip(self.sets, self._starts):
             s.cache.begin_forward(st, s.n)
 
+    def rope_attend(self, layer, qkv, cos, sin, start, heads: int):
+        return None  # rows of several sequences: rotated by the model, then `attend`
+
     def attend(self, layer, q, k, v, start):
         groups = self._groups(layer, q)
         out = None

@@ -64,6 +64,11 @@ class KVCache:
     def attend(self, layer, q, k, v, start):  # pragma: no cover - interface
         raise NotImplementedError
 
+    def rope_attend(self, layer, qkv, cos, sin, start, heads: int):
+        """`attend` of tokens given as their qkv projection before RoPE, in one native call
+        (FullCache.rope_attend); None: not here, the model rotates and calls `attend`."""
+        return None
+
     def begin_forward(self, start, n_tokens: int):
         """A forward of n_tokens tokens at positions start.. begins (`start` a device
         tensor on the static path: never read it on the host there)."""

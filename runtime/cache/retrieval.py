@@ -65,10 +65,9 @@ class Recorder:
         return self.inner.attend(layer, q, k, v, start)
 
     def rope_attend(self, layer, qkv, cos, sin, start, heads: int):
-        """The inner cache's `rope_attend` (None where it has none or it does not apply),
-        recording the last token's rotated queries as `attend` does."""
-        step = getattr(self.inner, "rope_attend", None)
-        r = step(layer, qkv, cos, sin, start, heads) if step is not None else None
+        """The inner cache's `rope_attend` (None where it does not apply), recording the
+        last token's rotated queries as `attend` does."""
+        r = self.inner.rope_attend(layer, qkv, cos, sin, start, heads)
         if r is not None:
             H, R, D = r[1].shape
             T = qkv.shape[1]

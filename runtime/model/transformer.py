@@ -111,7 +111,7 @@ def one_call_ok(head_dim: int) -> bool:
     bits are torch's (its `addcmul` a fused multiply-add, as the kernel's), which the kernel
     cannot know: so this is checked once per process and head size, on random numbers with a
     float32 and a bfloat16 cache. False: the separate steps."""
-    if not native.enabled():
+    if not native.enabled() or head_dim % 16 or head_dim > 256:  # sizes the kernel takes
         return False
     if head_dim not in _ONE_CALL:
         verdict = _one_call_exact(head_dim)
@@ -201,9 +201,8 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         Hq, Hkv = self.n_heads, self.n_kv_heads
         qkv = project(self.qkv_proj, x, norm).view(B, T, Hq + 2 * Hkv, self.head_dim)  # [B, T, Hq+2Hkv, D]
-        if self.one_call and B == 1 and one_call_ok(self.head_dim):
-            step = getattr(cache, "rope_attend", None)
-            done = step(self.layer, qkv, cos, sin, start, Hq) if step is not None else None
+        if self.one_call and B == 1 and qkv.is_cpu and isinstance(start, int) and one_call_ok(self.head_dim):
+            done = cache.rope_attend(self.layer, qkv, cos, sin, start, Hq)
             if done is not None:  # a CPU decode, verification or draft step: ~60 us of ops less per layer
                 return project(self.o_proj, done[0], residual=residual)
         if self.qk_norm:
