@@ -35,6 +35,8 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPI
 FALLBACK_DROPS = [(), ("-march=native",), ("-march=native", "-fopenmp")]
 BLOCK = 256  # keys per work item: fixed, so a row's blocks (and their merge order) do not
 # depend on how many keys the other rows of the call see (a verification against decodes)
+ONE_CALL_TOKENS = 64  # `rope_attend` takes steps (decodes, verifications, drafts), not prefill chunks:
+# its RoPE and writes run on one thread, torch's ops over a chunk's thousands of rows on all
 SCRATCH_BYTES = 32 << 20  # per-block partial results of one call
 
 _lib = None  # ctypes handle, False once a build failed
@@ -315,10 +317,10 @@ def rope_attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torc
     -> (o [1, T, heads * D] float32, qf [H, G*T, D]: the rotated queries, row g*T + t of KV
     head h for query head h*G + g), or None where the call does not take these tensors (the
     caller takes the separate steps): other dtypes or layouts, more rows than one call's
-    scratch holds, the kernel disabled."""
+    scratch holds, the kernel disabled, more than ONE_CALL_TOKENS tokens."""
     _, T, nh, D = qkv.shape
     H = k.shape[1]
-    if (qkv.dtype != torch.float32 or qkv.stride(-1) != 1 or qkv.stride(-2) != D
+    if (T > ONE_CALL_TOKENS or qkv.dtype != torch.float32 or qkv.stride(-1) != 1 or qkv.stride(-2) != D
             or cos.dtype != torch.float32 or not cos.is_contiguous() or not sin.is_contiguous()
             or cos.shape[0] != T or cos.shape[-1] != D or nh != heads + 2 * H or heads % H
             or v.dtype != k.dtype or k.stride() != v.stride() or slot + T > k.shape[2]

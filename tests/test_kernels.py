@@ -253,7 +253,7 @@ def test_greedy_modes_on_the_native_kernel(monkeypatch):
         real = getattr(native, name)
         monkeypatch.setattr(native, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
     ref, _ = run(L, prompt, "autoregressive", 24)
-    assert "rope_attend" in calls  # steps over a full cache: RoPE, the write and the attention in one call
+    assert "rope_attend" in calls and "attend" in calls  # steps in one call; the 300-token prefill not
     for mode, extra in [("triforce", {"budget": 64}), ("draft", {"draft": "self", "draft_window": 16}),
                         ("triforce", {"budget": 64, "offload": "on", "transfer_chunk": 48})]:
         out, _ = run(L, prompt, mode, 24, **extra)
@@ -280,7 +280,7 @@ def test_rope_attend_is_the_separate_steps(monkeypatch):
     Hq, H, D = 6, 2, 64
     for dtype in (torch.float32, torch.bfloat16):
         for T, slot, k_pos0, cap in [(1, 0, 0, None), (1, 300, 0, None), (2, 5, 0, 30.0), (7, 513, 0, None),
-                                     (7, 40, 1000, None), (16, 255, 0, 5.0), (40, 17, 64, None)]:
+                                     (7, 40, 1000, None), (16, 255, 0, 5.0), (64, 17, 64, None)]:
             qkv = torch.randn(1, T, Hq + 2 * H, D, generator=g) * 2
             f = torch.randn(T, 1, D // 2, generator=g) * 5
             cos, sin = torch.cat([f.cos(), f.cos()], -1), torch.cat([-f.sin(), f.sin()], -1)
@@ -302,6 +302,9 @@ def test_rope_attend_is_the_separate_steps(monkeypatch):
     cos = sin = torch.ones(2, 1, D)
     K = torch.zeros(1, H, 8, D)
     assert native.rope_attend(qkv, cos, sin, K, K.clone(), 7, 7, 0, Hq) is None  # past the cache's end
+    long = torch.randn(1, 65, Hq + 2 * H, D)  # a prefill chunk: torch's ops on every thread
+    assert native.rope_attend(long, torch.ones(65, 1, D), torch.ones(65, 1, D), torch.zeros(1, H, 80, D),
+                              torch.zeros(1, H, 80, D), 0, 0, 0, Hq) is None
     assert native.rope_attend(qkv.double(), cos, sin, K, K.clone(), 0, 0, 0, Hq) is None
     assert native.rope_attend(qkv, cos, sin, K.half(), K.half(), 0, 0, 0, Hq) is None
     monkeypatch.setattr(native, "supports", lambda q, k: False)  # attention on torch's kernels: so this
