@@ -1072,8 +1072,8 @@ int triforce_attend_band(const float *q, const void *k, const void *v, int bf16,
 /* RoPE of one head's D values (rotate-half; sin's first half negated by the caller, so
  * x * cos + swap(x) * sin): the product x * cos rounded, then swap(x) * sin added to it in
  * one fused multiply-add, as torch computes `torch.addcmul(x * cos, swapped, sin)`
- * (runtime/model/transformer.py rotate; kernels/native.py checks the bits against it once
- * per process before it uses this). */
+ * (runtime/model/transformer.py rotate; transformer.one_call_ok checks the bits against it
+ * once per process and head size before the model uses this). */
 static inline void rope_head(float *restrict y, const float *restrict x, const float *restrict c,
                              const float *restrict s, int64_t D) {
     const int64_t h = D / 2;

@@ -301,13 +301,20 @@ def attend_seqs(plan: Seqs, qf: torch.Tensor, kv: list[tuple], out: torch.Tensor
                                        plan.out_rows, out.data_ptr(), None if secs is None else secs.data_ptr()), D)
 
 
+def scratch_rows(H: int, nb: int, D: int) -> int:
+    """Query rows one kernel call takes over nb blocks of keys: per-block partial results
+    cost H * nb * (D + 2) floats per row, so a prefill chunk of thousands of rows goes
+    through in slices that keep them under SCRATCH_BYTES (at least 16 rows)."""
+    return max(16, SCRATCH_BYTES // (H * nb * (D + 2) * 4))
+
+
 def rope_attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 slot: int, q_pos0: int, k_pos0: int, heads: int, softcap: float | None = None):
     """One attention layer's step for T new tokens in one call (`triforce_rope_attend`):
     RoPE of their q and k heads, their k and v written into the cache, attention over the
     cache, the output laid out for the o projection. The separate steps' numbers bit for bit:
-    rotate's RoPE (runtime/model/transformer.py checks it against its own once per process,
-    `rope_attend_ok`), the cache's write, `attend` with the same arguments.
+    rotate's RoPE (runtime/model/transformer.py checks it against its own once per process
+    and head size, `one_call_ok`), the cache's write, `attend` with the same arguments.
 
     qkv [1, T, heads + 2 H, D] float32 with contiguous rows (the qkv projection's output:
     q heads, k heads, v heads); cos, sin [T, 1, D] float32 (`Rotary`'s); k, v [1, H, slots, D]
@@ -328,7 +335,7 @@ def rope_attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torc
         return None
     R, S = heads // H * T, slot + T
     nb = max(1, -(-S // BLOCK))
-    if R > max(16, SCRATCH_BYTES // (H * nb * (D + 2) * 4)):
+    if R > scratch_rows(H, nb, D):
         return None
     qf = torch.empty(H, R, D, dtype=torch.float32)
     part = torch.empty(H, nb, R, D + 2, dtype=torch.float32)
@@ -378,9 +385,7 @@ def attend(q, k, v, q_pos0: int, k_pos0: int = 0, scale: float | None = None, ou
         raise ValueError(f"a shared prefix's per-block results of shape {tuple(pre.shape)}, "
                          f"not {(H, npre, R, D + 2)}")
     nb = npre + max(1, -(-S // block))
-    # per-block partial results cost H * nb * (D + 2) floats per row: a prefill chunk of
-    # thousands of rows goes through in slices that keep them under SCRATCH_BYTES
-    rows = max(16, SCRATCH_BYTES // (H * nb * (D + 2) * 4))
+    rows = scratch_rows(H, nb, D)
     part = torch.empty(H, nb, min(rows, R), D + 2, dtype=torch.float32)
     out = torch.empty(H, R, D, dtype=torch.float32)
     lse = torch.empty(H, R, dtype=torch.float32)

@@ -163,11 +163,26 @@ def many(g, cases: int = 24, seed: int = 7) -> int:
     return cases
 
 
+def separate_steps(qkv, cos, sin, K, V, slot: int, k_pos0: int, heads: int, softcap=None):
+    """What the model computes without native.rope_attend: transformer.rotate of the q and k
+    heads, the new K and V rows written into K, V at slot.. (in place), native.attend over
+    slots 0..slot+T-1 (slot 0 at position k_pos0) -> (o [1, T, heads * D], the rotated
+    queries [H, G*T, D] in rope_attend's layout)."""
+    from triforce_offload.runtime.model.transformer import rotate
+    T, D, H = qkv.shape[1], qkv.shape[-1], K.shape[1]
+    qk = rotate(qkv[:, :, : heads + H], cos, sin)
+    q = qk[:, :, :heads].transpose(1, 2)
+    K[:, :, slot: slot + T] = qk[:, :, heads:].transpose(1, 2)
+    V[:, :, slot: slot + T] = qkv[:, :, heads + H:].transpose(1, 2)
+    o = native.attend(q, K[:, :, : slot + T], V[:, :, : slot + T], k_pos0 + slot, k_pos0, softcap=softcap)[0]
+    return o.transpose(1, 2).reshape(1, T, heads * D), q.reshape(H, heads // H * T, D)
+
+
 def one_call(g, cases: int = 24, seed: int = 11) -> int:
     """native.rope_attend (RoPE, the cache's write and attention in one call) over random
     shapes: the separate steps' bits (transformer.rotate, the write, native.attend) at every
     head size the model calls it for (`one_call_ok`: every size on an x86-64 CPU with FMA)."""
-    from triforce_offload.runtime.model.transformer import one_call_ok, rotate
+    from triforce_offload.runtime.model.transformer import one_call_ok
     rng = random.Random(seed)
     for i in range(cases):
         native.BLOCK = rng.choice((32, 64, 256))
@@ -186,12 +201,8 @@ def one_call(g, cases: int = 24, seed: int = 11) -> int:
         got = native.rope_attend(qkv, cos, sin, K1, V1, slot, k_pos0 + slot, k_pos0, Hq, softcap=softcap)
         if not one_call_ok(D):  # torch's RoPE rounds otherwise here: the model does not call it
             continue
-        qk = rotate(qkv[:, :, : Hq + H], cos, sin)
-        q = qk[:, :, :Hq].transpose(1, 2)
-        K[:, :, slot: slot + T] = qk[:, :, Hq:].transpose(1, 2)
-        V[:, :, slot: slot + T] = qkv[:, :, Hq + H:].transpose(1, 2)
-        ref = native.attend(q, K[:, :, : slot + T], V[:, :, : slot + T], k_pos0 + slot, k_pos0, softcap=softcap)[0]
-        if got is None or not (torch.equal(got[0], ref.transpose(1, 2).reshape(1, T, Hq * D))
+        o, qf = separate_steps(qkv, cos, sin, K, V, slot, k_pos0, Hq, softcap)
+        if got is None or not (torch.equal(got[0], o) and torch.equal(got[1], qf)
                                and torch.equal(K1, K) and torch.equal(V1, V)):
             print(f"FAIL rope_attend {i}: {dtype} D={D} G={G} H={H} T={T} slot={slot} k_pos0={k_pos0} "
                   f"softcap={softcap}", file=sys.stderr)

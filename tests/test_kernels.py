@@ -86,6 +86,7 @@ def test_greedy_modes_unchanged_with_forced_splits(monkeypatch):
 
 from triforce_offload.kernels import native  # noqa: E402
 from native_sweep import reference  # noqa: E402  (plain float64 attention)
+from native_sweep import separate_steps  # noqa: E402  (what the model computes without rope_attend)
 
 
 def test_native_kernel_builds_here():
@@ -267,7 +268,7 @@ def test_rope_attend_is_the_separate_steps(monkeypatch):
     """native.rope_attend (RoPE, the K/V write and the attention in one call) against the
     separate steps the model takes without it (transformer.rotate, the cache's write,
     native.attend): the output, the cache's written rows, the rotated queries, bit for bit;
-    float32 and bfloat16 caches, 1-40 tokens, keys from the first slot or after others, a
+    float32 and bfloat16 caches, 1-64 tokens, keys from the first slot or after others, a
     first key at a later position (a retrieval cache), soft-capped scores. And the model's
     once-per-process check agrees on this machine."""
     if not native.available():
@@ -288,15 +289,11 @@ def test_rope_attend_is_the_separate_steps(monkeypatch):
             K1, V1 = K.clone(), V.clone()
             got = native.rope_attend(qkv, cos, sin, K1, V1, slot, k_pos0 + slot, k_pos0, Hq, softcap=cap)
             assert got is not None
-            qk = tr.rotate(qkv[:, :, : Hq + H], cos, sin)
-            q = qk[:, :, :Hq].transpose(1, 2)
-            K[:, :, slot: slot + T] = qk[:, :, Hq:].transpose(1, 2)
-            V[:, :, slot: slot + T] = qkv[:, :, Hq + H:].transpose(1, 2)
-            o = native.attend(q, K[:, :, : slot + T], V[:, :, : slot + T], k_pos0 + slot, k_pos0, softcap=cap)[0]
+            o, qf = separate_steps(qkv, cos, sin, K, V, slot, k_pos0, Hq, cap)
             case = (dtype, T, slot, k_pos0, cap)
-            assert torch.equal(got[0], o.transpose(1, 2).reshape(1, T, Hq * D)), case
+            assert torch.equal(got[0], o), case
             assert torch.equal(K1, K) and torch.equal(V1, V), case  # the rows written, nothing else
-            assert torch.equal(got[1], q.reshape(H, Hq // H * T, D)), case
+            assert torch.equal(got[1], qf), case
     # what it declines, the caller computes with the separate steps
     qkv = torch.randn(1, 2, Hq + 2 * H, D)
     cos = sin = torch.ones(2, 1, D)
