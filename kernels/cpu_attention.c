@@ -1132,6 +1132,56 @@ int triforce_rope_attend(const float *qkv, int64_t T, int64_t ldq, int64_t Hq, c
     return 0;
 }
 
+/* triforce_rope_attend for the rows of several sequences in one call (kernels/native.py
+ * rope_attend_seqs: a batch's ragged forward, runtime/batch/rows.py Ragged.rope_attend).
+ * Sequence i's T[i] tokens are the qkv rows tok0[i] .. (cos and sin rows likewise); their
+ * k and v go to its own cache (kp[i], vp[i], strides hs[i], ss[i]) at slots slot0[i] ..,
+ * and its rows attend over its slots 0 .. slot0[i]+T[i]-1, each row seeing nvis of them
+ * (per folded row, as triforce_attend_seqs takes them). The queries are folded as
+ * triforce_attend_seqs reads them (KV head h, then sequence i's rows g*T[i] + t), the
+ * output written as the o projection reads it: o [N, Hq*D], row tok0[i]+t, query head
+ * h*G+g. The same RoPE and writes as triforce_rope_attend, the same attention as
+ * triforce_attend_seqs: each row the bits of the separate steps, and of its solo step.
+ * meta [5, nseq]: tok0, T, slot0, hs, ss.  qf [H, G*sum(T), D] float32 out. */
+int triforce_rope_attend_seqs(const float *qkv, int64_t ldq, int64_t Hq, const float *cos, const float *sin,
+                              int bf16, float scale, float softcap, int64_t H, int64_t D, int64_t nseq,
+                              const int64_t *kp, const int64_t *vp, const int64_t *meta, const int64_t *nvis,
+                              int64_t block, float *qf, float *o, double *secs) {
+    if (D % 16 || D / 16 > MAXV || H <= 0 || Hq % H || nseq < 1) return -1;
+    const int64_t G = Hq / H;
+    const int64_t *tok0 = meta, *T = meta + nseq, *slot0 = meta + 2 * nseq, *hs = meta + 3 * nseq,
+                  *ss = meta + 4 * nseq;
+    int64_t Rtot = 0;
+    for (int64_t i = 0; i < nseq; i++) Rtot += G * T[i];
+    int64_t *buf = (int64_t *)malloc(sizeof(int64_t) * (3 * nseq + Rtot));
+    if (!buf) return -2;
+    int64_t *S = buf, *row0 = buf + nseq, *nrows = buf + 2 * nseq, *orow = buf + 3 * nseq;
+    float kr[16 * MAXV];
+    for (int64_t i = 0, r0 = 0; i < nseq; r0 += G * T[i], i++) {
+        void *k = (void *)(intptr_t)kp[i], *v = (void *)(intptr_t)vp[i];
+        S[i] = slot0[i] + T[i];
+        row0[i] = r0;
+        nrows[i] = G * T[i];
+        for (int64_t t = 0; t < T[i]; t++) {
+            const int64_t n = tok0[i] + t;
+            const float *x = qkv + n * ldq, *c = cos + n * D, *sn = sin + n * D;
+            for (int64_t hq = 0; hq < Hq; hq++) {
+                rope_head(qf + ((hq / G) * Rtot + r0 + (hq % G) * T[i] + t) * D, x + hq * D, c, sn, D);
+                orow[r0 + (hq % G) * T[i] + t] = n * Hq + hq % G; /* out + (h G + n Hq + g) D */
+            }
+            for (int64_t h = 0; h < H; h++) {
+                rope_head(kr, x + (Hq + h) * D, c, sn, D);
+                store_row(k, bf16, h * hs[i] + (slot0[i] + t) * ss[i], kr, D);
+                store_row(v, bf16, h * hs[i] + (slot0[i] + t) * ss[i], x + (Hq + H + h) * D, D);
+            }
+        }
+    }
+    const int rc = triforce_attend_seqs(qf, bf16, scale, softcap, H, D, nseq, kp, vp, S, hs, ss, row0, nrows, nvis,
+                                        block, 0, NULL, orow, G, o, secs);
+    free(buf);
+    return rc;
+}
+
 /* 1 when this build has the bf16 path (bfloat16 K and V, head sizes a multiple of 32) */
 int triforce_bf16_path(void) { return BF_PATH; }
 

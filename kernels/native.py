@@ -132,6 +132,12 @@ def load():
                                                      + [ctypes.c_int, ctypes.c_float, ctypes.c_float]
                                                      + [ctypes.c_int64] * 5 + [ctypes.c_void_p, ctypes.c_int64]
                                                      + [ctypes.c_void_p] * 5)
+                lib.triforce_rope_attend_seqs.restype = ctypes.c_int
+                lib.triforce_rope_attend_seqs.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64]
+                                                          + [ctypes.c_void_p] * 2
+                                                          + [ctypes.c_int, ctypes.c_float, ctypes.c_float]
+                                                          + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 4
+                                                          + [ctypes.c_int64] + [ctypes.c_void_p] * 3)
                 lib.triforce_vector_bits.restype = ctypes.c_int
                 lib.triforce_bf16_path.restype = ctypes.c_int
                 _bits = lib.triforce_vector_bits()
@@ -299,6 +305,69 @@ def attend_seqs(plan: Seqs, qf: torch.Tensor, kv: list[tuple], out: torch.Tensor
                                        ptrs[0].data_ptr(), ptrs[1].data_ptr(), *plan._ptrs, plan.nvis.data_ptr(),
                                        BLOCK, npre, None if pre is None else pre.data_ptr(), plan.perm.data_ptr(),
                                        plan.out_rows, out.data_ptr(), None if secs is None else secs.data_ptr()), D)
+
+
+class SeqSteps:
+    """A ragged forward's sequences for `rope_attend_seqs`, the same for each of its layers
+    of a kind: sequence i has T tokens in the forward's rows a.. (of qkv, cos, sin) at
+    positions q_pos0.., written to its K, V buffers' slots slot.. (slot 0 at position
+    k_pos0; head stride hs, key stride ss), attending over slots 0 .. slot+T-1."""
+
+    def __init__(self, rows: list[tuple[int, int, int, int, int, int, int]], G: int):
+        nvis, cols = [], [[] for _ in range(5)]
+        for a, T, q_pos0, k_pos0, slot, hs, ss in rows:
+            nvis.extend(visible_row(q_pos0, T, k_pos0, slot + T) * G)  # folded rows (g, t)
+            for c, x in zip(cols, (a, T, slot, hs, ss)):
+                c.append(x)
+        self.meta = torch.tensor(cols, dtype=torch.int64)  # [5, n]: a, T, slot, hs, ss
+        self.nvis = torch.tensor(nvis, dtype=torch.int64)
+        self.n, self.G, self.rows = len(rows), G, len(nvis)
+        self.steps = [(T, slot, hs, ss) for _, T, _, _, slot, hs, ss in rows]
+
+    def fits(self, H: int, D: int) -> bool:
+        """Whether every step takes one call (at most ONE_CALL_TOKENS tokens) and the call's
+        per-block results stay under SCRATCH_BYTES (else the separate steps slice them)."""
+        parts = sum(self.G * T * -(-(slot + T) // BLOCK) for T, slot, _, _ in self.steps) * H * (D + 2) * 4
+        return max(T for T, _, _, _ in self.steps) <= ONE_CALL_TOKENS and parts <= SCRATCH_BYTES
+
+    def takes(self, kv: list[tuple]) -> bool:
+        """Whether the buffers kv (per sequence K, V) are laid out as planned, with room for
+        each step's slots: what the kernel writes and reads stays inside them."""
+        return len(kv) == self.n and all(
+            k.stride() == v.stride() and k.stride(1) == hs and k.stride(2) == ss and k.stride(-1) == 1
+            and slot + T <= k.shape[2] and k.shape == v.shape and k.shape[0] == 1
+            for (k, v), (T, slot, hs, ss) in zip(kv, self.steps))
+
+
+def rope_attend_seqs(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: SeqSteps, kv: list[tuple],
+                     heads: int, softcap: float | None = None, secs: torch.Tensor | None = None):
+    """`rope_attend` for the rows of several sequences in one call (`triforce_rope_attend_seqs`):
+    each sequence's RoPE, its K, V written into its own buffers (kv: per sequence, strides
+    and slots as `plan` says, all float32 or all bfloat16) and its attention, as
+    `attend_seqs` computes it, the output laid out for the o projection. qkv [1, N, heads +
+    2 H, D] float32 with contiguous rows; cos, sin [N, 1, D] float32 (each row's position).
+    -> (o [1, N, heads * D], qf [H, plan.rows, D]: the rotated queries folded as
+    `attend_seqs` takes them). Each row the bits of the separate steps (callers check what
+    the kernel takes: `supports`, `SeqSteps.fits`, `transformer.one_call_ok`)."""
+    _, N, nh, D = qkv.shape
+    K0 = kv[0][0]
+    H = K0.shape[1]
+    if (qkv.dtype != torch.float32 or qkv.stride(-1) != 1 or qkv.stride(-2) != D or cos.dtype != torch.float32
+            or not cos.is_contiguous() or not sin.is_contiguous() or cos.shape[0] != N or cos.shape[-1] != D
+            or nh != heads + 2 * H or heads % H or heads // H != plan.G or not plan.takes(kv)
+            or K0.dtype not in (torch.float32, torch.bfloat16)
+            or any(k.dtype != K0.dtype or v.dtype != K0.dtype or k.shape[1] != H or k.shape[-1] != D for k, v in kv)):
+        raise ValueError(f"rope_attend_seqs: qkv {tuple(qkv.shape)} {qkv.dtype}, cos {tuple(cos.shape)}, "
+                         f"{len(kv)} caches for a plan of {plan.n} sequences, {heads} heads")
+    ptrs = torch.tensor([[k.data_ptr() for k, _ in kv], [v.data_ptr() for _, v in kv]], dtype=torch.int64)
+    qf = torch.empty(H, plan.rows, D, dtype=torch.float32)
+    o = torch.empty(1, N, heads * D, dtype=torch.float32)
+    _check(load().triforce_rope_attend_seqs(qkv.data_ptr(), qkv.stride(1), heads, cos.data_ptr(), sin.data_ptr(),
+                                            int(K0.dtype == torch.bfloat16), D ** -0.5, float(softcap or 0.0), H, D,
+                                            plan.n, ptrs[0].data_ptr(), ptrs[1].data_ptr(), plan.meta.data_ptr(),
+                                            plan.nvis.data_ptr(), BLOCK, qf.data_ptr(), o.data_ptr(),
+                                            None if secs is None else secs.data_ptr()), D)
+    return o, qf
 
 
 def scratch_rows(H: int, nb: int, D: int) -> int:

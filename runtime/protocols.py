@@ -103,7 +103,8 @@ class DirectKV(Cache, Protocol):
     other sequences' (batch.rows.Ragged; FullCache, RetrievalCache): its K, V buffers
     (`own`) hold consecutive positions from `first_position`, after a shared `prefix`
     cache's (or none); `direct` says whether an attend of q at start would be the native
-    kernel over them, `settle` hands it the output computed with the others'."""
+    kernel over them, `settle` hands it the output computed with the others'; `one_call_slot`
+    where a step's RoPE, K/V write and attention would go in one call (Ragged.rope_attend)."""
 
     prefix: object | None  # the shared prefix's FullCache, or None
     first_position: int  # the position `own`'s index 0 stands for
@@ -112,6 +113,7 @@ class DirectKV(Cache, Protocol):
     def direct(self, layer: int, q, start) -> bool: ...
     def own(self, layer: int) -> tuple: ...  # K, V buffers [B, Hkv, slots, D]
     def settle(self, layer: int, out) -> None: ...
+    def one_call_slot(self, layer: int, start, n_tokens: int) -> int | None: ...  # rope_attend's slot
 
 
 @runtime_checkable

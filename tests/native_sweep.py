@@ -99,6 +99,7 @@ def main():
     n += fuzzed(g)
     n += many(g)
     n += one_call(g)
+    n += one_call_seqs(g)
     print(f"{n} native attention cases match float64 attention (and one call per sequence)")
 
 
@@ -206,6 +207,53 @@ def one_call(g, cases: int = 24, seed: int = 11) -> int:
                                and torch.equal(K1, K) and torch.equal(V1, V)):
             print(f"FAIL rope_attend {i}: {dtype} D={D} G={G} H={H} T={T} slot={slot} k_pos0={k_pos0} "
                   f"softcap={softcap}", file=sys.stderr)
+            sys.exit(1)
+    return cases
+
+
+def seqs_separately(g, dtype, D: int, G: int, H: int, steps: list[tuple[int, int, int]], softcap=None):
+    """native.rope_attend_seqs for sequences of `steps` (T, slot, k_pos0) against each one's
+    separate steps alone (`separate_steps`): the outputs, the rotated queries and every
+    cache's rows, bit for bit. -> whether all are equal."""
+    Hq, N = G * H, sum(T for T, _, _ in steps)
+    qkv = torch.randn(1, N, Hq + 2 * H, D, generator=g)
+    f = torch.randn(N, 1, D // 2, generator=g) * 3
+    cos, sin = torch.cat([f.cos(), f.cos()], -1), torch.cat([-f.sin(), f.sin()], -1)
+    bufs, rows, a = [], [], 0
+    for T, slot, k_pos0 in steps:
+        K, V = (torch.randn(1, H, slot + T + 5, D, generator=g).to(dtype) for _ in range(2))
+        bufs.append((K, V))
+        rows.append((a, T, k_pos0 + slot, k_pos0, slot, K.stride(1), K.stride(2)))
+        a += T
+    plan = native.SeqSteps(rows, G)
+    mine = [(K.clone(), V.clone()) for K, V in bufs]
+    o, qf = native.rope_attend_seqs(qkv, cos, sin, plan, mine, Hq, softcap)
+    a = r = 0
+    for (T, slot, k_pos0), (K, V), (K1, V1) in zip(steps, bufs, mine):
+        want_o, want_q = separate_steps(qkv[:, a: a + T], cos[a: a + T], sin[a: a + T], K, V, slot, k_pos0, Hq, softcap)
+        if not (torch.equal(o[:, a: a + T], want_o) and torch.equal(qf[:, r: r + G * T], want_q)
+                and torch.equal(K1, K) and torch.equal(V1, V)):
+            return False
+        a, r = a + T, r + G * T
+    return True
+
+
+def one_call_seqs(g, cases: int = 16, seed: int = 13) -> int:
+    """native.rope_attend_seqs (a ragged forward's layer in one call) over random sequences:
+    each one's separate steps' bits."""
+    from triforce_offload.runtime.model.transformer import one_call_ok
+    rng = random.Random(seed)
+    for i in range(cases):
+        native.BLOCK = rng.choice((32, 64, 256))
+        native.SCRATCH_BYTES = 32 << 20
+        dtype = rng.choice((torch.float32, torch.bfloat16))
+        D, G, H = 16 * rng.randint(1, 16), rng.randint(1, 4), rng.randint(1, 3)
+        steps = [(rng.choice((1, rng.randint(2, 7), rng.randint(8, 24))), rng.randint(0, 600), rng.randint(0, 99))
+                 for _ in range(rng.randint(1, 5))]
+        softcap = rng.choice((None, 5.0))
+        if one_call_ok(D) and not seqs_separately(g, dtype, D, G, H, steps, softcap):
+            print(f"FAIL rope_attend_seqs {i}: {dtype} D={D} G={G} H={H} steps={steps} softcap={softcap}",
+                  file=sys.stderr)
             sys.exit(1)
     return cases
 

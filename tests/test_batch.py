@@ -220,6 +220,57 @@ def test_ragged_forward_rows_equal_solo_forwards_bit_for_bit():
                 assert torch.equal(a.k[layer][:, :, : n + w], t.k[layer][:, :, : n + w])
 
 
+def test_a_ragged_forward_takes_each_layer_in_one_call_where_every_step_would(monkeypatch):
+    """Decodes and verifications of full caches, a recording full cache (the retrieval level
+    scores with its queries) and a retrieval cache in one ragged forward: each layer in one
+    native call for all of them (`native.rope_attend_seqs`), each sequence's logits, KV and
+    recorded queries the bits of its solo forward. A prefill chunk of more than
+    ONE_CALL_TOKENS rows in the forward sends every layer back to the separate steps."""
+    from triforce_offload.kernels import native
+    from triforce_offload.runtime.batch import rows
+    from triforce_offload.runtime.cache.retrieval import Recorder, RetrievalCache
+    if not native.available():
+        pytest.skip(f"native kernel unavailable: {native.reason()}")
+    monkeypatch.setenv("TRIFORCE_OFFLOAD_NATIVE", "1")
+    calls, real = [], native.rope_attend_seqs
+    monkeypatch.setattr(rows.native, "rope_attend_seqs", lambda *a, **kw: calls.append(a[3].n) or real(*a, **kw))
+    for L in (MODELS["fp32"](), MODELS["int4:int8"](), quantized(tiny(scale=3.0, seed=1, dim=128))):  # bf16 path: D 32
+        def made(kind, n):
+            c = FullCache(L.cfg, 512, dtype=L.kv_dtype)
+            c = Recorder(c) if kind != "full" else c
+            with torch.inference_mode():
+                L.model(torch.randint(0, 64, (1, n), generator=torch.Generator().manual_seed(n)), 0, c)
+            c.commit(n)
+            if kind != "retrieval":
+                return c
+            r = RetrievalCache(L.cfg, 32, 8, 16, dtype=L.kv_dtype)
+            r.build(c, c.q, n)
+            return r
+
+        for lens, widths, kinds, one in [([30, 75, 12, 150], [1, 7, 1, 3], ["full", "rec", "full", "retrieval"], True),
+                                         ([30, 75], [1, 65], ["full", "rec"], False)]:
+            if not rows.exact(L.model, sum(widths)):
+                continue  # float32 projections of a prefill chunk's rows: a batch runs them alone
+            ids = [torch.randint(0, 64, (1, w), generator=torch.Generator().manual_seed(w)) for w in widths]
+            alone = [made(k, n) for k, n in zip(kinds, lens)]
+            together = [made(k, n) for k, n in zip(kinds, lens)]
+            with torch.inference_mode():
+                want = [L.model(i, n, c) for i, n, c in zip(ids, lens, alone)]
+            calls.clear()
+            got = forward(L.model, [Rows(i, n, c) for i, n, c in zip(ids, lens, together)])
+            assert calls == ([len(lens)] * L.cfg.n_layers if one else []), (lens, widths)
+            for w, o in zip(want, got):
+                assert torch.equal(w, o)
+            for a, t, n, w in zip(alone, together, lens, widths):  # the slots written so far
+                a, t = rows.direct_cache(a), rows.direct_cache(t)
+                for layer in range(L.cfg.n_layers):
+                    for x, y in zip(a.own(layer), t.own(layer)):
+                        assert torch.equal(x[:, :, : n + w - a.first_position], y[:, :, : n + w - t.first_position])
+            for a, t in zip(alone, together):
+                if isinstance(a, Recorder):
+                    assert a.q.keys() == t.q.keys() and all(torch.equal(a.q[i], t.q[i]) for i in a.q)
+
+
 def test_float32_linear_rows_do_not_depend_on_the_call():
     torch.manual_seed(0)
     for N, K in [(576, 576), (100, 48), (1536, 64), (7, 32)]:

@@ -308,6 +308,34 @@ def test_rope_attend_is_the_separate_steps(monkeypatch):
     assert native.rope_attend(qkv, cos, sin, K, K.clone(), 0, 0, 0, Hq) is None
 
 
+def test_rope_attend_seqs_is_each_sequences_separate_steps():
+    """native.rope_attend_seqs (a ragged forward's RoPE, K/V writes and attention of several
+    sequences in one call) against each sequence's separate steps alone: outputs, rotated
+    queries and written rows bit for bit; float32 and bf16 caches, mixed token counts,
+    slots and first key positions, soft-capping. Buffers that do not match the plan (a
+    stride, too few slots) are refused before the kernel writes anything."""
+    if not native.available():
+        pytest.skip(f"native kernel unavailable: {native.reason()}")  # covered by test_native_kernel_builds_here
+    from triforce_offload.runtime.model.transformer import one_call_ok
+    from native_sweep import seqs_separately
+    assert one_call_ok(64) and one_call_ok(32)
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        for D, G, H, steps, cap in [(64, 3, 3, [(1, 300, 0), (7, 41, 0), (1, 12, 0), (3, 700, 0)], None),
+                                    (64, 3, 1, [(5, 513, 0), (1, 0, 0)], 30.0),
+                                    (32, 2, 2, [(1, 90, 1000), (64, 255, 0), (2, 17, 64)], None),
+                                    (128, 1, 2, [(9, 5, 3)], None)]:
+            assert seqs_separately(g, dtype, D, G, H, steps, cap), (dtype, D, G, H, steps, cap)
+    qkv, cos = torch.randn(1, 3, 4 * 3, 32), torch.ones(3, 1, 32)
+    K = torch.zeros(1, 2, 10, 32)
+    plan = native.SeqSteps([(0, 1, 5, 0, 5, K.stride(1), K.stride(2)), (1, 2, 8, 0, 8, K.stride(1), K.stride(2))], 4)
+    with pytest.raises(ValueError, match="rope_attend_seqs"):  # 8 + 2 slots fit; 9 + 2 do not
+        native.rope_attend_seqs(qkv, cos, cos, plan, [(K, K.clone()), (K[:, :, :9], K[:, :, :9].clone())], 8)
+    with pytest.raises(ValueError, match="rope_attend_seqs"):  # another layout than planned
+        native.rope_attend_seqs(qkv, cos, cos, plan, [(K, K.clone()), (K.transpose(1, 2), K.transpose(1, 2))], 8)
+    assert torch.count_nonzero(K) == 0
+
+
 # ---- attention logit soft-capping (Gemma 2): every path against the float64 reference ----
 
 CAPS = [2.0, 50.0]  # one that caps most scores of these inputs (q scaled up), one that caps few

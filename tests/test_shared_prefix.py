@@ -79,15 +79,21 @@ def test_many_sequences_in_one_call_are_the_bits_of_their_own_calls(dtype, D, so
         native.attend_seqs(plan, qf[:, 1:], bufs, out, dtype == torch.bfloat16, pre, softcap=softcap)
 
 
-def seqs_per_call(monkeypatch) -> list[int]:
-    """The sequence count of every native.attend_seqs call a ragged forward makes from now on."""
+def seqs_per_call(monkeypatch, names=("attend_seqs", "rope_attend_seqs")) -> list[int]:
+    """The sequence count of every native call of `names` a ragged forward makes from now on
+    (attend_seqs: after the model's RoPE and the caches' writes; rope_attend_seqs: the
+    whole layer's step in one call)."""
     from triforce_offload.runtime.batch import rows
-    calls, real = [], native.attend_seqs
+    calls = []
 
-    def spy(plan, *a, **kw):
-        calls.append(plan.n)
-        return real(plan, *a, **kw)
-    monkeypatch.setattr(rows.native, "attend_seqs", spy)
+    def spy(real):
+        def call(*a, **kw):
+            plan = a[0] if isinstance(a[0], native.Seqs) else a[3]
+            calls.append(plan.n)
+            return real(*a, **kw)
+        return call
+    for name in names:
+        monkeypatch.setattr(rows.native, name, spy(getattr(native, name)))
     return calls
 
 

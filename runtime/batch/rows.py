@@ -60,6 +60,9 @@ class Ragged:
         self._fulls = [None if isinstance(st, torch.Tensor) else direct_cache(s.cache)
                        for s, st in zip(sets, self._starts)]
         self._plans: dict[tuple, list] = {}  # layer kind -> `_groups`
+        self._one_call: dict[tuple, object] = {}  # layer kind -> `rope_attend`'s plan, or None
+        # the sets whose cache records the full level's queries (retrieval scoring)
+        self._recorders = [(i, s.cache) for i, s in enumerate(sets) if isinstance(s.cache, Recorder)]
         self.bounds = []  # (first row, rows) per set
         a = 0
         for s in sets:
@@ -71,7 +74,55 @@ class Ragged:
             s.cache.begin_forward(st, s.n)
 
     def rope_attend(self, layer, qkv, cos, sin, start, heads: int):
-        return None  # rows of several sequences: rotated by the model, then `attend`
+        """Every sequence's RoPE, K/V write and attention in one native call
+        (`native.rope_attend_seqs`) where each would take its own step in one call alone
+        (`DirectKV.one_call_slot`: the native kernel over its own buffers, no shared prefix,
+        a step of at most ONE_CALL_TOKENS tokens): (o [1, N, heads * D], the folded rotated
+        queries); else None, and the model rotates and calls `attend`. The same bits as the
+        separate steps, which are each sequence's solo bits."""
+        fulls = self._fulls
+        kind = tuple(f is not None and f.plain(layer) for f in fulls)
+        plan = self._one_call.get(kind, False)
+        if plan is False:
+            plan = self._one_call[kind] = self._one_call_plan(layer, qkv, heads)
+        if plan is None:
+            return None
+        secs = torch.zeros(len(fulls), dtype=torch.float64)
+        o, qf = native.rope_attend_seqs(qkv, cos, sin, plan, [f.own(layer) for f in fulls], heads,
+                                        fulls[0].softcap, secs)
+        for s, t in zip(self.sets, secs.tolist()):
+            s.attention_s += t / self._threads
+        for i, rec in self._recorders:  # the retrieval level scores with the full level's queries
+            r0, n = plan.folded[i]
+            rec.record(layer, qf[:, r0: r0 + n], self.sets[i].n)
+        return o, qf
+
+    def _one_call_plan(self, layer, qkv, heads: int):
+        """`rope_attend`'s plan (native.SeqSteps) for this layer's kind, or None where some
+        sequence's step would not take one call alone, or the call would not fit its scratch."""
+        rows, folded, dtype, r0 = [], [], None, 0
+        H, D = None, qkv.shape[-1]
+        for s, (a, n), f in zip(self.sets, self.bounds, self._fulls):
+            if f is None or f.prefix is not None or n > native.ONE_CALL_TOKENS:
+                return None
+            slot = f.one_call_slot(layer, s.start, n)  # None for a window or ring layer
+            if slot is None:
+                return None
+            K, V = f.own(layer)
+            if (dtype not in (None, K.dtype) or K.stride() != V.stride() or K.shape[1] != (H or K.shape[1])
+                    or not native.supports(qkv, K)):
+                return None
+            dtype, H = K.dtype, K.shape[1]
+            rows.append((a, n, s.start, f.first_position, slot, K.stride(1), K.stride(2)))
+            folded.append((r0, heads // H * n))
+            r0 += heads // H * n
+        if not rows or heads % H:
+            return None
+        plan = native.SeqSteps(rows, heads // H)
+        if not plan.fits(H, D) or len({f.softcap for f in self._fulls}) != 1:
+            return None
+        plan.folded = folded
+        return plan
 
     def attend(self, layer, q, k, v, start):
         groups = self._groups(layer, q)

@@ -515,10 +515,19 @@ class FullCache(Settles, KVCache):
         queries), or None where that call does not apply (a device-tensor start, a window or
         ring layer, a shared prefix, a ragged forward's settled outputs, what the kernel does
         not take): the caller then rotates and calls `attend`."""
+        slot = self.one_call_slot(layer, start, qkv.shape[1])
+        if slot is None:
+            return None
+        return native.rope_attend(qkv, cos, sin, self.k[layer], self.v[layer], slot, start, 0, heads, self.softcap)
+
+    def one_call_slot(self, layer: int, start, n_tokens: int) -> int | None:
+        """The slot in `own(layer)` where a step of n_tokens tokens at `start` writes its K, V
+        when RoPE, the write and the attention run in one native call (`rope_attend`, and a
+        ragged forward's `Ragged.rope_attend`), or None where that call does not apply."""
         if not isinstance(start, int) or self.base is not None or self._done or not self.plain(layer):
             return None
-        self.check_end(start + qkv.shape[1])
-        return native.rope_attend(qkv, cos, sin, self.k[layer], self.v[layer], start, start, 0, heads, self.softcap)
+        self.check_end(start + n_tokens)
+        return start
 
     def _attend_static(self, layer, q, k, v, start: torch.Tensor):
         """The same with `start` on the device (the caller checked the capacity on the host)."""

@@ -69,10 +69,14 @@ class Recorder:
         last token's rotated queries as `attend` does."""
         r = self.inner.rope_attend(layer, qkv, cos, sin, start, heads)
         if r is not None:
-            H, R, D = r[1].shape
-            T = qkv.shape[1]
-            self._q[layer] = r[1].view(H, R // T, T, D)[:, :, -1].reshape(1, heads, D)
+            self.record(layer, r[1], qkv.shape[1])
         return r
+
+    def record(self, layer: int, qf: torch.Tensor, T: int):
+        """Keep the last of T tokens' rotated queries from qf [Hkv, G*T, D] (folded: row
+        g*T + t of KV head h for query head h*G + g, as the one native call gives them)."""
+        H, R, D = qf.shape
+        self._q[layer] = qf.view(H, R // T, T, D)[:, :, -1].reshape(1, H * (R // T), D)
 
     def on_replay(self):
         """A graph replay wrote the queries (no Python ran): they are the latest again,
@@ -275,13 +279,18 @@ class RetrievalCache(Settles, KVCache):
     def rope_attend(self, layer, qkv, cos, sin, start, heads: int):
         """`attend` in one native call, as FullCache.rope_attend; None where it does not
         apply (attend then raises what is wrong)."""
-        if not isinstance(start, int) or self._done or not self.plain(layer):
-            return None
-        s, T = self._slot(start), qkv.shape[1]
-        if start < self.base or s + T > self.slots:
+        s = self.one_call_slot(layer, start, qkv.shape[1])
+        if s is None:
             return None
         return native.rope_attend(qkv, cos, sin, self.k[layer], self.v[layer], s, start, self.first_position,
                                   heads, self.softcap)
+
+    def one_call_slot(self, layer: int, start, n_tokens: int) -> int | None:
+        """As FullCache.one_call_slot: appended tokens' slots follow the selected chunks'."""
+        if not isinstance(start, int) or self._done or not self.plain(layer) or start < self.base:
+            return None
+        s = self._slot(start)
+        return s if s + n_tokens <= self.slots else None
 
     @torch.inference_mode()
     def absorb(self, full, lo: int, hi: int):

@@ -203,9 +203,10 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         Hq, Hkv = self.n_heads, self.n_kv_heads
         qkv = project(self.qkv_proj, x, norm).view(B, T, Hq + 2 * Hkv, self.head_dim)  # [B, T, Hq+2Hkv, D]
-        if self.one_call and B == 1 and qkv.is_cpu and isinstance(start, int) and one_call_ok(self.head_dim):
+        if (self.one_call and B == 1 and qkv.is_cpu and (start is None or isinstance(start, int))
+                and one_call_ok(self.head_dim)):  # start None: a ragged forward's rows (batch.rows.Ragged)
             done = cache.rope_attend(self.layer, qkv, cos, sin, start, Hq)
-            if done is not None:  # a CPU decode, verification or draft step: ~60 us of ops less per layer
+            if done is not None:  # CPU decode, verification or draft steps: ~60 us of ops less per layer
                 return project(self.o_proj, done[0], residual=residual)
         if self.qk_norm:
             qk = torch.cat([self.q_norm(qkv[:, :, :Hq]), self.k_norm(qkv[:, :, Hq: Hq + Hkv])], 2)
