@@ -184,7 +184,8 @@ def status() -> str:
     if enabled():
         bf = "; bf16 KV by vdpbf16ps" if load().triforce_bf16_path() else ""
         return (f"native ({vector_bits()}-bit vectors{bf}; soft-capping in the kernel; a decode, "
-                f"verification or draft step's RoPE, KV write and attention in one call per layer)")
+                f"verification or draft step's RoPE, KV write and attention in one call per layer, "
+                f"a batch's steps together)")
     return (f"torch (native kernel built for {vector_bits()}-bit vectors, slower than torch "
             f"there; TRIFORCE_OFFLOAD_NATIVE=1 forces it){capped}")
 
