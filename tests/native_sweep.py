@@ -124,15 +124,21 @@ def fuzzed(g, cases: int = 80, seed: int = 39) -> int:
     return cases
 
 
+def random_case(rng, max_dv: int) -> tuple:
+    """A random case's kernel settings (native.BLOCK; the default scratch) and shapes:
+    (KV dtype, head size 16..16*max_dv, query heads per KV head, KV heads)."""
+    native.BLOCK = rng.choice((32, 64, 256))
+    native.SCRATCH_BYTES = 32 << 20
+    dtype = rng.choice((torch.float32, torch.bfloat16))
+    return dtype, 16 * rng.randint(1, max_dv), rng.randint(1, 4), rng.randint(1, 3)
+
+
 def many(g, cases: int = 24, seed: int = 7) -> int:
     """native.attend_seqs (a batch's sequences in one call) over random sequences, after a
     shared prefix or not: every row the bits of its sequence's own native.attend."""
     rng = random.Random(seed)
     for i in range(cases):
-        native.BLOCK = rng.choice((32, 64, 256))
-        native.SCRATCH_BYTES = 32 << 20
-        dtype = rng.choice((torch.float32, torch.bfloat16))
-        D, G, Hkv = 16 * rng.randint(1, 8), rng.randint(1, 4), rng.randint(1, 3)
+        dtype, D, G, Hkv = random_case(rng, 8)
         prefix = rng.choice((0, native.BLOCK * rng.randint(1, 4)))
         softcap = rng.choice((None, 5.0))
         pre_kv = tensors(g, Hkv, 1, 1, prefix, D, dtype)[1:] if prefix else None
@@ -186,10 +192,7 @@ def one_call(g, cases: int = 24, seed: int = 11) -> int:
     from triforce_offload.runtime.model.transformer import one_call_ok
     rng = random.Random(seed)
     for i in range(cases):
-        native.BLOCK = rng.choice((32, 64, 256))
-        native.SCRATCH_BYTES = 32 << 20
-        dtype = rng.choice((torch.float32, torch.bfloat16))
-        D, G, H = 16 * rng.randint(1, 16), rng.randint(1, 4), rng.randint(1, 3)
+        dtype, D, G, H = random_case(rng, 16)
         T, slot, k_pos0 = rng.choice((1, rng.randint(2, 7), rng.randint(8, 24))), rng.randint(0, 900), rng.randint(0, 99)
         softcap = rng.choice((None, 5.0))
         Hq = G * H
@@ -244,10 +247,7 @@ def one_call_seqs(g, cases: int = 16, seed: int = 13) -> int:
     from triforce_offload.runtime.model.transformer import one_call_ok
     rng = random.Random(seed)
     for i in range(cases):
-        native.BLOCK = rng.choice((32, 64, 256))
-        native.SCRATCH_BYTES = 32 << 20
-        dtype = rng.choice((torch.float32, torch.bfloat16))
-        D, G, H = 16 * rng.randint(1, 16), rng.randint(1, 4), rng.randint(1, 3)
+        dtype, D, G, H = random_case(rng, 16)
         steps = [(rng.choice((1, rng.randint(2, 7), rng.randint(8, 24))), rng.randint(0, 600), rng.randint(0, 99))
                  for _ in range(rng.randint(1, 5))]
         softcap = rng.choice((None, 5.0))
