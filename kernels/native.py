@@ -323,6 +323,7 @@ class SeqSteps:
         self.meta = torch.tensor(cols, dtype=torch.int64)  # [5, n]: a, T, slot, hs, ss
         self.nvis = torch.tensor(nvis, dtype=torch.int64)
         self.n, self.G, self.rows = len(rows), G, len(nvis)
+        self.end = max((a + T for a, T, *_ in rows), default=0)  # qkv rows the call reads
         self.steps = [(T, slot, hs, ss) for _, T, _, _, slot, hs, ss in rows]
 
     def fits(self, H: int, D: int) -> bool:
@@ -355,7 +356,7 @@ def rope_attend_seqs(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pl
     H = K0.shape[1]
     if (qkv.dtype != torch.float32 or qkv.stride(-1) != 1 or qkv.stride(-2) != D or cos.dtype != torch.float32
             or not cos.is_contiguous() or not sin.is_contiguous() or cos.shape[0] != N or cos.shape[-1] != D
-            or nh != heads + 2 * H or heads % H or heads // H != plan.G or not plan.takes(kv)
+            or nh != heads + 2 * H or heads % H or heads // H != plan.G or plan.end > N or not plan.takes(kv)
             or K0.dtype not in (torch.float32, torch.bfloat16)
             or any(k.dtype != K0.dtype or v.dtype != K0.dtype or k.shape[1] != H or k.shape[-1] != D for k, v in kv)):
         raise ValueError(f"rope_attend_seqs: qkv {tuple(qkv.shape)} {qkv.dtype}, cos {tuple(cos.shape)}, "

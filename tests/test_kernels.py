@@ -333,6 +333,8 @@ def test_rope_attend_seqs_is_each_sequences_separate_steps():
         native.rope_attend_seqs(qkv, cos, cos, plan, [(K, K.clone()), (K[:, :, :9], K[:, :, :9].clone())], 8)
     with pytest.raises(ValueError, match="rope_attend_seqs"):  # another layout than planned
         native.rope_attend_seqs(qkv, cos, cos, plan, [(K, K.clone()), (K.transpose(1, 2), K.transpose(1, 2))], 8)
+    with pytest.raises(ValueError, match="rope_attend_seqs"):  # rows 0..2 planned, 2 given
+        native.rope_attend_seqs(qkv[:, :2], cos[:2], cos[:2], plan, [(K, K.clone()), (K, K.clone())], 8)
     assert torch.count_nonzero(K) == 0
 
 
