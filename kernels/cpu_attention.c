@@ -1147,7 +1147,7 @@ int triforce_rope_attend_seqs(const float *qkv, int64_t ldq, int64_t Hq, const f
                               int bf16, float scale, float softcap, int64_t H, int64_t D, int64_t nseq,
                               const int64_t *kp, const int64_t *vp, const int64_t *meta, const int64_t *nvis,
                               int64_t block, float *qf, float *o, double *secs) {
-    if (D % 16 || D / 16 > MAXV || H <= 0 || Hq % H || nseq < 1) return -1;
+    if (D % 16 || D / 16 > MAXV || H <= 0 || Hq % H || nseq < 1 || block < TK || block % TK) return -1;
     const int64_t G = Hq / H;
     const int64_t *tok0 = meta, *T = meta + nseq, *slot0 = meta + 2 * nseq, *hs = meta + 3 * nseq,
                   *ss = meta + 4 * nseq;

@@ -308,6 +308,13 @@ def attend_seqs(plan: Seqs, qf: torch.Tensor, kv: list[tuple], out: torch.Tensor
                                        plan.out_rows, out.data_ptr(), None if secs is None else secs.data_ptr()), D)
 
 
+def rope_tables(cos: torch.Tensor, sin: torch.Tensor, T: int, D: int) -> bool:
+    """Whether cos, sin are the [T, 1, D] float32 contiguous tables the one-call kernels read
+    row by row (`Rotary`'s, one row per token)."""
+    return (cos.dtype == sin.dtype == torch.float32 and tuple(cos.shape) == tuple(sin.shape) == (T, 1, D)
+            and cos.is_contiguous() and sin.is_contiguous() and cos.device.type == sin.device.type == "cpu")
+
+
 class SeqSteps:
     """A ragged forward's sequences for `rope_attend_seqs`, the same for each of its layers
     of a kind: sequence i has T tokens in the forward's rows a.. (of qkv, cos, sin) at
@@ -317,6 +324,8 @@ class SeqSteps:
     def __init__(self, rows: list[tuple[int, int, int, int, int, int, int]], G: int):
         nvis, cols = [], [[] for _ in range(5)]
         for a, T, q_pos0, k_pos0, slot, hs, ss in rows:
+            if min(a, T, slot) < 0:
+                raise ValueError(f"SeqSteps: a sequence at row {a} with {T} tokens at slot {slot}")
             nvis.extend(visible_row(q_pos0, T, k_pos0, slot + T) * G)  # folded rows (g, t)
             for c, x in zip(cols, (a, T, slot, hs, ss)):
                 c.append(x)
@@ -354,8 +363,8 @@ def rope_attend_seqs(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pl
     _, N, nh, D = qkv.shape
     K0 = kv[0][0]
     H = K0.shape[1]
-    if (qkv.dtype != torch.float32 or qkv.stride(-1) != 1 or qkv.stride(-2) != D or cos.dtype != torch.float32
-            or not cos.is_contiguous() or not sin.is_contiguous() or cos.shape[0] != N or cos.shape[-1] != D
+    if (qkv.dtype != torch.float32 or qkv.stride(-1) != 1 or qkv.stride(-2) != D or not rope_tables(cos, sin, N, D)
+            or qkv.device.type != "cpu" or any(k.device.type != "cpu" or v.device.type != "cpu" for k, v in kv)
             or nh != heads + 2 * H or heads % H or heads // H != plan.G or plan.end > N or not plan.takes(kv)
             or K0.dtype not in (torch.float32, torch.bfloat16)
             or any(k.dtype != K0.dtype or v.dtype != K0.dtype or k.shape[1] != H or k.shape[-1] != D for k, v in kv)):
@@ -399,8 +408,7 @@ def rope_attend(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k: torc
     _, T, nh, D = qkv.shape
     H = k.shape[1]
     if (T > ONE_CALL_TOKENS or qkv.dtype != torch.float32 or qkv.stride(-1) != 1 or qkv.stride(-2) != D
-            or cos.dtype != torch.float32 or not cos.is_contiguous() or not sin.is_contiguous()
-            or cos.shape[0] != T or cos.shape[-1] != D or nh != heads + 2 * H or heads % H
+            or not rope_tables(cos, sin, T, D) or nh != heads + 2 * H or heads % H
             or v.dtype != k.dtype or k.stride() != v.stride() or slot + T > k.shape[2]
             or not supports(qkv, k)):  # what attend takes (and where attention dispatches to it)
         return None

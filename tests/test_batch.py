@@ -269,6 +269,12 @@ def test_a_ragged_forward_takes_each_layer_in_one_call_where_every_step_would(mo
             for a, t in zip(alone, together):
                 if isinstance(a, Recorder):
                     assert a.q.keys() == t.q.keys() and all(torch.equal(a.q[i], t.q[i]) for i in a.q)
+            if one:  # RoPE tables the kernel does not read row by row (a layer kind's slice): declined
+                qkv = torch.randn(1, sum(widths), L.cfg.n_heads + 2 * L.cfg.n_kv_heads, L.cfg.head_dim)
+                wide = torch.ones(sum(widths), 1, 2 * L.cfg.head_dim)[..., : L.cfg.head_dim]
+                ragged = rows.Ragged([Rows(i, n + w, c) for i, n, w, c in zip(ids, lens, widths, together)])
+                assert ragged.rope_attend(0, qkv, wide, wide, None, L.cfg.n_heads) is None
+                assert ragged.rope_attend(0, qkv, wide.contiguous(), wide.contiguous(), None, L.cfg.n_heads) is not None
 
 
 def test_float32_linear_rows_do_not_depend_on_the_call():

@@ -333,6 +333,13 @@ def test_rope_attend_seqs_is_each_sequences_separate_steps():
         native.rope_attend_seqs(qkv, cos, cos, plan, [(K, K.clone()), (K[:, :, :9], K[:, :, :9].clone())], 8)
     with pytest.raises(ValueError, match="rope_attend_seqs"):  # another layout than planned
         native.rope_attend_seqs(qkv, cos, cos, plan, [(K, K.clone()), (K.transpose(1, 2), K.transpose(1, 2))], 8)
+    with pytest.raises(ValueError, match="rope_attend_seqs"):  # a sin table of another shape or dtype
+        native.rope_attend_seqs(qkv, cos, cos[:1], plan, [(K, K.clone()), (K, K.clone())], 8)
+    with pytest.raises(ValueError, match="rope_attend_seqs"):
+        native.rope_attend_seqs(qkv, cos, cos.double(), plan, [(K, K.clone()), (K, K.clone())], 8)
+    for bad in [(-1, 1, 5, 0, 5), (0, -1, 5, 0, 5), (0, 1, 5, 0, -4)]:  # a row, a count, a slot below 0
+        with pytest.raises(ValueError, match="SeqSteps"):
+            native.SeqSteps([(*bad, K.stride(1), K.stride(2))], 4)
     with pytest.raises(ValueError, match="rope_attend_seqs"):  # rows 0..2 planned, 2 given
         native.rope_attend_seqs(qkv[:, :2], cos[:2], cos[:2], plan, [(K, K.clone()), (K, K.clone())], 8)
     assert torch.count_nonzero(K) == 0

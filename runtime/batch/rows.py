@@ -81,6 +81,8 @@ class Ragged:
         queries); else None, and the model rotates and calls `attend`. The same bits as the
         separate steps, which are each sequence's solo bits."""
         fulls = self._fulls
+        if qkv.dtype != torch.float32 or not native.rope_tables(cos, sin, qkv.shape[1], qkv.shape[-1]):
+            return None  # tables sliced per layer kind (a local RoPE), other dtypes: the separate steps
         kind = tuple(f is not None and f.plain(layer) for f in fulls)
         plan = self._one_call.get(kind, False)
         if plan is False:
