@@ -322,10 +322,11 @@ class SeqSteps:
     k_pos0; head stride hs, key stride ss), attending over slots 0 .. slot+T-1."""
 
     def __init__(self, rows: list[tuple[int, int, int, int, int, int, int]], G: int):
-        nvis, cols = [], [[] for _ in range(5)]
+        nvis, cols, self.folded = [], [[] for _ in range(5)], []
         for a, T, q_pos0, k_pos0, slot, hs, ss in rows:
             if min(a, T, slot) < 0:
                 raise ValueError(f"SeqSteps: a sequence at row {a} with {T} tokens at slot {slot}")
+            self.folded.append((len(nvis), G * T))  # its folded rows in the call's queries
             nvis.extend(visible_row(q_pos0, T, k_pos0, slot + T) * G)  # folded rows (g, t)
             for c, x in zip(cols, (a, T, slot, hs, ss)):
                 c.append(x)
@@ -336,18 +337,24 @@ class SeqSteps:
         self.steps = [(T, slot, hs, ss) for _, T, _, _, slot, hs, ss in rows]
 
     def fits(self, H: int, D: int) -> bool:
-        """Whether every step takes one call (at most ONE_CALL_TOKENS tokens) and the call's
-        per-block results stay under SCRATCH_BYTES (else the separate steps slice them)."""
-        parts = sum(self.G * T * -(-(slot + T) // BLOCK) for T, slot, _, _ in self.steps) * H * (D + 2) * 4
-        return max(T for T, _, _, _ in self.steps) <= ONE_CALL_TOKENS and parts <= SCRATCH_BYTES
+        """Whether the call's per-block results stay under SCRATCH_BYTES (else the separate
+        steps slice them)."""
+        blocks = sum(self.G * T * -(-(slot + T) // BLOCK) for T, slot, _, _ in self.steps)  # rows x blocks
+        return blocks * H * (D + 2) * 4 <= SCRATCH_BYTES
 
-    def takes(self, kv: list[tuple]) -> bool:
-        """Whether the buffers kv (per sequence K, V) are laid out as planned, with room for
-        each step's slots: what the kernel writes and reads stays inside them."""
-        return len(kv) == self.n and all(
-            k.stride() == v.stride() and k.stride(1) == hs and k.stride(2) == ss and k.stride(-1) == 1
-            and slot + T <= k.shape[2] and k.shape == v.shape and k.shape[0] == 1
-            for (k, v), (T, slot, hs, ss) in zip(kv, self.steps))
+    def takes(self, kv: list[tuple], dtype: torch.dtype, H: int, D: int) -> bool:
+        """Whether the buffers kv (per sequence K, V: CPU tensors [1, H, slots, D] of `dtype`)
+        are laid out as planned, with room for each step's slots: what the kernel writes and
+        reads stays inside them. One pass, every layer of a forward (a few us a sequence)."""
+        if len(kv) != self.n:
+            return False
+        for (k, v), (T, slot, hs, ss) in zip(kv, self.steps):
+            st, sh = k.stride(), k.shape
+            if not (k.dtype == v.dtype == dtype and k.is_cpu and v.is_cpu and len(sh) == 4 and sh == v.shape
+                    and st == v.stride() and sh[0] == 1 and sh[1] == H and sh[3] == D and st[1] == hs
+                    and st[2] == ss and st[3] == 1 and slot + T <= sh[2]):
+                return False
+        return True
 
 
 def rope_attend_seqs(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, plan: SeqSteps, kv: list[tuple],
@@ -363,11 +370,10 @@ def rope_attend_seqs(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pl
     _, N, nh, D = qkv.shape
     K0 = kv[0][0]
     H = K0.shape[1]
-    if (qkv.dtype != torch.float32 or qkv.stride(-1) != 1 or qkv.stride(-2) != D or not rope_tables(cos, sin, N, D)
-            or qkv.device.type != "cpu" or any(k.device.type != "cpu" or v.device.type != "cpu" for k, v in kv)
-            or nh != heads + 2 * H or heads % H or heads // H != plan.G or plan.end > N or not plan.takes(kv)
-            or K0.dtype not in (torch.float32, torch.bfloat16)
-            or any(k.dtype != K0.dtype or v.dtype != K0.dtype or k.shape[1] != H or k.shape[-1] != D for k, v in kv)):
+    if (qkv.dtype != torch.float32 or qkv.stride(-1) != 1 or qkv.stride(-2) != D or not qkv.is_cpu
+            or not rope_tables(cos, sin, N, D) or nh != heads + 2 * H or heads % H or heads // H != plan.G
+            or plan.end > N or K0.dtype not in (torch.float32, torch.bfloat16)
+            or not plan.takes(kv, K0.dtype, H, D)):
         raise ValueError(f"rope_attend_seqs: qkv {tuple(qkv.shape)} {qkv.dtype}, cos {tuple(cos.shape)}, "
                          f"{len(kv)} caches for a plan of {plan.n} sequences, {heads} heads")
     ptrs = torch.tensor([[k.data_ptr() for k, _ in kv], [v.data_ptr() for _, v in kv]], dtype=torch.int64)

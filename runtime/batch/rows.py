@@ -101,9 +101,9 @@ class Ragged:
 
     def _one_call_plan(self, layer, qkv, heads: int):
         """`rope_attend`'s plan (native.SeqSteps) for this layer's kind, or None where some
-        sequence's step would not take one call alone, or the call would not fit its scratch."""
-        rows, folded, dtype, r0 = [], [], None, 0
-        H, D = None, qkv.shape[-1]
+        sequence's step would not take one call alone (its buffers as the plan's call takes
+        them: `SeqSteps.takes`), or the call would not fit its scratch."""
+        rows, kv = [], []
         for s, (a, n), f in zip(self.sets, self.bounds, self._fulls):
             if f is None or f.prefix is not None or n > native.ONE_CALL_TOKENS:
                 return None
@@ -111,20 +111,18 @@ class Ragged:
             if slot is None:
                 return None
             K, V = f.own(layer)
-            if (dtype not in (None, K.dtype) or K.stride() != V.stride() or K.shape[1] != (H or K.shape[1])
-                    or not native.supports(qkv, K)):
+            if not native.supports(qkv, K):
                 return None
-            dtype, H = K.dtype, K.shape[1]
             rows.append((a, n, s.start, f.first_position, slot, K.stride(1), K.stride(2)))
-            folded.append((r0, heads // H * n))
-            r0 += heads // H * n
-        if not rows or heads % H:
+            kv.append((K, V))
+        if not kv:
+            return None
+        K, D = kv[0][0], qkv.shape[-1]
+        H = K.shape[1]
+        if heads % H or len({f.softcap for f in self._fulls}) != 1:
             return None
         plan = native.SeqSteps(rows, heads // H)
-        if not plan.fits(H, D) or len({f.softcap for f in self._fulls}) != 1:
-            return None
-        plan.folded = folded
-        return plan
+        return plan if plan.fits(H, D) and plan.takes(kv, K.dtype, H, D) else None
 
     def attend(self, layer, q, k, v, start):
         groups = self._groups(layer, q)
