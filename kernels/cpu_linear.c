@@ -1015,3 +1015,70 @@ int triforce_qpack(int64_t K, const uint8_t *q, int bits, int64_t G, const void 
     return -1;
 #endif
 }
+
+/* ---- a forward's layers in one call (runtime/model/program.py) ----
+ * The layers of a plain pre-norm decoder (RMSNorm, qkv, RoPE + attention, o, RMSNorm,
+ * gate|up, SwiGLU, down, residual adds) for T tokens of one sequence, each layer making the
+ * calls the model's Python makes for it (transformer.py Block.forward through
+ * QLinear.fused and a cache's rope_attend), with the same arguments in the same order: so
+ * the same bits, without ~100 us of Python and ctypes per layer. The attention is
+ * triforce_rope_attend of the attention library, given as a function pointer.
+ *
+ * prog [L, LAYER_W] int64: per layer four projections (qkv with the input norm, o with the
+ * residual, gate|up with the post-attention norm, down with SwiGLU and the residual), each
+ * PROJ_W words: K, N, norm weight (0: none), eps (float32 bits), glu, parts, then per part
+ * PART_W words: q, bits, group, scale, minv, f16, bias, rows, column, packed columns (the
+ * arguments QLinear's plan passes triforce_qlinear_q8).
+ * kv [L, 2]: each layer's K and V buffers; qf [L, H, G*T, D] out: each layer's rotated queries.
+ * x [T, hidden] in and out (the residual stream); y [T, hidden], qkv [T, N of qkv],
+ * o [T, Hq*D], h [T, N of gate|up] scratch. The rest is triforce_rope_attend's. */
+#define PART_W 10
+#define MAX_PARTS 4
+#define PROJ_W (6 + MAX_PARTS * PART_W)
+#define LAYER_W (4 * PROJ_W)
+
+typedef int (*rope_attend_fn)(const float *qkv, int64_t T, int64_t ldq, int64_t Hq, const float *cos,
+                              const float *sin, void *k, void *v, int bf16, float scale, float softcap,
+                              int64_t H, int64_t D, int64_t s0, int64_t hs, int64_t ss, const int64_t *nvis,
+                              int64_t block, float *qf, float *part, float *out, float *lse, float *o);
+
+#define PTR(w) ((void *)(intptr_t)(w))
+
+/* out = (radd +) proj(norm(x)) or proj(silu(gate) * up) over its parts, as QLinear.fused */
+static int program_proj(const int64_t *p, const float *x, int64_t M, float *out, const float *radd) {
+    const int64_t K = p[0], N = p[1], glu = p[4], np = p[5];
+    const uint32_t eb = (uint32_t)p[3];
+    float eps;
+    memcpy(&eps, &eb, sizeof eps);
+    if (np < 1 || np > MAX_PARTS) return -1;
+    for (int64_t i = 0; i < np; i++) {
+        const int64_t *q = p + 6 + i * PART_W;
+        const int rc = triforce_qlinear_q8(x, M, K, glu ? 2 * K : K, PTR(q[0]), (int)q[1], q[2], PTR(q[3]),
+                                           PTR(q[4]), (int)q[5], PTR(q[6]), q[7], out + q[8], N, PTR(p[2]),
+                                           eps, (int)glu, radd ? radd + q[8] : NULL, N, PTR(q[9]));
+        if (rc) return rc;
+    }
+    return 0;
+}
+
+int triforce_forward_layers(int64_t L, const int64_t *prog, const int64_t *kv, float *qf, void *rope_attend, int64_t T,
+                            float *x, float *y, float *qkv, float *o, float *h, const float *cos,
+                            const float *sin, int bf16, float scale, float softcap, int64_t Hq, int64_t H,
+                            int64_t D, int64_t s0, int64_t hs, int64_t ss, const int64_t *nvis, int64_t block,
+                            float *part, float *out, float *lse) {
+    const rope_attend_fn ra = (rope_attend_fn)rope_attend;
+    if (L < 0 || T < 1 || !ra || H <= 0 || Hq % H) return -1;
+    for (int64_t l = 0; l < L; l++) {
+        const int64_t *pq = prog + l * LAYER_W, *po = pq + PROJ_W, *pg = po + PROJ_W, *pd = pg + PROJ_W;
+        const int64_t *lkv = kv + 2 * l;
+        int rc = program_proj(pq, x, T, qkv, NULL);
+        if (!rc)
+            rc = ra(qkv, T, pq[1], Hq, cos, sin, PTR(lkv[0]), PTR(lkv[1]), bf16, scale, softcap, H, D, s0, hs, ss,
+                    nvis, block, qf + l * H * (Hq / H) * T * D, part, out, lse, o);
+        if (!rc) rc = program_proj(po, o, T, y, x);
+        if (!rc) rc = program_proj(pg, y, T, h, NULL);
+        if (!rc) rc = program_proj(pd, h, T, x, y);
+        if (rc) return rc;
+    }
+    return 0;
+}

@@ -38,6 +38,9 @@ def load():
                 lib.triforce_linear_vnni.restype = I
                 lib.triforce_linear_f32.restype = I
                 lib.triforce_linear_f32.argtypes = [P, I64, I64, I64, P, I64, P, I64, P, I64]
+                lib.triforce_forward_layers.restype = I  # runtime/model/program.py
+                lib.triforce_forward_layers.argtypes = ([I64, P, P, P, P, I64] + [P] * 7 + [I, ctypes.c_float, ctypes.c_float]
+                                                        + [I64] * 6 + [P, I64, P, P, P])
                 _lib = lib
             except (OSError, RuntimeError, AttributeError) as e:
                 _lib, _error = False, str(e)

@@ -94,6 +94,10 @@ class EnvOptions(Options):
                            "calls of 1-63 rows (a second copy of the weights): auto (while they "
                            "fit in an eighth of the available memory), 1 (always), 0 (never).",
                            check=one_of("auto", "0", "1"), env="TRIFORCE_OFFLOAD_CPU_COLUMNS")
+    program: str = opt("1", "A CPU step's layers in one native call where they are plain pre-norm "
+                       "blocks with int8 activations (runtime/model/program.py): 1, or 0 (a call per "
+                       "op of each layer: the same bits).", check=one_of("0", "1"),
+                       env="TRIFORCE_OFFLOAD_PROGRAM")
     attention: str = opt("auto", "Fixed-shape attention: auto, flash-attn, triton or sdpa.",
                          check=one_of("auto", "flash-attn", "triton", "sdpa"),
                          env="TRIFORCE_OFFLOAD_ATTENTION")

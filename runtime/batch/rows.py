@@ -73,6 +73,10 @@ class Ragged:
         for s, st in zip(self.sets, self._starts):
             s.cache.begin_forward(st, s.n)
 
+    def one_call_layers(self, start, n_tokens: int):
+        """None: a ragged forward's layers go one by one (`rope_attend`, every sequence's rows)."""
+        return None
+
     def rope_attend(self, layer, qkv, cos, sin, start, heads: int):
         """Every sequence's RoPE, K/V write and attention in one native call
         (`native.rope_attend_seqs`) where each would take its own step in one call alone

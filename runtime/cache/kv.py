@@ -69,6 +69,13 @@ class KVCache:
         (FullCache.rope_attend); None: not here, the model rotates and calls `attend`."""
         return None
 
+    def one_call_layers(self, start, n_tokens: int):
+        """(direct cache, slot, recorder) where every layer's step of n_tokens tokens at
+        `start` would be `native.rope_attend` over that cache's own buffers at one slot
+        (`rope_attend` of each layer, recording its queries into `recorder` or None): what
+        lets a forward take all its layers in one native call (model/program.py); None here."""
+        return None
+
     def begin_forward(self, start, n_tokens: int):
         """A forward of n_tokens tokens at positions start.. begins (`start` a device
         tensor on the static path: never read it on the host there)."""
@@ -352,6 +359,15 @@ class Settles:
         """This cache's own K, V buffers of `layer` [B, Hkv, slots, D] (position
         first_position + i at index i)."""
         return self.k[layer], self.v[layer]
+
+    def one_call_layers(self, start, n_tokens: int):
+        """KVCache.one_call_layers: this cache at `one_call_slot`'s slot, which is the same for
+        every layer where each is held whole in its buffers (plain)."""
+        plain = self.__dict__.get("_all_plain")
+        if plain is None:  # windows, the ring and the layers kept are fixed at construction
+            plain = self.__dict__["_all_plain"] = all(self.plain(i) for i in range(self.n_layers))
+        slot = self.one_call_slot(0, start, n_tokens) if plain else None
+        return None if slot is None else (self, slot, None)
 
     def settle(self, layer: int, out):
         """The next `attend` of `layer` writes its K, V and returns `out`, which the caller

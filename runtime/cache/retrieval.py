@@ -72,11 +72,22 @@ class Recorder:
             self.record(layer, r[1], qkv.shape[1])
         return r
 
+    def one_call_layers(self, start, n_tokens: int):
+        """The inner cache's, recording here as `rope_attend` does."""
+        one = self.inner.one_call_layers(start, n_tokens)
+        return None if one is None else (one[0], one[1], self)
+
     def record(self, layer: int, qf: torch.Tensor, T: int):
         """Keep the last of T tokens' rotated queries from qf [Hkv, G*T, D] (folded: row
         g*T + t of KV head h for query head h*G + g, as the one native call gives them)."""
         H, R, D = qf.shape
         self._q[layer] = qf.view(H, R // T, T, D)[:, :, -1].reshape(1, H * (R // T), D)
+
+    def record_layers(self, qf: torch.Tensor, T: int):
+        """`record` of every layer at once from qf [L, Hkv, G*T, D] (model/program.py)."""
+        L, H, R, D = qf.shape
+        last = qf.view(L, H, R // T, T, D)[:, :, :, -1].reshape(L, 1, H * (R // T), D)
+        self._q = dict(enumerate(last.unbind(0)))
 
     def on_replay(self):
         """A graph replay wrote the queries (no Python ran): they are the latest again,

@@ -23,6 +23,7 @@ from ...kernels import native
 from ...kernels.linear import Linear, by_rows
 from ...kernels.qlinear import QLinear
 from .config import ModelConfig, rope_frequencies
+from .program import Program
 
 
 # HF checkpoints keep these projections apart; the model stacks each group into one Linear
@@ -298,10 +299,34 @@ class Transformer(nn.Module):
         x = self.embed(ids)
         cos, sin = self.rope(start, ids.shape[1], x.dtype, ids.device)
         cache.begin_forward(start, ids.shape[1])
-        for i in range(len(self.model.layers)):
-            x = self.layer_step(i, x, cos, sin, start, cache)
+        prog = self._program()
+        if prog is None or not prog.run(x, cos, sin, start, cache):  # else every layer in one native call
+            for i in range(len(self.model.layers)):
+                x = self.layer_step(i, x, cos, sin, start, cache)
         cache.end_forward()
         return self.head(x, last_only)
+
+    def _program(self):
+        """The layers' native program (model/program.py), built on first use and again where
+        its projections' native calls changed since (`Program.current`: an activation
+        precision set, a move); None where the layers are not what it computes (asked again
+        when the projections' activations change)."""
+        got = self.__dict__.get("_prog")
+        if got is not None:
+            prog, lins, acts = got
+            if prog is not None and prog.current():
+                return prog
+            if prog is None and all(m.act == a for m, a in zip(lins, acts)):
+                return None
+        else:
+            lins = [m for m in self.modules() if isinstance(m, QLinear)]
+        prog = Program.build(self)
+        self.__dict__["_prog"] = (prog, lins, None if prog is not None else [m.act for m in lins])
+        return prog
+
+    def _apply(self, fn, *args, **kwargs):  # .to(), .cuda(), ...: the program's pointers go
+        self.__dict__.pop("_prog", None)
+        return super()._apply(fn, *args, **kwargs)
 
     def forward_rows(self, ids: torch.Tensor, pos: torch.Tensor, cache, keep: torch.Tensor) -> torch.Tensor:
         """ids [1, N] of tokens at positions pos [N], which need not follow each other
