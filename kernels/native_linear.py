@@ -50,3 +50,13 @@ def load():
 def reason() -> str:
     load()
     return _error
+
+
+def program_status() -> str:
+    """How a CPU step's layers run (runtime/model/program.py), for `info`."""
+    if env("program") == "0":
+        return "a native call per op of each layer (TRIFORCE_OFFLOAD_PROGRAM=0)"
+    if load() is None or not native.enabled():
+        return "torch and native calls per op of each layer (no native kernels here)"
+    return ("every layer of a step in one native call (plain pre-norm blocks, int8 activations, "
+            "a full or retrieval cache; else a call per op)")

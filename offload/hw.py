@@ -100,7 +100,8 @@ def gpu_compile(compile_status=None) -> str:
 
 def cpu_kernels() -> dict:
     """Which CPU kernels attention and float32 projections run on (kernels/)."""
-    from ..kernels import linear, native, qlinear
+    from ..kernels import linear, native, native_linear, qlinear
     return {"attention": native.status(),
+            "layers": native_linear.program_status(),
             "float32_linear": "oneDNN" if linear.onednn_enabled() else "F.linear",
             "quantized_linear": qlinear.kernel("cpu", qlinear.activations("auto", "cpu"))}

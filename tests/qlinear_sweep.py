@@ -5,7 +5,8 @@ Covers int8 and int4 (int8 activations with the packed columns, each compared wi
 calls that transpose W themselves), float16 and float32 scales, with and without offsets, groups of 16 to
 K, output counts around the 8-row tile (the zero-padded last tile), one row and many, strided
 rows, several parts writing side by side into one output, the embedding lookup, and seeded
-random shapes (issue 39's fuzzed shapes: bits, K, group, N, M, scales, offsets, strides); each
+random shapes (issue 39's fuzzed shapes: bits, K, group, N, M, scales, offsets, strides), and a
+model's layers in one call (runtime/model/program.py, against its layer loop); each
 case with float activations and with int8 ones (x quantized per row and 32 inputs: compared
 with the float64 product of the quantized x, and every row with that row alone).
 Exits 1 naming the first case that differs from the float64 reference.
@@ -124,8 +125,50 @@ def main() -> int:
     if not torch.equal(emb(torch.tensor([[0, 8, 3]])), a.dequantize()[[0, 8, 3]][None]):
         print("differs: embedding rows")
         return 1
+    n += program_cases()
+    if n < 0:
+        return 1
     print(f"{n + 2} cases match float64 linear (int8 activations {'VNNI' if qlinear.vnni() else 'portable C'})")
     return 0
+
+
+def program_cases() -> int:
+    """A model's layers in one native call (runtime/model/program.py: the driver in this
+    library calling the projections and the attention library's rope_attend) against its
+    layer loop: full caches (bf16, float32 KV) and a retrieval cache, steps of 1 to 64 tokens.
+    Returns the cases run, or -1 naming the first that differs (or did not run)."""
+    from helpers_spec import tiny
+    from test_batch import quantized
+    from triforce_offload.runtime.cache.kv import FullCache
+    from triforce_offload.runtime.cache.retrieval import Recorder, RetrievalCache
+    from triforce_offload.runtime.model import program
+
+    real, n = program.Program.run, 0
+    for L in (quantized(tiny(scale=3.0, seed=1, dim=64)),
+              quantized(tiny(scale=3.0, seed=4, dim=192, heads=6, kv=2, layers=3), "int8")):
+        for kv_dtype, kind, T in ((torch.bfloat16, "full", 1), (torch.bfloat16, "full", 64), (torch.float32, "full", 5),
+                                  (torch.bfloat16, "retrieval", 9), (torch.float32, "retrieval", 1)):
+            ids = torch.randint(0, 64, (1, T), generator=torch.Generator().manual_seed(T))
+            out, took = [], []
+            for on in (False, True):
+                program.Program.run = (lambda self, *a: took.append(real(self, *a)) or took[-1]) if on else \
+                    (lambda self, *a: False)
+                full = Recorder(FullCache(L.cfg, 256, dtype=kv_dtype))
+                with torch.inference_mode():
+                    L.model(torch.randint(0, 64, (1, 100), generator=torch.Generator().manual_seed(0)), 0, full)
+                    full.commit(100)
+                    c = full
+                    if kind == "retrieval":
+                        c = RetrievalCache(L.cfg, 32, 8, 16, dtype=kv_dtype)
+                        c.build(full, full.q, 100)
+                    took.clear()
+                    out.append(L.model(ids, 100, c))
+            program.Program.run = real
+            if took != [True] or not torch.equal(out[0], out[1]):
+                print(f"differs: program {kind} {kv_dtype} T {T} (ran: {took})")
+                return -1
+            n += 1
+    return n
 
 
 if __name__ == "__main__":

@@ -82,6 +82,8 @@ def test_info_json():
     k = d["cpu_kernels"]
     assert k["attention"].startswith(("native (", "torch ("))
     assert k["float32_linear"] in ("oneDNN", "F.linear")
+    assert k["layers"].startswith(("every layer of a step in one native call", "a native call per op",
+                                   "torch and native calls per op"))
     gpu = d["gpu_attention"]  # which decode/verify kernel runs on the GPU, and why
     assert gpu.startswith("decode/verify (graphs): ") if d["cuda_available"] else gpu.startswith("none (")
     lin = d["gpu_linear"]  # which kernel a step's projections run on there

@@ -299,8 +299,9 @@ class Transformer(nn.Module):
         x = self.embed(ids)
         cos, sin = self.rope(start, ids.shape[1], x.dtype, ids.device)
         cache.begin_forward(start, ids.shape[1])
-        prog = self._program()
-        if prog is None or not prog.run(x, cos, sin, start, cache):  # else every layer in one native call
+        # every layer in one native call where it applies (an int start: not a fixed-shape step)
+        prog = self._program() if isinstance(start, int) and not torch.compiler.is_compiling() else None
+        if prog is None or not prog.run(x, cos, sin, start, cache):
             for i in range(len(self.model.layers)):
                 x = self.layer_step(i, x, cos, sin, start, cache)
         cache.end_forward()
