@@ -1082,3 +1082,36 @@ int triforce_forward_layers(int64_t L, const int64_t *prog, const int64_t *kv, f
     }
     return 0;
 }
+
+typedef int (*rope_attend_seqs_fn)(const float *qkv, int64_t ldq, int64_t Hq, const float *cos, const float *sin,
+                                   int bf16, float scale, float softcap, int64_t H, int64_t D, int64_t nseq,
+                                   const int64_t *kp, const int64_t *vp, const int64_t *meta, const int64_t *nvis,
+                                   int64_t block, float *qf, float *o, double *secs);
+
+/* triforce_forward_layers for a batch's ragged forward: the N rows of several sequences,
+ * each layer's attention triforce_rope_attend_seqs (the attention library's, a function
+ * pointer) with the plan the layer loop passes it (runtime/batch/rows.py Ragged.rope_attend):
+ * meta, nvis as native.SeqSteps; kv [L, 2, nseq] each layer's sequences' K then V buffers;
+ * qf [L] x qf_layer floats out (each layer's folded rotated queries); secs [L, nseq] or NULL
+ * (each layer's thread-seconds per sequence). The projections as triforce_forward_layers'. */
+int triforce_forward_layers_seqs(int64_t L, const int64_t *prog, const int64_t *kv, float *qf, int64_t qf_layer,
+                                 void *rope_attend_seqs, int64_t N, float *x, float *y, float *qkv, float *o,
+                                 float *h, const float *cos, const float *sin, int bf16, float scale, float softcap,
+                                 int64_t Hq, int64_t H, int64_t D, int64_t nseq, const int64_t *meta,
+                                 const int64_t *nvis, int64_t block, double *secs) {
+    const rope_attend_seqs_fn ra = (rope_attend_seqs_fn)rope_attend_seqs;
+    if (L < 0 || N < 1 || nseq < 1 || !ra) return -1;
+    for (int64_t l = 0; l < L; l++) {
+        const int64_t *pq = prog + l * LAYER_W, *po = pq + PROJ_W, *pg = po + PROJ_W, *pd = pg + PROJ_W;
+        const int64_t *lkv = kv + 2 * nseq * l;
+        int rc = program_proj(pq, x, N, qkv, NULL);
+        if (!rc)
+            rc = ra(qkv, pq[1], Hq, cos, sin, bf16, scale, softcap, H, D, nseq, lkv, lkv + nseq, meta, nvis, block,
+                    qf + l * qf_layer, o, secs ? secs + l * nseq : NULL);
+        if (!rc) rc = program_proj(po, o, N, y, x);
+        if (!rc) rc = program_proj(pg, y, N, h, NULL);
+        if (!rc) rc = program_proj(pd, h, N, x, y);
+        if (rc) return rc;
+    }
+    return 0;
+}

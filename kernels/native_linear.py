@@ -41,6 +41,10 @@ def load():
                 lib.triforce_forward_layers.restype = I  # runtime/model/program.py
                 lib.triforce_forward_layers.argtypes = ([I64, P, P, P, P, I64] + [P] * 7 + [I, ctypes.c_float, ctypes.c_float]
                                                         + [I64] * 6 + [P, I64, P, P, P])
+                lib.triforce_forward_layers_seqs.restype = I
+                lib.triforce_forward_layers_seqs.argtypes = ([I64, P, P, P, I64, P, I64] + [P] * 7
+                                                             + [I, ctypes.c_float, ctypes.c_float]
+                                                             + [I64] * 4 + [P, P, I64, P])
                 _lib = lib
             except (OSError, RuntimeError, AttributeError) as e:
                 _lib, _error = False, str(e)

@@ -168,6 +168,25 @@ def program_cases() -> int:
                 print(f"differs: program {kind} {kv_dtype} T {T} (ran: {took})")
                 return -1
             n += 1
+        # a batch's ragged forward: three sequences' steps of 1, 7 and 3 tokens
+        from triforce_offload.runtime.batch.rows import Rows, forward
+        real_rows, out, took = program.Program.run_rows, [], []
+        for on in (False, True):
+            program.Program.run_rows = (lambda self, *a: took.append(real_rows(self, *a)) or took[-1]) if on else \
+                (lambda self, *a: False)
+            sets = []
+            for n0, T in ((30, 1), (75, 7), (12, 3)):
+                c = Recorder(FullCache(L.cfg, 128, dtype=torch.bfloat16))
+                with torch.inference_mode():
+                    L.model(torch.randint(0, 64, (1, n0), generator=torch.Generator().manual_seed(n0)), 0, c)
+                c.commit(n0)
+                sets.append(Rows(torch.randint(0, 64, (1, T), generator=torch.Generator().manual_seed(T)), n0, c))
+            out.append(forward(L.model, sets))
+        program.Program.run_rows = real_rows
+        if took != [True] or not all(torch.equal(a, b) for a, b in zip(*out)):
+            print(f"differs: program rows (ran: {took})")
+            return -1
+        n += 1
     return n
 
 

@@ -225,16 +225,24 @@ def test_a_ragged_forward_takes_each_layer_in_one_call_where_every_step_would(mo
     scores with its queries) and a retrieval cache in one ragged forward: each layer in one
     native call for all of them (`native.rope_attend_seqs`), each sequence's logits, KV and
     recorded queries the bits of its solo forward. A prefill chunk of more than
-    ONE_CALL_TOKENS rows in the forward sends every layer back to the separate steps."""
+    ONE_CALL_TOKENS rows in the forward sends every layer back to the separate steps. With
+    int8 activations every layer goes in one call too (model/program.py,
+    `triforce_forward_layers_seqs`): the same bits again."""
     from triforce_offload.kernels import native
     from triforce_offload.runtime.batch import rows
     from triforce_offload.runtime.cache.retrieval import Recorder, RetrievalCache
+    from triforce_offload.runtime.model.program import Program
     if not native.available():
         pytest.skip(f"native kernel unavailable: {native.reason()}")
     monkeypatch.setenv("TRIFORCE_OFFLOAD_NATIVE", "1")
     calls, real = [], native.rope_attend_seqs
     monkeypatch.setattr(rows.native, "rope_attend_seqs", lambda *a, **kw: calls.append(a[3].n) or real(*a, **kw))
-    for L in (MODELS["fp32"](), MODELS["int4:int8"](), quantized(tiny(scale=3.0, seed=1, dim=128))):  # bf16 path: D 32
+    layers, run_rows = [], Program.run_rows
+    monkeypatch.setattr(Program, "run_rows", lambda self, *a: (layers.append(run_rows(self, *a)) or layers[-1])
+                        if layers != [None] else False)
+    for L, whole in ((MODELS["fp32"](), False), (MODELS["int4:int8"](), False), (MODELS["int4:int8"](), True),
+                     (quantized(tiny(scale=3.0, seed=1, dim=128)), False)):  # bf16 path: D 32
+        layers[:] = [] if whole else [None]  # the layers in one call, or layer by layer
         def made(kind, n):
             c = FullCache(L.cfg, 512, dtype=L.kv_dtype)
             c = Recorder(c) if kind != "full" else c
@@ -257,8 +265,13 @@ def test_a_ragged_forward_takes_each_layer_in_one_call_where_every_step_would(mo
             with torch.inference_mode():
                 want = [L.model(i, n, c) for i, n, c in zip(ids, lens, alone)]
             calls.clear()
+            if whole:
+                layers.clear()
             got = forward(L.model, [Rows(i, n, c) for i, n, c in zip(ids, lens, together)])
-            assert calls == ([len(lens)] * L.cfg.n_layers if one else []), (lens, widths)
+            if whole:  # the program: one call for the forward where each layer would take one
+                assert calls == [] and layers == [one], (lens, widths)
+            else:
+                assert calls == ([len(lens)] * L.cfg.n_layers if one else []), (lens, widths)
             for w, o in zip(want, got):
                 assert torch.equal(w, o)
             for a, t, n, w in zip(alone, together, lens, widths):  # the slots written so far

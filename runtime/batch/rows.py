@@ -74,8 +74,46 @@ class Ragged:
             s.cache.begin_forward(st, s.n)
 
     def one_call_layers(self, start, n_tokens: int):
-        """None: a ragged forward's layers go one by one (`rope_attend`, every sequence's rows)."""
+        """None: a ragged forward's layers take `one_call_rows`."""
         return None
+
+    def one_call_rows(self, heads: int, D: int):
+        """(plan, K/V pointers [L, 2, nseq], KV dtype, softcap) where every layer of this
+        forward would take `rope_attend`'s one call with one plan (each sequence's cache
+        holding every layer whole at one slot: `KVCache.one_call_layers`), so that a forward
+        can take all its layers in one native call (model/program.py; `one_call_done` after
+        it); else None."""
+        rows, fulls = [], self._fulls
+        for s, (a, n), f in zip(self.sets, self.bounds, fulls):
+            one = f.one_call_layers(s.start, n) if f is not None and n <= native.ONE_CALL_TOKENS else None
+            if one is None or f.prefix is not None:
+                return None
+            K = f.own(0)[0]
+            rows.append((a, n, s.start, f.first_position, one[1], K.stride(1), K.stride(2)))
+        K = fulls[0].own(0)[0]
+        H = K.shape[1]
+        if not rows or heads % H or len({f.softcap for f in fulls}) != 1 or K.device.type != "cpu":
+            return None
+        plan = native.SeqSteps(rows, heads // H)
+        if not plan.fits(H, D):
+            return None
+        ptrs = []
+        for layer in range(fulls[0].n_layers):
+            kv = [f.own(layer) for f in fulls]
+            if not plan.takes(kv, K.dtype, H, D):
+                return None
+            ptrs += [k.data_ptr() for k, _ in kv] + [v.data_ptr() for _, v in kv]
+        return plan, torch.tensor(ptrs, dtype=torch.int64), K.dtype, fulls[0].softcap
+
+    def one_call_done(self, plan, qf: torch.Tensor, secs: torch.Tensor):
+        """After a forward's layers in one call (`one_call_rows`): each sequence's attention
+        time (secs [L, nseq] thread-seconds), and the recorders' queries from qf [L, H,
+        plan.rows, D], as `rope_attend` keeps them layer by layer."""
+        for s, t in zip(self.sets, secs.sum(0).tolist()):
+            s.attention_s += t / self._threads
+        for i, rec in self._recorders:
+            r0, n = plan.folded[i]
+            rec.record_layers(qf[:, :, r0: r0 + n], self.sets[i].n)
 
     def rope_attend(self, layer, qkv, cos, sin, start, heads: int):
         """Every sequence's RoPE, K/V write and attention in one native call

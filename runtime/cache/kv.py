@@ -76,6 +76,10 @@ class KVCache:
         lets a forward take all its layers in one native call (model/program.py); None here."""
         return None
 
+    def one_call_rows(self, heads: int, D: int):
+        """A batch's ragged forward's `one_call_layers` (batch.rows.Ragged); None here."""
+        return None
+
     def begin_forward(self, start, n_tokens: int):
         """A forward of n_tokens tokens at positions start.. begins (`start` a device
         tensor on the static path: never read it on the host there)."""

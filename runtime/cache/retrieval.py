@@ -83,10 +83,13 @@ class Recorder:
         H, R, D = qf.shape
         self._q[layer] = qf.view(H, R // T, T, D)[:, :, -1].reshape(1, H * (R // T), D)
 
+    def one_call_rows(self, heads: int, D: int):
+        return None
+
     def record_layers(self, qf: torch.Tensor, T: int):
         """`record` of every layer at once from qf [L, Hkv, G*T, D] (model/program.py)."""
         L, H, R, D = qf.shape
-        last = qf.view(L, H, R // T, T, D)[:, :, :, -1].reshape(L, 1, H * (R // T), D)
+        last = qf.unflatten(2, (R // T, T))[:, :, :, -1].reshape(L, 1, H * (R // T), D)
         self._q = dict(enumerate(last.unbind(0)))
 
     def on_replay(self):

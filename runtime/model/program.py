@@ -64,6 +64,7 @@ class Program:
         self.checks = checks  # per projection (QLinear, its native calls, its norm, the norm's weight pointer)
         self.lib = native_linear.load()
         self.rope_attend = ctypes.cast(native.load().triforce_rope_attend, ctypes.c_void_p).value
+        self.rope_attend_seqs = ctypes.cast(native.load().triforce_rope_attend_seqs, ctypes.c_void_p).value
         self.blocks = list(model.model.layers)
         self.modules = [m for b in self.blocks for m in (b, b.self_attn, b.mlp)]
         self.hooks = hooks  # torch's global module hooks (transformer._HOOKS)
@@ -128,20 +129,56 @@ class Program:
         self._kv = (direct, kv, torch.tensor(ptrs, dtype=torch.int64), dtype, st, cap)
         return self._kv[2], dtype, st
 
+    def usable(self, x: torch.Tensor, cos, sin) -> bool:
+        """x, cos, sin as the call takes them, and nothing that should see the layers' calls."""
+        T = x.shape[1]
+        if (x.shape[0] != 1 or x.dtype != torch.float32 or not x.is_contiguous() or not x.is_cpu
+                or cos.shape[-1] != self.D or not native.rope_tables(cos, sin, T, self.D)):
+            return False
+        for m in self.modules:  # hooks see each module's call: the layer loop makes them
+            if m._forward_hooks or m._forward_pre_hooks:
+                return False
+        return not any(self.hooks)
+
+    def scratch(self, T: int) -> tuple:
+        """The activations' buffers of a T-row call: y, qkv, o, h."""
+        f = torch.float32
+        return (torch.empty(T, self.hidden, dtype=f), torch.empty(T, self.n_qkv, dtype=f),
+                torch.empty(T, self.Hq * self.D, dtype=f), torch.empty(T, self.n_gu, dtype=f))
+
+    def run_rows(self, x: torch.Tensor, cos, sin, cache) -> bool:
+        """`run` for a batch's ragged forward (`Transformer.forward_rows`: x [1, N, hidden] the
+        rows of several sequences, cos, sin [N, 1, D] each row's, `cache` a batch.rows.Ragged)
+        where every layer takes `Ragged.rope_attend`'s one call with one plan (`one_call_rows`)."""
+        N = x.shape[1]
+        if not self.usable(x, cos, sin):
+            return False
+        one = cache.one_call_rows(self.Hq, self.D)
+        if one is None:
+            return False
+        plan, kv, dtype, softcap = one
+        qf = torch.empty(self.L, self.H, plan.rows, self.D, dtype=torch.float32)
+        secs = torch.zeros(self.L, plan.n, dtype=torch.float64)
+        y, qkv, o, h = self.scratch(N)
+        rc = self.lib.triforce_forward_layers_seqs(
+            self.L, self.prog.data_ptr(), kv.data_ptr(), qf.data_ptr(), self.H * plan.rows * self.D,
+            self.rope_attend_seqs, N, x.data_ptr(), y.data_ptr(), qkv.data_ptr(), o.data_ptr(), h.data_ptr(),
+            cos.data_ptr(), sin.data_ptr(), int(dtype == torch.bfloat16), self.D ** -0.5, float(softcap or 0.0),
+            self.Hq, self.H, self.D, plan.n, plan.meta.data_ptr(), plan.nvis.data_ptr(), native.BLOCK,
+            secs.data_ptr())
+        if rc:
+            raise (MemoryError if rc == -2 else RuntimeError)(f"native forward of the layers failed ({rc})")
+        cache.one_call_done(plan, qf, secs)
+        return True
+
     def run(self, x: torch.Tensor, cos, sin, start, cache) -> bool:
         """(Where `current`: Transformer._program asks.) Layers 0.. over hidden states x [1, T, hidden] (float32, contiguous; replaced in
         place by the last layer's output) of the tokens at positions start.. (cos, sin
         theirs, [T, 1, D]), attending through `cache` (between its begin_forward and
         end_forward); False (x untouched, nothing written) where the call does not apply."""
-        B, T, _ = x.shape
+        T = x.shape[1]
         D, H = self.D, self.H
-        if (B != 1 or T > native.ONE_CALL_TOKENS or not isinstance(start, int) or x.dtype != torch.float32
-                or not x.is_contiguous() or not x.is_cpu or cos.shape[-1] != D or not native.rope_tables(cos, sin, T, D)):
-            return False
-        for m in self.modules:  # hooks see each module's call: the layer loop makes them
-            if m._forward_hooks or m._forward_pre_hooks:
-                return False
-        if any(self.hooks) or torch.compiler.is_compiling():
+        if T > native.ONE_CALL_TOKENS or not isinstance(start, int) or not self.usable(x, cos, sin):
             return False
         one = cache.one_call_layers(start, T)
         if one is None:
@@ -154,10 +191,7 @@ class Program:
             return False
         kv, dtype, st = got
         qf = torch.empty(self.L, H, R, D, dtype=torch.float32)
-        y = torch.empty(T, self.hidden, dtype=torch.float32)
-        qkv = torch.empty(T, self.n_qkv, dtype=torch.float32)
-        o = torch.empty(T, self.Hq * D, dtype=torch.float32)
-        h = torch.empty(T, self.n_gu, dtype=torch.float32)
+        y, qkv, o, h = self.scratch(T)
         part = torch.empty(H, nb, R, D + 2, dtype=torch.float32)
         out = torch.empty(H, R, D, dtype=torch.float32)
         lse = torch.empty(H, R, dtype=torch.float32)

@@ -336,8 +336,10 @@ class Transformer(nn.Module):
         x = self.embed(ids)
         cos, sin = by_rows(lambda p: self.rotary(p, x.dtype), pos, dims=(0,))  # [N, 1, D] each
         cache.begin_forward(None, ids.shape[1])
-        for i in range(len(self.model.layers)):
-            x = self.layer_step(i, x, cos, sin, None, cache)
+        prog = self._program() if not torch.compiler.is_compiling() else None
+        if prog is None or not prog.run_rows(x, cos, sin, cache):  # else every layer in one native call
+            for i in range(len(self.model.layers)):
+                x = self.layer_step(i, x, cos, sin, None, cache)
         cache.end_forward()
         return self.head(x[:, keep])
 
