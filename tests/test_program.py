@@ -185,3 +185,37 @@ def test_the_bundled_model_at_its_gguf_precision(ran):
             for x, y in zip(a.inner.own(layer), b.inner.own(layer)):
                 assert torch.equal(x[:, :, :300 + T], y[:, :, :300 + T])
             assert torch.equal(a.q[layer], b.q[layer])
+
+
+def test_copies_swapped_modules_and_other_kv_dtypes(ran, monkeypatch):
+    """A deep copy builds its own program (none copied: it would run the original's
+    modules); a module swapped for another is seen (built again); a float16 KV, which the
+    kernels do not take, keeps the layer loop, solo and in a batch."""
+    import copy
+    from triforce_offload.runtime.batch.rows import Rows, forward
+    L = MODELS["int4 D16"]()
+    ids = torch.randint(0, 64, (1, 3), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        want = L.model(ids, 40, made(L, "full", 40, torch.bfloat16))
+        twin = copy.deepcopy(L.model)
+        assert "_prog" not in twin.__dict__ and "_prog" in L.model.__dict__
+        ran.clear()
+        assert torch.equal(twin(ids, 40, made(L, "full", 40, torch.bfloat16)), want) and ran[-1:] == [3]
+        prog = L.model._program()
+        attn = L.model.model.layers[1].self_attn
+        attn.o_proj = copy.deepcopy(attn.o_proj)  # the same numbers in another module
+        assert not prog.current()
+        ran.clear()
+        assert torch.equal(L.model(ids, 40, made(L, "full", 40, torch.bfloat16)), want)
+        assert ran[-1:] == [3] and L.model._program() is not prog
+        ran.clear()
+        half = made(L, "full", 40, torch.float16)
+        assert ran == []  # the prefill too
+        alone = L.model(ids, 40, made(L, "full", 40, torch.float16))
+        rows, real = [], P.Program.run_rows
+        monkeypatch.setattr(P.Program, "run_rows", lambda self, *a: rows.append(real(self, *a)) or rows[-1])
+        got = forward(L.model, [Rows(ids, 40, half), Rows(ids[:, :1], 40, made(L, "full", 40, torch.float16))])
+        assert ran == [] and rows == [False] and torch.equal(got[0], alone)
+        got = forward(L.model, [Rows(ids, 40, made(L, "full", 40, torch.bfloat16)),
+                                Rows(ids[:, :1], 40, made(L, "full", 40, torch.bfloat16))])
+        assert rows == [False, True] and torch.equal(got[0], want)

@@ -90,9 +90,12 @@ class Ragged:
                 return None
             K = f.own(0)[0]
             rows.append((a, n, s.start, f.first_position, one[1], K.stride(1), K.stride(2)))
+        if not rows:
+            return None
         K = fulls[0].own(0)[0]
         H = K.shape[1]
-        if not rows or heads % H or len({f.softcap for f in fulls}) != 1 or K.device.type != "cpu":
+        if (heads % H or len({f.softcap for f in fulls}) != 1 or K.device.type != "cpu"
+                or K.dtype not in (torch.float32, torch.bfloat16) or K.shape[-1] != D):  # what the kernel takes
             return None
         plan = native.SeqSteps(rows, heads // H)
         if not plan.fits(H, D):

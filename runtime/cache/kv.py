@@ -73,7 +73,8 @@ class KVCache:
         """(direct cache, slot, recorder) where every layer's step of n_tokens tokens at
         `start` would be `native.rope_attend` over that cache's own buffers at one slot
         (`rope_attend` of each layer, recording its queries into `recorder` or None): what
-        lets a forward take all its layers in one native call (model/program.py); None here."""
+        lets a forward take all its layers in one native call (model/program.py); None here.
+        A subclass that changes `rope_attend` or `attend` changes this too."""
         return None
 
     def one_call_rows(self, heads: int, D: int):

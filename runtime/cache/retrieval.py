@@ -75,7 +75,7 @@ class Recorder:
     def one_call_layers(self, start, n_tokens: int):
         """The inner cache's, recording here as `rope_attend` does."""
         one = self.inner.one_call_layers(start, n_tokens)
-        return None if one is None else (one[0], one[1], self)
+        return None if one is None or one[2] is not None else (one[0], one[1], self)  # one recorder
 
     def record(self, layer: int, qf: torch.Tensor, T: int):
         """Keep the last of T tokens' rotated queries from qf [Hkv, G*T, D] (folded: row

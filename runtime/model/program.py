@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
+import weakref
 
 import torch
 
@@ -52,7 +53,7 @@ class Program:
     """The static half: every layer's projections, built once per model (`build`); `run`
     takes a step through it where it applies."""
 
-    def __init__(self, model, words: list[int], checks: list, hooks: tuple):
+    def __init__(self, model, words: list[int], checks: list, hooks: tuple, tree: list):
         self.model = model
         cfg = model.config
         self.L, self.Hq, self.H, self.D = cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -68,6 +69,7 @@ class Program:
         self.blocks = list(model.model.layers)
         self.modules = [m for b in self.blocks for m in (b, b.self_attn, b.mlp)]
         self.hooks = hooks  # torch's global module hooks (transformer._HOOKS)
+        self.tree = tree  # (a module's children, name, child) of the layers: none replaced since
         self._kv = None  # the last direct cache's buffers (`buffers`)
 
     @classmethod
@@ -86,21 +88,30 @@ class Program:
             a, m = b.self_attn, b.mlp
             if b.sandwich or not a.one_call or a.qk_norm or m.gelu:
                 return None
-            for lin, norm, glu in ((a.qkv_proj, b.input_layernorm, False), (a.o_proj, None, False),
-                                   (m.gate_up_proj, b.post_attention_layernorm, False), (m.down_proj, None, True)):
+            hid, D, Hq, H, I = cfg.hidden_size, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.intermediate_size
+            for lin, norm, glu, K, N in ((a.qkv_proj, b.input_layernorm, False, hid, (Hq + 2 * H) * D),
+                                         (a.o_proj, None, False, Hq * D, hid),
+                                         (m.gate_up_proj, b.post_attention_layernorm, False, hid, 2 * I),
+                                         (m.down_proj, None, True, I, hid)):
                 w = _proj_words(lin, norm, glu)
-                if w is None:
+                if w is None or w[0] != K or w[1] != N:  # the shapes the call's buffers have
                     return None
                 words += w
                 checks.append((lin, lin._calls, norm, None if norm is None else norm.weight.data_ptr()))
-        return cls(model, words, checks, _HOOKS)
+        tree = [(parent._modules, name, child) for parent in [model.model.layers] + [
+            m for b in model.model.layers for m in (b, b.self_attn, b.mlp)] for name, child in parent._modules.items()]
+        return cls(model, words, checks, _HOOKS, tree)
 
     def current(self) -> bool:
         """The projections' native calls are still the ones the program was built from (an
-        `act` change or a move drops them: QLinear.native_calls), and each norm's weight
-        where it was (QLinear.fused plans again where one moved)."""
+        `act` change or a move drops them: QLinear.native_calls), each norm's weight where
+        it was (QLinear.fused plans again where one moved), and no module of the layers
+        replaced by another."""
         for lin, calls, norm, nw in self.checks:
             if lin._calls is not calls or (norm is not None and norm.weight.data_ptr() != nw):
+                return False
+        for children, name, child in self.tree:  # a projection, norm or block swapped for another
+            if children.get(name) is not child:
                 return False
         return True
 
@@ -109,9 +120,9 @@ class Program:
         one is a [1, H, >= S, D] CPU buffer of one dtype and layout; else None. Kept while the
         cache holds the same tensors (a check of identity per layer)."""
         kv = [direct.own(layer) for layer in range(self.L)]
-        got = self._kv
-        if got is not None and got[0] is direct and got[5] >= S and all(
-                a[0] is b[0] and a[1] is b[1] for a, b in zip(kv, got[1])):
+        got = self._kv  # weak references: a finished run's cache is not kept alive here
+        if got is not None and got[0]() is direct and got[5] >= S and all(
+                a[0] is b[0]() and a[1] is b[1]() for a, b in zip(kv, got[1])):
             return got[2], got[3], got[4]
         k0 = kv[0][0]
         dtype, st = k0.dtype, k0.stride()
@@ -126,14 +137,16 @@ class Program:
             ptrs += [k.data_ptr(), v.data_ptr()]
         if cap < S:
             return None
-        self._kv = (direct, kv, torch.tensor(ptrs, dtype=torch.int64), dtype, st, cap)
-        return self._kv[2], dtype, st
+        ptrs = torch.tensor(ptrs, dtype=torch.int64)
+        self._kv = (weakref.ref(direct), [(weakref.ref(k), weakref.ref(v)) for k, v in kv], ptrs, dtype, st, cap)
+        return ptrs, dtype, st
 
     def usable(self, x: torch.Tensor, cos, sin) -> bool:
         """x, cos, sin as the call takes them, and nothing that should see the layers' calls."""
         T = x.shape[1]
-        if (x.shape[0] != 1 or x.dtype != torch.float32 or not x.is_contiguous() or not x.is_cpu
-                or cos.shape[-1] != self.D or not native.rope_tables(cos, sin, T, self.D)):
+        if (x.shape[0] != 1 or x.shape[2] != self.hidden or x.dtype != torch.float32 or not x.is_contiguous()
+                or not x.is_cpu or cos.shape[-1] != self.D or not native.rope_tables(cos, sin, T, self.D)
+                or env("program") == "0" or not native.enabled()):  # as the layer loop reads them each call
             return False
         for m in self.modules:  # hooks see each module's call: the layer loop makes them
             if m._forward_hooks or m._forward_pre_hooks:
@@ -157,6 +170,9 @@ class Program:
         if one is None:
             return False
         plan, kv, dtype, softcap = one
+        if (dtype not in (torch.float32, torch.bfloat16) or plan.G != self.G or plan.rows % self.G
+                or kv.numel() != 2 * plan.n * self.L):  # what the call reads: this model's heads and layers
+            return False
         qf = torch.empty(self.L, self.H, plan.rows, self.D, dtype=torch.float32)
         secs = torch.zeros(self.L, plan.n, dtype=torch.float64)
         y, qkv, o, h = self.scratch(N)

@@ -329,6 +329,11 @@ class Transformer(nn.Module):
         self.__dict__.pop("_prog", None)
         return super()._apply(fn, *args, **kwargs)
 
+    def __getstate__(self):  # a copy builds its own program (this one's points at these modules)
+        state = super().__getstate__()
+        state.pop("_prog", None)
+        return state
+
     def forward_rows(self, ids: torch.Tensor, pos: torch.Tensor, cache, keep: torch.Tensor) -> torch.Tensor:
         """ids [1, N] of tokens at positions pos [N], which need not follow each other
         (rows of several sequences: `cache` tells them apart, runtime/batch/rows.py) ->
