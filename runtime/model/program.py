@@ -73,15 +73,14 @@ class Program:
         self._kv = None  # the last direct cache's buffers (`buffers`)
 
     @classmethod
-    def build(cls, model) -> "Program | None":
+    def build(cls, model, one_call: bool, hooks: tuple) -> "Program | None":
         """The program of `model`'s layers, or None where one of them is not what the call
-        computes (then the layer loop runs every step)."""
+        computes (then the layer loop runs every step). `one_call`: the attention's one call
+        gives the separate steps' bits here (transformer.one_call_ok); `hooks`: torch's global
+        module hooks (transformer._HOOKS)."""
         cfg = model.config
-        if (env("program") == "0" or native_linear.load() is None or not native.enabled()
+        if (env("program") == "0" or native_linear.load() is None or not native.enabled() or not one_call
                 or cfg.n_heads % cfg.n_kv_heads or cfg.head_dim % 16 or cfg.head_dim > 256):
-            return None
-        from .transformer import one_call_ok, _HOOKS
-        if not one_call_ok(cfg.head_dim):
             return None
         words, checks = [], []
         for b in model.model.layers:
@@ -100,7 +99,7 @@ class Program:
                 checks.append((lin, lin._calls, norm, None if norm is None else norm.weight.data_ptr()))
         tree = [(parent._modules, name, child) for parent in [model.model.layers] + [
             m for b in model.model.layers for m in (b, b.self_attn, b.mlp)] for name, child in parent._modules.items()]
-        return cls(model, words, checks, _HOOKS, tree)
+        return cls(model, words, checks, hooks, tree)
 
     def current(self) -> bool:
         """The projections' native calls are still the ones the program was built from (an

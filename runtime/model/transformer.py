@@ -321,7 +321,7 @@ class Transformer(nn.Module):
                 return None
         else:
             lins = [m for m in self.modules() if isinstance(m, QLinear)]
-        prog = Program.build(self)
+        prog = Program.build(self, one_call_ok(self.config.head_dim), _HOOKS)
         self.__dict__["_prog"] = (prog, lins, None if prog is not None else [m.act for m in lins])
         return prog
 
