@@ -82,9 +82,19 @@ def test_many_sequences_in_one_call_are_the_bits_of_their_own_calls(dtype, D, so
 def seqs_per_call(monkeypatch, names=("attend_seqs", "rope_attend_seqs")) -> list[int]:
     """The sequence count of every native call of `names` a ragged forward makes from now on
     (attend_seqs: after the model's RoPE and the caches' writes; rope_attend_seqs: the
-    whole layer's step in one call)."""
+    whole layer's step in one call; the program's call of every layer, model/program.py,
+    counts as each layer's rope_attend_seqs with every sequence)."""
     from triforce_offload.runtime.batch import rows
+    from triforce_offload.runtime.model.program import Program
     calls = []
+    run_rows = Program.run_rows
+
+    def whole(self, x, cos, sin, cache):
+        done = run_rows(self, x, cos, sin, cache)
+        if done:
+            calls.extend([len(cache.sets)] * self.L)
+        return done
+    monkeypatch.setattr(Program, "run_rows", whole)
 
     def spy(real):
         def call(*a, **kw):
