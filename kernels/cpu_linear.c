@@ -1061,6 +1061,16 @@ static int program_proj(const int64_t *p, const float *x, int64_t M, float *out,
     return 0;
 }
 
+/* a layer's o projection (residual x into y), gate|up with the post-attention norm (y into h)
+ * and down with SwiGLU (residual y into x), after its attention wrote o */
+static int program_rest(const int64_t *pq, int64_t M, float *x, float *y, float *o, float *h) {
+    const int64_t *po = pq + PROJ_W, *pg = po + PROJ_W, *pd = pg + PROJ_W;
+    int rc = program_proj(po, o, M, y, x);
+    if (!rc) rc = program_proj(pg, y, M, h, NULL);
+    if (!rc) rc = program_proj(pd, h, M, x, y);
+    return rc;
+}
+
 int triforce_forward_layers(int64_t L, const int64_t *prog, const int64_t *kv, float *qf, void *rope_attend, int64_t T,
                             float *x, float *y, float *qkv, float *o, float *h, const float *cos,
                             const float *sin, int bf16, float scale, float softcap, int64_t Hq, int64_t H,
@@ -1069,15 +1079,12 @@ int triforce_forward_layers(int64_t L, const int64_t *prog, const int64_t *kv, f
     const rope_attend_fn ra = (rope_attend_fn)rope_attend;
     if (L < 0 || T < 1 || !ra || H <= 0 || Hq % H) return -1;
     for (int64_t l = 0; l < L; l++) {
-        const int64_t *pq = prog + l * LAYER_W, *po = pq + PROJ_W, *pg = po + PROJ_W, *pd = pg + PROJ_W;
-        const int64_t *lkv = kv + 2 * l;
+        const int64_t *pq = prog + l * LAYER_W, *lkv = kv + 2 * l;
         int rc = program_proj(pq, x, T, qkv, NULL);
         if (!rc)
             rc = ra(qkv, T, pq[1], Hq, cos, sin, PTR(lkv[0]), PTR(lkv[1]), bf16, scale, softcap, H, D, s0, hs, ss,
                     nvis, block, qf + l * H * (Hq / H) * T * D, part, out, lse, o);
-        if (!rc) rc = program_proj(po, o, T, y, x);
-        if (!rc) rc = program_proj(pg, y, T, h, NULL);
-        if (!rc) rc = program_proj(pd, h, T, x, y);
+        if (!rc) rc = program_rest(pq, T, x, y, o, h);
         if (rc) return rc;
     }
     return 0;
@@ -1102,15 +1109,12 @@ int triforce_forward_layers_seqs(int64_t L, const int64_t *prog, const int64_t *
     const rope_attend_seqs_fn ra = (rope_attend_seqs_fn)rope_attend_seqs;
     if (L < 0 || N < 1 || nseq < 1 || !ra) return -1;
     for (int64_t l = 0; l < L; l++) {
-        const int64_t *pq = prog + l * LAYER_W, *po = pq + PROJ_W, *pg = po + PROJ_W, *pd = pg + PROJ_W;
-        const int64_t *lkv = kv + 2 * nseq * l;
+        const int64_t *pq = prog + l * LAYER_W, *lkv = kv + 2 * nseq * l;
         int rc = program_proj(pq, x, N, qkv, NULL);
         if (!rc)
             rc = ra(qkv, pq[1], Hq, cos, sin, bf16, scale, softcap, H, D, nseq, lkv, lkv + nseq, meta, nvis, block,
                     qf + l * qf_layer, o, secs ? secs + l * nseq : NULL);
-        if (!rc) rc = program_proj(po, o, N, y, x);
-        if (!rc) rc = program_proj(pg, y, N, h, NULL);
-        if (!rc) rc = program_proj(pd, h, N, x, y);
+        if (!rc) rc = program_rest(pq, N, x, y, o, h);
         if (rc) return rc;
     }
     return 0;

@@ -49,12 +49,16 @@ def _proj_words(lin, norm, glu: bool) -> list[int] | None:
     return words + [0] * (PROJ_W - len(words))
 
 
+def _check(rc: int):
+    if rc:
+        raise (MemoryError if rc == -2 else RuntimeError)(f"native forward of the layers failed ({rc})")
+
+
 class Program:
     """The static half: every layer's projections, built once per model (`build`); `run`
     takes a step through it where it applies."""
 
-    def __init__(self, model, words: list[int], checks: list, hooks: tuple, tree: list):
-        self.model = model
+    def __init__(self, model, words: list[int], checks: list, hooks: tuple):
         cfg = model.config
         self.L, self.Hq, self.H, self.D = cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.G = self.Hq // self.H
@@ -66,10 +70,11 @@ class Program:
         self.lib = native_linear.load()
         self.rope_attend = ctypes.cast(native.load().triforce_rope_attend, ctypes.c_void_p).value
         self.rope_attend_seqs = ctypes.cast(native.load().triforce_rope_attend_seqs, ctypes.c_void_p).value
-        self.blocks = list(model.model.layers)
-        self.modules = [m for b in self.blocks for m in (b, b.self_attn, b.mlp)]
+        self.modules = [m for b in model.model.layers for m in (b, b.self_attn, b.mlp)]
         self.hooks = hooks  # torch's global module hooks (transformer._HOOKS)
-        self.tree = tree  # (a module's children, name, child) of the layers: none replaced since
+        # (a module's children, name, child) of the layers: none replaced since (`current`)
+        self.tree = [(parent._modules, name, child) for parent in [model.model.layers] + self.modules
+                     for name, child in parent._modules.items()]
         self._kv = None  # the last direct cache's buffers (`buffers`)
 
     @classmethod
@@ -79,15 +84,16 @@ class Program:
         gives the separate steps' bits here (transformer.one_call_ok); `hooks`: torch's global
         module hooks (transformer._HOOKS)."""
         cfg = model.config
+        # one_call (one_call_ok) covers the head sizes the kernel takes
         if (env("program") == "0" or native_linear.load() is None or not native.enabled() or not one_call
-                or cfg.n_heads % cfg.n_kv_heads or cfg.head_dim % 16 or cfg.head_dim > 256):
+                or cfg.n_heads % cfg.n_kv_heads):
             return None
+        hid, D, Hq, H, I = cfg.hidden_size, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.intermediate_size
         words, checks = [], []
         for b in model.model.layers:
             a, m = b.self_attn, b.mlp
-            if b.sandwich or not a.one_call or a.qk_norm or m.gelu:
+            if b.sandwich or not a.one_call or m.gelu:  # one_call: no q/k norms, no q scale
                 return None
-            hid, D, Hq, H, I = cfg.hidden_size, cfg.head_dim, cfg.n_heads, cfg.n_kv_heads, cfg.intermediate_size
             for lin, norm, glu, K, N in ((a.qkv_proj, b.input_layernorm, False, hid, (Hq + 2 * H) * D),
                                          (a.o_proj, None, False, Hq * D, hid),
                                          (m.gate_up_proj, b.post_attention_layernorm, False, hid, 2 * I),
@@ -97,9 +103,7 @@ class Program:
                     return None
                 words += w
                 checks.append((lin, lin._calls, norm, None if norm is None else norm.weight.data_ptr()))
-        tree = [(parent._modules, name, child) for parent in [model.model.layers] + [
-            m for b in model.model.layers for m in (b, b.self_attn, b.mlp)] for name, child in parent._modules.items()]
-        return cls(model, words, checks, hooks, tree)
+        return cls(model, words, checks, hooks)
 
     def current(self) -> bool:
         """The projections' native calls are still the ones the program was built from (an
@@ -181,8 +185,7 @@ class Program:
             cos.data_ptr(), sin.data_ptr(), int(dtype == torch.bfloat16), self.D ** -0.5, float(softcap or 0.0),
             self.Hq, self.H, self.D, plan.n, plan.meta.data_ptr(), plan.nvis.data_ptr(), native.BLOCK,
             secs.data_ptr())
-        if rc:
-            raise (MemoryError if rc == -2 else RuntimeError)(f"native forward of the layers failed ({rc})")
+        _check(rc)
         cache.one_call_done(plan, qf, secs)
         return True
 
@@ -216,8 +219,7 @@ class Program:
             y.data_ptr(), qkv.data_ptr(), o.data_ptr(), h.data_ptr(), cos.data_ptr(), sin.data_ptr(),
             int(dtype == torch.bfloat16), D ** -0.5, float(direct.softcap or 0.0), self.Hq, H, D, slot, st[1], st[2],
             nvis.data_ptr(), native.BLOCK, part.data_ptr(), out.data_ptr(), lse.data_ptr())
-        if rc:
-            raise (MemoryError if rc == -2 else RuntimeError)(f"native forward of the layers failed ({rc})")
+        _check(rc)
         if recorder is not None:
             recorder.record_layers(qf, T)
         return True
