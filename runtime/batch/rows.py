@@ -83,24 +83,17 @@ class Ragged:
         holding every layer whole at one slot: `KVCache.one_call_layers`), so that a forward
         can take all its layers in one native call (model/program.py; `one_call_done` after
         it); else None."""
-        rows, fulls = [], self._fulls
-        for s, (a, n), f in zip(self.sets, self.bounds, fulls):
-            one = f.one_call_layers(s.start, n) if f is not None and n <= native.ONE_CALL_TOKENS else None
-            if one is None or f.prefix is not None:
-                return None
-            K = f.own(0)[0]
-            rows.append((a, n, s.start, f.first_position, one[1], K.stride(1), K.stride(2)))
-        if not rows:
+        def slot(f, start, n):
+            one = f.one_call_layers(start, n)
+            return None if one is None else one[1]
+        fulls = self._fulls
+        plan = self._seq_steps(slot, 0, heads, D)
+        if plan is None:
             return None
         K = fulls[0].own(0)[0]
-        H = K.shape[1]
-        if (heads % H or len({f.softcap for f in fulls}) != 1 or K.device.type != "cpu"
-                or K.dtype not in (torch.float32, torch.bfloat16) or K.shape[-1] != D):  # what the kernel takes
+        if K.device.type != "cpu" or K.dtype not in (torch.float32, torch.bfloat16):  # what the kernel takes
             return None
-        plan = native.SeqSteps(rows, heads // H)
-        if not plan.fits(H, D):
-            return None
-        ptrs = []
+        H, ptrs = K.shape[1], []
         for layer in range(fulls[0].n_layers):
             kv = [f.own(layer) for f in fulls]
             if not plan.takes(kv, K.dtype, H, D):
@@ -148,26 +141,38 @@ class Ragged:
         """`rope_attend`'s plan (native.SeqSteps) for this layer's kind, or None where some
         sequence's step would not take one call alone (its buffers as the plan's call takes
         them: `SeqSteps.takes`), or the call would not fit its scratch."""
-        rows, kv = [], []
-        for s, (a, n), f in zip(self.sets, self.bounds, self._fulls):
+        plan = self._seq_steps(lambda f, start, n: f.one_call_slot(layer, start, n), layer, heads, qkv.shape[-1])
+        if plan is None:
+            return None
+        kv = [f.own(layer) for f in self._fulls]
+        K = kv[0][0]
+        if not all(native.supports(qkv, k) for k, _ in kv):
+            return None
+        return plan if plan.takes(kv, K.dtype, K.shape[1], qkv.shape[-1]) else None
+
+    def _seq_steps(self, slot, layer: int, heads: int, D: int):
+        """native.SeqSteps of every sequence's step where each would take one call alone
+        (`slot(cache, start, n)` its slot, None where not: a window or ring layer, a shared
+        prefix, a step over ONE_CALL_TOKENS tokens), the caches agree on soft-capping and
+        their `layer` has head size D and a head count `heads` folds onto; else None. The
+        caller checks the buffers (`SeqSteps.takes`)."""
+        rows, fulls = [], self._fulls
+        for s, (a, n), f in zip(self.sets, self.bounds, fulls):
             if f is None or f.prefix is not None or n > native.ONE_CALL_TOKENS:
                 return None
-            slot = f.one_call_slot(layer, s.start, n)  # None for a window or ring layer
-            if slot is None:
+            at = slot(f, s.start, n)
+            if at is None:
                 return None
-            K, V = f.own(layer)
-            if not native.supports(qkv, K):
-                return None
-            rows.append((a, n, s.start, f.first_position, slot, K.stride(1), K.stride(2)))
-            kv.append((K, V))
-        if not kv:
+            K = f.own(layer)[0]
+            rows.append((a, n, s.start, f.first_position, at, K.stride(1), K.stride(2)))
+        if not rows:
             return None
-        K, D = kv[0][0], qkv.shape[-1]
+        K = fulls[0].own(layer)[0]
         H = K.shape[1]
-        if heads % H or len({f.softcap for f in self._fulls}) != 1:
+        if heads % H or K.shape[-1] != D or len({f.softcap for f in fulls}) != 1:
             return None
         plan = native.SeqSteps(rows, heads // H)
-        return plan if plan.fits(H, D) and plan.takes(kv, K.dtype, H, D) else None
+        return plan if plan.fits(H, D) else None
 
     def attend(self, layer, q, k, v, start):
         groups = self._groups(layer, q)
