@@ -88,7 +88,7 @@ def bench(
         return bench_batch(model, gen, retrieval, parse_list(batch, int, "--batch"), names,
                            parse_list(contexts, int, "--contexts"), new_tokens, threads, gguf,
                            llama_batched_bench, out_dir, as_json, shared_prefix, check,
-                           check_builtin_prompt(builtin_prompt))
+                           check_builtin_prompt(builtin_prompt), repeats, not fresh_prefill)
     o = BenchOptions(parse_list(contexts, int, "--contexts"), new_tokens,
                      parse_list(temperatures, float, "--temperatures"), repeats,
                      names + [b for b in extra if b not in names], seed, gguf=gguf,
@@ -123,7 +123,7 @@ def bench(
 
 def bench_batch(model: ModelOptions, gen, retrieval, sizes: list[int], names: list[str], contexts: list[int],
                 new_tokens: int, threads: int, gguf, binary, out_dir: Path, as_json: bool, shared: int = 0,
-                check: bool = True, kind: str = "continue"):
+                check: bool = True, kind: str = "continue", repeats: int = 1, reuse: bool = True):
     """`bench --batch`: our batched modes against llama-batched-bench, one table."""
     from ..bench.batch import OURS, run_batch_bench, summarize_batch
     from ..runtime.model.loader import default_model_path
@@ -134,6 +134,8 @@ def bench_batch(model: ModelOptions, gen, retrieval, sizes: list[int], names: li
     if len(contexts) != 1 or contexts[0] < new_tokens + 64 or min(sizes) < 1 or new_tokens < 2:
         raise TriforceError("--batch takes one --contexts value of at least --new-tokens + 64, "
                             "batch sizes >= 1 and --new-tokens >= 2")
+    if repeats < 1:
+        raise TriforceError(f"--repeats {repeats}: at least 1")
     if shared < 0 or (shared and shared > contexts[0] - new_tokens - 16):
         raise TriforceError(f"--shared-prefix {shared}: at least 0 and at most the prompt "
                             f"({contexts[0] - new_tokens} tokens) less 16 (each sequence's own question)")
@@ -151,31 +153,36 @@ def bench_batch(model: ModelOptions, gen, retrieval, sizes: list[int], names: li
     with runs_bar() as progress:
         rows = run_batch_bench(loaded, sizes, contexts[0], new_tokens, names, spec,
                                threads or torch.get_num_threads(), gguf, binary, check, progress=progress,
-                               on_row=row_writer(out_dir / "bench.jsonl", meta), shared=shared, kind=kind)
+                               on_row=row_writer(out_dir / "bench.jsonl", meta), shared=shared, kind=kind,
+                               repeats=repeats, reuse=reuse)
     summary = summarize_batch(rows)
     if as_json:
         print(json.dumps({"meta": meta, "summary": summary}))
         return
     t = Table(title=f"bench --batch: {contexts[0] - new_tokens}-token prompts"
               + (f" ({shared} of them one shared document)" if shared else "")
-              + f", {new_tokens} new tokens per sequence, {meta['torch_threads']} threads",
+              + f", {new_tokens} new tokens per sequence, {meta['torch_threads']} threads"
+              + (f", median of {repeats} repeats" if repeats > 1 else ""),
               caption=Text("S_TG: tokens produced after every sequence had its first one, over that time "
-                           "(llama-batched-bench's S_TG); T_PP: until then"))
+                           "(llama-batched-bench's S_TG); T_PP: until then (kept: the prompts' KV taken from "
+                           "an earlier run's prefill; --fresh-prefill prefills every run)"
+                           + ("; ratios: the median of each repeat's" if repeats > 1 else "")))
     for c in ("mode", "batch", "T_PP s", "T_TG s", "S_TG tok/s", "ms/token per seq", "vs batch 1",
-              "vs llama.cpp", "seqs/forward", "same as solo") + (("S_TG vs own", "time vs own") if shared else ()):
+              "vs autoregressive", "vs llama.cpp", "seqs/forward", "same as solo") + (
+            ("S_TG vs own", "time vs own") if shared else ()):
         t.add_column(c, justify="left" if c == "mode" else "right")
     for s in summary:
         if "skipped" in s:
             err.print(skip_line(s), markup=False, highlight=False)
             continue
         same = {None: "-", True: "yes", False: "NO"}[s.get("same_as_solo")]
-        t.add_row(s["mode"], str(s["batch"]), f"{s['t_pp']:.2f}", f"{s['t_tg']:.2f}", f"{s['speed_tg']:.1f}",
-                  f"{s['per_seq_ms']:.1f}" if s.get("per_seq_ms") else "-",
-                  f"{s['vs_batch1']:.2f}x" if "vs_batch1" in s else "-",
-                  f"{s['vs_llama_cpp']:.2f}x" if "vs_llama_cpp" in s else "-",
+        ratio = lambda k: f"{s[k]:.2f}x" if k in s else "-"
+        t.add_row(s["mode"], str(s["batch"]), f"{s['t_pp']:.2f}" + (" kept" if s.get("kept_prefill") else ""),
+                  f"{s['t_tg']:.2f}", f"{s['speed_tg']:.1f}",
+                  f"{s['per_seq_ms']:.1f}" if s.get("per_seq_ms") else "-", ratio("vs_batch1"),
+                  ratio("vs_autoregressive"), ratio("vs_llama_cpp"),
                   f"{s['seqs_per_forward']:.2f}" if "seqs_per_forward" in s else "-", same,
-                  *((f"{s['vs_own']:.2f}x" if "vs_own" in s else "-",
-                     f"{s['vs_own_total']:.2f}x" if "vs_own_total" in s else "-") if shared else ()))
+                  *((ratio("vs_own"), ratio("vs_own_total")) if shared else ()))
     (out if out.is_terminal else Console(width=160)).print(t)
     err.print(f"appended {len(rows)} rows to {out_dir / 'bench.jsonl'}", highlight=False)
 

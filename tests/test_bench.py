@@ -1,6 +1,7 @@
 """`bench`, `plan`, `run --plan auto` and needle-in-a-haystack on tiny models."""
 import importlib.util
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -327,3 +328,54 @@ def test_bench_batch_shared_prefix_runs_each_mode_both_ways(tiny_model_dir, tmp_
     r = cli("bench", "--model", tiny_model_dir, "--batch", "2", "--contexts", "700", "--new-tokens", "6",
             "--modes", "autoregressive", "--shared-prefix", "690", "--out", tmp_path)
     assert r.returncode == 2 and "--shared-prefix 690" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bench_batch_repeats_pair_ratios_and_keep_prefills(tiny_model_dir, tmp_path):
+    """`bench --batch --repeats 2`: each (mode, batch size) once per repeat, the summary the
+    medians and the median of each repeat's ratio to batched autoregressive; the prompts'
+    KV is prefilled once and taken by later runs (`kept_prefill`), their tokens unchanged,
+    and `--fresh-prefill` prefills every run."""
+    args = ("bench", "--model", tiny_model_dir, "--batch", "1,2", "--contexts", "200", "--new-tokens", "6",
+            "--modes", "autoregressive,triforce", "--budget", "32", "--dtype", "fp32", "--repeats", "2")
+    r = cli(*args, "--out", tmp_path / "a", "--json")
+    assert r.returncode == 0, r.stderr
+    summary = {(s["mode"], s["batch"]): s for s in json.loads(r.stdout)["summary"]}
+    rows = [json.loads(x) for x in (tmp_path / "a" / "bench.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 * 2 * 2 and {x["repeat"] for x in rows} == {0, 1}
+    by = {(x["mode"], x["batch"], x["repeat"]): x for x in rows}
+    assert not by[("autoregressive", 1, 0)]["kept_prefill"]  # the first run prefills
+    assert all(by[(m, b, 1)]["kept_prefill"] for m in ("autoregressive", "triforce") for b in (1, 2))
+    assert by[("triforce", 1, 0)]["kept_prefill"]
+    for b in (1, 2):
+        tri = summary[("triforce", b)]
+        assert tri["repeats"] == 2 and tri["same_as_solo"], tri
+        want = statistics.median(by[("triforce", b, k)]["speed_tg"] / by[("autoregressive", b, k)]["speed_tg"]
+                                 for k in (0, 1))
+        assert tri["vs_autoregressive"] == pytest.approx(want)
+        assert tri["speed_tg"] == pytest.approx(statistics.median(by[("triforce", b, k)]["speed_tg"] for k in (0, 1)))
+        assert "vs_autoregressive" not in summary[("autoregressive", b)]
+    # the kept KV changes nothing: the same tokens as the runs that prefilled
+    r = cli(*args[:-2], "--fresh-prefill", "--out", tmp_path / "b", "--json")
+    assert r.returncode == 0, r.stderr
+    fresh = [json.loads(x) for x in (tmp_path / "b" / "bench.jsonl").read_text().splitlines()]
+    assert fresh and not any(x["kept_prefill"] for x in fresh)
+    assert all(x["same_as_solo"] for x in fresh)
+    r = cli(*args[:-1], "0", "--out", tmp_path / "c")
+    assert r.returncode == 2 and "--repeats 0" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_summarize_batch_pairs_repeats():
+    """The ratios are medians of each repeat's ratio (not ratios of medians), llama.cpp's
+    compared by its single run."""
+    from triforce_offload.bench.batch import summarize_batch
+    row = lambda m, b, rep, v: {"mode": m, "batch": b, "repeat": rep, "speed_tg": v, "t_pp": 1.0, "t_tg": 1.0}
+    rows = [row("autoregressive", 4, 0, 10.0), row("triforce", 4, 0, 30.0),
+            row("autoregressive", 4, 1, 20.0), row("triforce", 4, 1, 22.0),
+            row("autoregressive", 4, 2, 30.0), row("triforce", 4, 2, 36.0),
+            {"mode": "llama.cpp", "batch": 4, "repeat": 0, "speed_tg": 11.0, "t_pp": 1.0, "t_tg": 1.0}]
+    s = {(x["mode"], x["batch"]): x for x in summarize_batch(rows)}
+    tri = s[("triforce", 4)]
+    assert tri["speed_tg"] == 30.0 and tri["repeats"] == 3
+    assert tri["vs_autoregressive"] == pytest.approx(1.2)  # median of 3.0, 1.1, 1.2 (medians' ratio: 1.5)
+    assert tri["vs_llama_cpp"] == pytest.approx(30.0 / 11.0)  # unpaired: the medians' ratio
+    assert "vs_autoregressive" not in s[("llama.cpp", 4)]

@@ -12,17 +12,29 @@ speed does not depend on them; speculative modes' does, and they are labelled so
 
 Our batched greedy output is checked against each sequence's solo run where `check` asks
 (the identity the batched engine guarantees).
+
+Repeats (`repeats`): every mode at every batch size runs once per repeat, the modes of one
+repeat back to back, so each repeat's ratios (a mode over batched autoregressive at the same
+batch size, a batch size over batch 1) see the same machine; the summary reports medians of
+those paired ratios, as the single-stream bench does. One prefill per prompt (`reuse`, on the
+CPU): our runs take each prompt's KV from a PrefixCache that the first run to prefill it
+filled (each run prefills the prompt's last token again, as the server does), so a 4 x 16K
+batch prefills once, not once per mode and repeat; such a run's T_PP is the time to take the
+kept KV (`kept_prefill`), and decoding starts from the same KV either way. llama.cpp runs once
+per batch size, its own prefill included.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import time
 
 from ..runtime import api
 from ..runtime.batch.runner import Batch
+from ..runtime.cache.prefix import ROOM, PrefixCache
 from ..runtime.data import SUMMARY_ASK, encode_prompt, essay_tokens, with_bos
 from ..runtime.errors import TriforceError
 
@@ -63,6 +75,8 @@ def run_ours(loaded, prompts: list[list[int]], opts, share: bool = False) -> dic
             "tokens": toks, "seqs_per_forward": st.get("batch_seqs_per_forward", 0.0),
             "rows_per_forward": st.get("batch_rows_per_forward", 0.0),
             "acceptance": {k: v for k, v in members[0].stats.extra.items() if k.startswith("acceptance")},
+            # every prompt's KV but its last token's taken from a kept cache (a PrefixCache)
+            "kept_prefill": all(m.stats.extra.get("reused_tokens", 0) >= len(p) - 1 for m, p in zip(members, prompts)),
             "shared_tokens": sum(seg.length for seg in segs)}
 
 
@@ -98,22 +112,51 @@ def run_llama_cpp(binary: str, gguf: str, batch: list[int], prompt: int, new: in
 OURS = ("autoregressive", "triforce", "retrieval", "draft")  # the modes a batch runs
 
 
+def kept_store(loaded, sizes: list[int], context: int):
+    """The PrefixCache a batch bench's runs take their prompts' KV from (room for twice the
+    largest batch's full caches: the kept ones and those the runs hold), or None where runs
+    prefill on their own: not on the CPU, or a caller's own store."""
+    from .runner import kv_bytes
+    if loaded.device.type != "cpu" or loaded.prefix is not None:
+        return None
+    return PrefixCache(2 * max(sizes) * kv_bytes(loaded, context + 2 * ROOM))
+
+
 def run_batch_bench(loaded, sizes: list[int], context: int, new: int, modes: list[str], spec: dict,
                     threads: int, gguf: str | None, binary: str | None, check: bool = True,
-                    progress=None, on_row=None, shared: int = 0, kind: str = "continue") -> list[dict]:
-    """Per batch size, each of our `modes` then llama.cpp (when in `modes` and found), back
-    to back: rows with t_pp, t_tg, speed_tg (aggregate decode tokens/s) and, for ours, whether
-    every sequence equals its solo run (`check`, greedy). Ratios: `summarize_batch`.
-    `shared` > 0: every prompt starts with one document of that many tokens, and each mode
-    runs twice, its batch holding the document per sequence ("<mode> own") and once for
-    all ("<mode> shared")."""
+                    progress=None, on_row=None, shared: int = 0, kind: str = "continue",
+                    repeats: int = 1, reuse: bool = True) -> list[dict]:
+    """Per repeat and batch size, each of our `modes` then llama.cpp (when in `modes` and
+    found; the first repeat only), back to back: rows with t_pp, t_tg, speed_tg (aggregate
+    decode tokens/s), the repeat and, for ours, whether every sequence equals its solo run
+    (`check`, greedy; the first repeat). Ratios: `summarize_batch`. `shared` > 0: every
+    prompt starts with one document of that many tokens, and each mode runs twice, its
+    batch holding the document per sequence ("<mode> own") and once for all ("<mode>
+    shared"); its runs prefill every time (the prefill is what sharing saves). `reuse`: one
+    prefill per prompt (the module's docstring)."""
     prompt = context - new
     ours = [m for m in modes if m in OURS]
     peer = "llama.cpp" in modes
     exe = llama_batched_bench(binary) if peer else None
     prompts = batch_prompts(loaded.tokenizer, max(sizes), prompt, shared, kind)
     ways = [(" own", False), (" shared", True)] if shared else [("", False)]
-    rows, steps = [], len(sizes) * (len(ours) * len(ways) + peer)
+    rows, steps = [], len(sizes) * (repeats * len(ours) * len(ways) + peer)
+    store = kept_store(loaded, sizes, context) if reuse and not shared and ours else None
+    prev = loaded.prefix
+    loaded.prefix = store if store is not None else prev
+    try:
+        _batch_runs(loaded, sizes, prompts, new, ours, ways, spec, check, repeats, exe, gguf, threads,
+                    peer, rows, steps, progress, on_row)
+    finally:
+        loaded.prefix = prev
+        if store is not None:
+            store.clear()
+    return rows
+
+
+def _batch_runs(loaded, sizes, prompts, new, ours, ways, spec, check, repeats, exe, gguf, threads,
+                peer, rows, steps, progress, on_row):
+    prompt = len(prompts[0])
 
     def emit(row):
         rows.append(row)
@@ -122,48 +165,90 @@ def run_batch_bench(loaded, sizes: list[int], context: int, new: int, modes: lis
     if peer and exe is None:
         emit({"mode": "llama.cpp", "skipped": "no llama-batched-bench (give --llama-batched-bench PATH or "
               "set LLAMA_CPP_BIN; docs/benchmarks.md says how to build it)"})
-    for b in sizes:
-        for m in ours:
-            solo = None
-            for label, share in ways:
-                if progress:
-                    progress(len(rows), steps, f"{m}{label} x{b}")
-                opts = api.RunOptions.of(mode=m, max_new_tokens=new, ignore_eos=True, **spec)
-                r = run_ours(loaded, prompts[:b], opts, share)
-                if check and solo is None:
-                    solo = [api.generate(loaded, p, opts)[0] for p in prompts[:b]]
-                emit({"mode": m + label, "batch": b, "prompt_tokens": prompt, "new_tokens": new,
-                      **{k: v for k, v in r.items() if k != "tokens"},
-                      "same_as_solo": r["tokens"] == solo if check else None})
-        if exe:
+    for rep in range(repeats):
+        for b in sizes:
+            _ours_at(loaded, b, prompts, new, ours, ways, spec, check and rep == 0, rep, emit, progress,
+                     len(rows), steps)
+        for b in sizes if exe and rep == 0 else ():
             if progress:
                 progress(len(rows), steps, f"llama.cpp x{b}")
             r = run_llama_cpp(exe, gguf, [b], prompt, new, threads)[b]
             emit({"mode": "llama.cpp", "batch": b, "prompt_tokens": prompt, "new_tokens": new,
                   "t_pp": r["t_pp"], "t_tg": r["t_tg"], "tg_tokens": b * new, "speed_tg": r["speed_tg"],
-                  "flash_attn": r.get("flash_attn")})
-    return rows
+                  "flash_attn": r.get("flash_attn"), "repeat": 0})
+
+
+def _ours_at(loaded, b, prompts, new, ours, ways, spec, check, rep, emit, progress, n, steps):
+    """Each of our modes over the first b prompts (`run_batch_bench`'s loop body)."""
+    for m in ours:
+        solo = None
+        for label, share in ways:
+            if progress:
+                progress(n, steps, f"{m}{label} x{b}" + (f" (repeat {rep + 1})" if rep else ""))
+            opts = api.RunOptions.of(mode=m, max_new_tokens=new, ignore_eos=True, **spec)
+            r = run_ours(loaded, prompts[:b], opts, share)
+            if check and solo is None:
+                solo = [api.generate(loaded, p, opts)[0] for p in prompts[:b]]
+            emit({"mode": m + label, "batch": b, "prompt_tokens": len(prompts[0]), "new_tokens": new,
+                  **{k: v for k, v in r.items() if k != "tokens"}, "repeat": rep,
+                  "same_as_solo": r["tokens"] == solo if check else None})
+            n += 1
 
 
 def summarize_batch(rows: list[dict]) -> list[dict]:
-    """Rows with `vs_batch1` (S_TG over the same mode's at batch 1) and `vs_llama_cpp` (ours
-    over llama.cpp's at the same batch size)."""
-    by = {(r["mode"], r["batch"]): r for r in rows if "batch" in r}
+    """One row per (mode, batch size): the medians over repeats of t_pp, t_tg and speed_tg,
+    with `vs_batch1` (S_TG over the same mode's at batch 1), `vs_autoregressive` (over
+    batched autoregressive's at the same batch size, with the same document handling) and,
+    for a shared document, `vs_own` (S_TG) and `vs_own_total` (the whole batch's time) over
+    the same mode holding it per sequence: each the median over repeats of that repeat's
+    ratio (the ratio of medians where the repeats do not pair up); `vs_llama_cpp` over
+    llama.cpp's at the same batch size."""
+    groups: dict[tuple, list[dict]] = {}
     out = []
     for r in rows:
         if "batch" not in r:
             out.append(r)
-            continue
-        s = dict(r, per_seq_ms=1000 * r["batch"] / r["speed_tg"] if r["speed_tg"] else None)
-        one = by.get((r["mode"], 1))
-        if one and one["speed_tg"]:
-            s["vs_batch1"] = r["speed_tg"] / one["speed_tg"]
-        peer = by.get(("llama.cpp", r["batch"]))
-        if peer and r["mode"] != "llama.cpp" and peer["speed_tg"]:
-            s["vs_llama_cpp"] = r["speed_tg"] / peer["speed_tg"]
-        own = by.get((r["mode"].removesuffix(" shared") + " own", r["batch"]))
-        if r["mode"].endswith(" shared") and own and own["speed_tg"]:
-            s["vs_own"] = r["speed_tg"] / own["speed_tg"]  # decode tokens/s
-            s["vs_own_total"] = (own["t_pp"] + own["t_tg"]) / (r["t_pp"] + r["t_tg"])  # the whole batch's time
+        else:
+            groups.setdefault((r["mode"], r["batch"]), []).append(r)
+    med = {k: _median_row(g) for k, g in groups.items()}
+    speed = lambda r: r["speed_tg"]
+    total = lambda r: 1.0 / (r["t_pp"] + r["t_tg"]) if r["t_pp"] + r["t_tg"] > 0 else 0.0
+    for (mode, b), g in groups.items():
+        s = med[(mode, b)]
+        s["per_seq_ms"] = 1000 * b / s["speed_tg"] if s["speed_tg"] else None
+        label = next((x for x in (" own", " shared") if mode.endswith(x)), "")
+        for key, other, f in (("vs_batch1", (mode, 1), speed),
+                              ("vs_autoregressive", ("autoregressive" + label, b), speed),
+                              ("vs_llama_cpp", ("llama.cpp", b), speed),
+                              ("vs_own", (mode.removesuffix(" shared") + " own", b), speed),
+                              ("vs_own_total", (mode.removesuffix(" shared") + " own", b), total)):
+            if other == (mode, b) or other not in groups or (mode == "llama.cpp" and key != "vs_batch1"):
+                continue
+            if key.startswith("vs_own") and not mode.endswith(" shared"):
+                continue
+            ratio = paired(g, groups[other], f)
+            if ratio is not None:
+                s[key] = ratio
         out.append(s)
     return out
+
+
+def _median_row(g: list[dict]) -> dict:
+    """The first repeat's row with the medians over repeats of its timings (and `repeats`)."""
+    s = dict(g[0], repeats=len(g))
+    for k in ("t_pp", "t_tg", "speed_tg", "seqs_per_forward", "rows_per_forward"):
+        if k in s:
+            s[k] = statistics.median(x[k] for x in g)
+    s["kept_prefill"] = all(x.get("kept_prefill") for x in g)
+    return s
+
+
+def paired(g: list[dict], base: list[dict], f) -> float | None:
+    """The median over repeats of f(g's row) / f(base's row) of the same repeat; the ratio of
+    the medians where the repeats do not pair up; None where base's is 0."""
+    a = {x.get("repeat", i): f(x) for i, x in enumerate(g)}
+    b = {x.get("repeat", i): f(x) for i, x in enumerate(base)}
+    if set(a) == set(b) and all(b.values()):
+        return statistics.median(a[r] / b[r] for r in a)
+    den = statistics.median(b.values())
+    return statistics.median(a.values()) / den if den else None
