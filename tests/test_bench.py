@@ -354,6 +354,8 @@ def test_bench_batch_repeats_pair_ratios_and_keep_prefills(tiny_model_dir, tmp_p
         assert tri["vs_autoregressive"] == pytest.approx(want)
         assert tri["speed_tg"] == pytest.approx(statistics.median(by[("triforce", b, k)]["speed_tg"] for k in (0, 1)))
         assert "vs_autoregressive" not in summary[("autoregressive", b)]
+    assert not summary[("autoregressive", 1)]["kept_prefill"]  # one of its two runs prefilled
+    assert summary[("triforce", 1)]["kept_prefill"]
     # the kept KV changes nothing: the same tokens as the runs that prefilled
     r = cli(*args[:-2], "--fresh-prefill", "--out", tmp_path / "b", "--json")
     assert r.returncode == 0, r.stderr
