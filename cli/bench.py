@@ -60,7 +60,8 @@ def bench(
                                        "request) or continue (essay text to continue)."),
     fresh_prefill: bool = typer.Option(False, "--fresh-prefill", help="Prefill the prompt in every run "
                                        "[default: once per context for our in-memory modes and "
-                                       "llama.cpp, each run decoding from that KV]."),
+                                       "llama.cpp, each run decoding from that KV; with --batch once "
+                                       "per prompt for our modes on the CPU]."),
     seed: int = typer.Option(0, help="Sampling seed."),
     lookup: int = typer.Option(10, help="Prompt-lookup draft length of transformers and llama.cpp."),
     threads: int = typer.Option(0, help="CPU threads of every contender (torch and llama.cpp) "
