@@ -46,7 +46,7 @@ def bench(
     gen: Annotated[GenerationOptions, pick("draft", "gamma1", "gamma2")],
     retrieval: Annotated[RetrievalOptions, pick("budget", "retrieval_chunk")],
     gguf: Optional[str] = typer.Option(None, help="GGUF for the llama.cpp rows "
-                                       "[default: --model if it is a .gguf, or the bundled one]"),
+                                       "\\[default: --model if it is a .gguf, or the bundled one]"),
     contexts: str = typer.Option("2048", help="Contexts (prompt + new tokens), e.g. 2048,4096,8192."),
     new_tokens: int = typer.Option(64, help="Tokens generated per run (end-of-sequence ignored)."),
     temperatures: str = typer.Option("0", help="Temperatures, e.g. 0,0.6,1.0 (0 is greedy)."),
@@ -55,17 +55,17 @@ def bench(
     modes: str = typer.Option(",".join(DEFAULT_MODES), help="Contenders to run (comma-separated)."),
     baseline: str = typer.Option("", help="Extra peer rows (comma-separated): "
                                  f"{', '.join(EXTRA_BASELINES)} (real DeepSpeed ZeRO-Inference; "
-                                 "needs CUDA and `pip install triforce-offload[deepspeed]`)."),
+                                 "needs CUDA and `pip install triforce-offload\\[deepspeed]`)."),
     builtin_prompt: str = typer.Option("summary", help="Built-in prompt: summary (essays + a summary "
                                        "request) or continue (essay text to continue)."),
     fresh_prefill: bool = typer.Option(False, "--fresh-prefill", help="Prefill the prompt in every run "
-                                       "[default: once per context for our in-memory modes and "
+                                       "\\[default: once per context for our in-memory modes and "
                                        "llama.cpp, each run decoding from that KV; with --batch once "
                                        "per prompt for our modes on the CPU]."),
     seed: int = typer.Option(0, help="Sampling seed."),
     lookup: int = typer.Option(10, help="Prompt-lookup draft length of transformers and llama.cpp."),
     threads: int = typer.Option(0, help="CPU threads of every contender (torch and llama.cpp) "
-                                "[default: torch's]."),
+                                "\\[default: torch's]."),
     out_dir: Path = typer.Option(Path("results"), "--out", help="Folder for bench.jsonl and PNGs."),
     plots: bool = typer.Option(True, "--plots/--no-plots", help="Write the PNG plots."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON object."),
@@ -74,7 +74,7 @@ def bench(
                               "of our modes (autoregressive, triforce, retrieval, draft among --modes) "
                               "against llama.cpp's batched decoding (llama-batched-bench)."),
     llama_batched_bench: Optional[str] = typer.Option(None, help="The llama-batched-bench binary for "
-                                                      "--batch [default: $LLAMA_CPP_BIN/, else PATH]."),
+                                                      "--batch \\[default: $LLAMA_CPP_BIN/, else PATH]."),
     check: bool = typer.Option(True, "--check/--no-check", help="With --batch: run each sequence again "
                                "alone and compare its tokens (the identity the batch guarantees; "
                                "doubles the time)."),

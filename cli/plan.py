@@ -44,14 +44,14 @@ def plan(
                               "or a HF model folder / config.json."),
     context: str = typer.Option("128k", help="Context in tokens: 131072, 128k, 1M (at most "
                                 "the model's, unless --rope-scaling stretches it)."),
-    gpu_mem: Optional[float] = typer.Option(None, help="GiB per GPU [default: the card's]."),
-    host_mem: Optional[float] = typer.Option(None, help="GiB of host RAM [default: 256]."),
+    gpu_mem: Optional[float] = typer.Option(None, help="GiB per GPU \\[default: the card's]."),
+    host_mem: Optional[float] = typer.Option(None, help="GiB of host RAM \\[default: 256]."),
     alpha0: float = typer.Option(0.6, help="Acceptance of L0 drafts by L1 (measured by bench)."),
     alpha1: float = typer.Option(0.9, help="Acceptance of L1 tokens by L2 at a 4K budget."),
     draft_model: bool = typer.Option(True, "--draft-model/--no-draft-model",
                                      help="Plan with a llama-68m L0 draft (else L1 drafts alone)."),
     model_path: Optional[str] = typer.Option(None, help="Model path for the printed command "
-                                             "[default: --model]."),
+                                             "\\[default: --model]."),
     draft_path: str = typer.Option("path/to/llama-68m", help="L0 draft model path for the "
                                    "printed command (same tokenizer as the target)."),
     batch: int = typer.Option(1, help="Sequences decoded together, each of --context tokens "

@@ -38,7 +38,7 @@ def run(
     reuse: Annotated[ReuseOptions, pick("kv_dir", "kv_dir_limit")],
     prompt: Optional[List[str]] = typer.Option(None, help="Prompt text ('-' reads stdin); repeat it for "
                                                "a batch, each prompt its own sequence "
-                                               "[default: ~4K tokens of essays + a summary request]"),
+                                               "\\[default: ~4K tokens of essays + a summary request]"),
     prompt_file: Optional[List[Path]] = typer.Option(None, help="Read the prompt from a file ('-' for "
                                                      "stdin); repeat it for a batch."),
     prompt_tokens: int = typer.Option(DEFAULT_PROMPT_TOKENS, help="Length of the built-in essay prompt."),
