@@ -34,9 +34,9 @@ import time
 
 from ..runtime import api
 from ..runtime.batch.runner import Batch
-from ..runtime.cache.prefix import ROOM, PrefixCache
 from ..runtime.data import SUMMARY_ASK, encode_prompt, essay_tokens, with_bos
 from ..runtime.errors import TriforceError
+from .runner import kept_store, paired
 
 
 def batch_prompts(tokenizer, n: int, tokens: int, shared: int = 0, kind: str = "continue") -> list[list[int]]:
@@ -112,16 +112,6 @@ def run_llama_cpp(binary: str, gguf: str, batch: list[int], prompt: int, new: in
 OURS = ("autoregressive", "triforce", "retrieval", "draft")  # the modes a batch runs
 
 
-def kept_store(loaded, sizes: list[int], context: int):
-    """The PrefixCache a batch bench's runs take their prompts' KV from (room for twice the
-    largest batch's full caches: the kept ones and those the runs hold), or None where runs
-    prefill on their own: not on the CPU, or a caller's own store."""
-    from .runner import kv_bytes
-    if loaded.device.type != "cpu" or loaded.prefix is not None:
-        return None
-    return PrefixCache(2 * max(sizes) * kv_bytes(loaded, context + 2 * ROOM))
-
-
 def run_batch_bench(loaded, sizes: list[int], context: int, new: int, modes: list[str], spec: dict,
                     threads: int, gguf: str | None, binary: str | None, check: bool = True,
                     progress=None, on_row=None, shared: int = 0, kind: str = "continue",
@@ -141,22 +131,9 @@ def run_batch_bench(loaded, sizes: list[int], context: int, new: int, modes: lis
     prompts = batch_prompts(loaded.tokenizer, max(sizes), prompt, shared, kind)
     ways = [(" own", False), (" shared", True)] if shared else [("", False)]
     rows, steps = [], len(sizes) * (repeats * len(ours) * len(ways) + peer)
-    store = kept_store(loaded, sizes, context) if reuse and not shared and ours else None
+    store = kept_store(loaded, context, max(sizes)) if reuse and not shared and ours else None
     prev = loaded.prefix
     loaded.prefix = store if store is not None else prev
-    try:
-        _batch_runs(loaded, sizes, prompts, new, ours, ways, spec, check, repeats, exe, gguf, threads,
-                    peer, rows, steps, progress, on_row)
-    finally:
-        loaded.prefix = prev
-        if store is not None:
-            store.clear()
-    return rows
-
-
-def _batch_runs(loaded, sizes, prompts, new, ours, ways, spec, check, repeats, exe, gguf, threads,
-                peer, rows, steps, progress, on_row):
-    prompt = len(prompts[0])
 
     def emit(row):
         rows.append(row)
@@ -165,34 +142,33 @@ def _batch_runs(loaded, sizes, prompts, new, ours, ways, spec, check, repeats, e
     if peer and exe is None:
         emit({"mode": "llama.cpp", "skipped": "no llama-batched-bench (give --llama-batched-bench PATH or "
               "set LLAMA_CPP_BIN; docs/benchmarks.md says how to build it)"})
-    for rep in range(repeats):
-        for b in sizes:
-            _ours_at(loaded, b, prompts, new, ours, ways, spec, check and rep == 0, rep, emit, progress,
-                     len(rows), steps)
-        for b in sizes if exe and rep == 0 else ():
-            if progress:
-                progress(len(rows), steps, f"llama.cpp x{b}")
-            r = run_llama_cpp(exe, gguf, [b], prompt, new, threads)[b]
-            emit({"mode": "llama.cpp", "batch": b, "prompt_tokens": prompt, "new_tokens": new,
-                  "t_pp": r["t_pp"], "t_tg": r["t_tg"], "tg_tokens": b * new, "speed_tg": r["speed_tg"],
-                  "flash_attn": r.get("flash_attn"), "repeat": 0})
-
-
-def _ours_at(loaded, b, prompts, new, ours, ways, spec, check, rep, emit, progress, n, steps):
-    """Each of our modes over the first b prompts (`run_batch_bench`'s loop body)."""
-    for m in ours:
-        solo = None
-        for label, share in ways:
-            if progress:
-                progress(n, steps, f"{m}{label} x{b}" + (f" (repeat {rep + 1})" if rep else ""))
-            opts = api.RunOptions.of(mode=m, max_new_tokens=new, ignore_eos=True, **spec)
-            r = run_ours(loaded, prompts[:b], opts, share)
-            if check and solo is None:
-                solo = [api.generate(loaded, p, opts)[0] for p in prompts[:b]]
-            emit({"mode": m + label, "batch": b, "prompt_tokens": len(prompts[0]), "new_tokens": new,
-                  **{k: v for k, v in r.items() if k != "tokens"}, "repeat": rep,
-                  "same_as_solo": r["tokens"] == solo if check else None})
-            n += 1
+    try:
+        for rep in range(repeats):
+            for b in sizes:
+                for m in ours:
+                    solo = None
+                    for label, share in ways:
+                        if progress:
+                            progress(len(rows), steps, f"{m}{label} x{b}" + (f" (repeat {rep + 1})" if rep else ""))
+                        opts = api.RunOptions.of(mode=m, max_new_tokens=new, ignore_eos=True, **spec)
+                        r = run_ours(loaded, prompts[:b], opts, share)
+                        if check and rep == 0 and solo is None:
+                            solo = [api.generate(loaded, p, opts)[0] for p in prompts[:b]]
+                        emit({"mode": m + label, "batch": b, "prompt_tokens": prompt, "new_tokens": new,
+                              **{k: v for k, v in r.items() if k != "tokens"}, "repeat": rep,
+                              "same_as_solo": r["tokens"] == solo if solo is not None else None})
+            for b in sizes if exe and rep == 0 else ():
+                if progress:
+                    progress(len(rows), steps, f"llama.cpp x{b}")
+                r = run_llama_cpp(exe, gguf, [b], prompt, new, threads)[b]
+                emit({"mode": "llama.cpp", "batch": b, "prompt_tokens": prompt, "new_tokens": new,
+                      "t_pp": r["t_pp"], "t_tg": r["t_tg"], "tg_tokens": b * new, "speed_tg": r["speed_tg"],
+                      "flash_attn": r.get("flash_attn"), "repeat": 0})
+    finally:
+        loaded.prefix = prev
+        if store is not None:
+            store.clear()
+    return rows
 
 
 def summarize_batch(rows: list[dict]) -> list[dict]:
@@ -210,11 +186,10 @@ def summarize_batch(rows: list[dict]) -> list[dict]:
             out.append(r)
         else:
             groups.setdefault((r["mode"], r["batch"]), []).append(r)
-    med = {k: _median_row(g) for k, g in groups.items()}
     speed = lambda r: r["speed_tg"]
     total = lambda r: 1.0 / (r["t_pp"] + r["t_tg"]) if r["t_pp"] + r["t_tg"] > 0 else 0.0
     for (mode, b), g in groups.items():
-        s = med[(mode, b)]
+        s = _median_row(g)
         s["per_seq_ms"] = 1000 * b / s["speed_tg"] if s["speed_tg"] else None
         label = next((x for x in (" own", " shared") if mode.endswith(x)), "")
         for key, other, f in (("vs_batch1", (mode, 1), speed),
@@ -242,14 +217,3 @@ def _median_row(g: list[dict]) -> dict:
     # most repeats took kept KV: the median T_PP is one of theirs (a prefill's is far longer)
     s["kept_prefill"] = 2 * sum(bool(x.get("kept_prefill")) for x in g) > len(g)
     return s
-
-
-def paired(g: list[dict], base: list[dict], f) -> float | None:
-    """The median over repeats of f(g's row) / f(base's row) of the same repeat; the ratio of
-    the medians where the repeats do not pair up; None where base's is 0."""
-    a = {x.get("repeat", i): f(x) for i, x in enumerate(g)}
-    b = {x.get("repeat", i): f(x) for i, x in enumerate(base)}
-    if set(a) == set(b) and all(b.values()):
-        return statistics.median(a[r] / b[r] for r in a)
-    den = statistics.median(b.values())
-    return statistics.median(a.values()) / den if den else None

@@ -147,8 +147,7 @@ class Bench:
                 or self.loaded.device.type != "cpu"):
             return None
         if self.store is None:
-            room = max(self.o.contexts) + 2 * ROOM  # capacities round up to ROOM tokens
-            self.store = PrefixCache(2 * kv_bytes(self.loaded, room))
+            self.store = kept_store(self.loaded, max(self.o.contexts))
         return self.store
 
     def close(self):
@@ -368,14 +367,30 @@ def summarize(rows: list[dict]) -> list[dict]:
 def paired_ratio(base: list[dict] | None, g: list[dict]) -> float | None:
     """The median over repeats of base's ms/token over g's in the same repeat (None without
     a base; the ratio of medians where the repeats do not pair up)."""
-    if not base:
+    return paired(base, g, lambda x: x["ms_per_token"]) if base else None
+
+
+def paired(num: list[dict], den: list[dict], f) -> float | None:
+    """The median over repeats (a row's `repeat`, else its place) of f(num's row) / f(den's
+    row) of the same repeat; the ratio of the medians where the repeats do not pair up;
+    None where den's median is 0."""
+    a = {x.get("repeat", i): f(x) for i, x in enumerate(num)}
+    b = {x.get("repeat", i): f(x) for i, x in enumerate(den)}
+    if set(a) == set(b) and all(b.values()):
+        return statistics.median(a[r] / b[r] for r in a)
+    top = statistics.median(b.values())
+    return statistics.median(a.values()) / top if top else None
+
+
+def kept_store(loaded, context: int, sequences: int = 1) -> PrefixCache | None:
+    """The PrefixCache our in-memory runs take their prompts' KV from (room for twice the
+    full caches of `sequences` prompts of `context` tokens: the kept ones and those the runs
+    hold; capacities round up to ROOM tokens), or None where runs prefill on their own: not
+    on the CPU (on a GPU the kept KV would hold memory the other contenders need), or a
+    caller's own store."""
+    if loaded.device.type != "cpu" or loaded.prefix is not None:
         return None
-    ms = lambda rows: {x.get("repeat", i): x["ms_per_token"] for i, x in enumerate(rows)}
-    b, m = ms(base), ms(g)
-    if set(b) == set(m) and all(m.values()):
-        return statistics.median(b[r] / m[r] for r in b)
-    top = statistics.median(m.values())
-    return statistics.median(b.values()) / top if top else None
+    return PrefixCache(2 * sequences * kv_bytes(loaded, context + 2 * ROOM))
 
 
 def _mean_acceptance(g: list[dict]) -> dict:
